@@ -1,0 +1,21 @@
+# The two entry points of the README. Each sets up .venv first (scripts/setup.sh, idempotent).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test lint bench-cpu
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/fastalign demo
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
+	$(PY) -m pytest
+
+bench-cpu: setup
+	$(PY) benchmarks/kernels/bench_linear_cross_entropy.py --preset cpu

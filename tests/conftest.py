@@ -1,0 +1,33 @@
+"""Test set-up: Triton kernels run under the interpreter on CPU when no CUDA device is present.
+
+TRITON_INTERPRET must be in the environment before any module defining a ``@triton.jit`` kernel is
+imported, so it is set here, before fastalign is imported by any test module.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+#: Device the kernel tests run on: CUDA where present, else CPU (Triton under the interpreter).
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
