@@ -3,8 +3,9 @@
 ``logits = hidden @ weight.T + bias`` is never materialised for all tokens: the tokens are walked in
 chunks of C rows, each chunk's [C, V] logits are built, reduced to per-token statistics (and, when a
 gradient is due, overwritten in place by the gradient w.r.t. those logits), and dropped. Extra memory:
-one logits chunk (``chunk_size``, by default ~64 MiB of logits) plus an fp32 weight-gradient accumulator
-when the weight is in a low-precision dtype (the gradient is summed over chunks in fp32, never in bf16).
+one logits chunk (``chunk_size``; by default 32 MiB of logits on CPU, 64 MiB on CUDA) plus an fp32
+weight-gradient accumulator when the weight is in a low-precision dtype (the gradient is summed over
+chunks in fp32, never in bf16).
 
 Two autograd paths share the chunk loop ``_sweep``:
 
@@ -36,8 +37,11 @@ from fastalign.ops.softmax_rows import GradCoefficients, SoftmaxRowStats
 Reduction = Literal["mean", "sum", "none"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 
-#: Default size of one chunk of logits, in bytes of the logits' dtype.
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: Default size of one chunk of logits, in bytes of the logits' dtype. CPU: 32 MiB keeps the PyTorch
+#: path near the matmul floor (benchmarks/RESULTS.md). CUDA: the 64 MiB memory target; larger chunks
+#: cut the fp32 weight-gradient read-modify-write per chunk, so pass ``chunk_size`` to trade memory
+#: for speed.
+DEFAULT_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": 64 * 2**20}
 
 
 class LinearCrossEntropyStats(NamedTuple):
@@ -62,19 +66,23 @@ class _Spec:
     inv_temperature: float
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    with_entropy: bool = False  # per-token entropy wanted (costs the PyTorch path one more buffer)
 
 
 # --------------------------------------------------------------------------------------------------
 # Row operations: one dispatch point per backend.
 
 
-def _row_stats(logits: torch.Tensor, targets: torch.Tensor, spec: _Spec) -> SoftmaxRowStats:
+def _row_stats(
+    logits: torch.Tensor, targets: torch.Tensor, spec: _Spec
+) -> tuple[SoftmaxRowStats, torch.Tensor | None]:
+    """Row statistics, and the PyTorch path's exp buffer for ``_row_grad_`` (None for Triton)."""
     kwargs = dict(ignore_index=spec.ignore_index, softcap=spec.softcap, inv_temperature=spec.inv_temperature)
     if spec.backend == "torch":
-        return softmax_rows.softmax_row_stats(logits, targets, **kwargs)
+        return softmax_rows.softmax_row_stats(logits, targets, with_entropy=spec.with_entropy, **kwargs)
     from fastalign.kernels import linear_cross_entropy as kernels
 
-    return SoftmaxRowStats(*kernels.softmax_row_stats(logits, targets, **kwargs))
+    return SoftmaxRowStats(*kernels.softmax_row_stats(logits, targets, **kwargs)), None
 
 
 def _row_grad_(
@@ -83,7 +91,9 @@ def _row_grad_(
     stats: SoftmaxRowStats,
     coefs: GradCoefficients,
     spec: _Spec,
+    workspace: torch.Tensor | None,
 ) -> torch.Tensor:
+    """Gradient w.r.t. the chunk's raw logits, in their dtype (may reuse ``logits``' storage)."""
     if spec.backend == "torch":
         return softmax_rows.softmax_row_grad_(
             logits,
@@ -93,6 +103,7 @@ def _row_grad_(
             ignore_index=spec.ignore_index,
             softcap=spec.softcap,
             inv_temperature=spec.inv_temperature,
+            exp=workspace,
         )
     from fastalign.kernels import linear_cross_entropy as kernels
 
@@ -201,13 +212,14 @@ def _sweep(
         hidden_chunk, targets_chunk = hidden[rows], targets[rows]
         logits = F.linear(hidden_chunk, weight, bias)
         if saved is None:
-            stats = _row_stats(logits, targets_chunk, spec)
+            stats, workspace = _row_stats(logits, targets_chunk, spec)
             for dst, src in zip(all_stats[:, rows], stats, strict=True):
                 dst.copy_(src)
         else:
-            stats = SoftmaxRowStats(*saved[:, rows])
+            stats, workspace = SoftmaxRowStats(*saved[:, rows]), None
         if grads is not None:
-            grad_logits = _row_grad_(logits, targets_chunk, stats, coefficients(rows, stats), spec)
+            coefs = coefficients(rows, stats)
+            grad_logits = _row_grad_(logits, targets_chunk, stats, coefs, spec, workspace)
             grads.add_chunk(rows, grad_logits, hidden_chunk, weight)
     return all_stats, (grads.finish(weight, bias) if grads is not None else (None, None, None))
 
@@ -221,6 +233,13 @@ def _token_loss(stats: SoftmaxRowStats, valid: torch.Tensor, spec: _Spec, vocab:
     if spec.z_loss:
         loss = loss + spec.z_loss * lse * lse
     return loss * valid
+
+
+def _entropy(stats: SoftmaxRowStats, valid: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """Per-token entropy lse − Σ p·z, 0 where ignored (all 0 unless ``spec.with_entropy``)."""
+    if not spec.with_entropy:
+        return torch.zeros_like(stats.lse)
+    return torch.where(valid, stats.lse - stats.mean_pz, 0.0)
 
 
 def _loss_coefficients(
@@ -283,7 +302,7 @@ class _TokenwiseFunction(torch.autograd.Function):
         fields = SoftmaxRowStats(*stats)
         valid = targets != spec.ignore_index
         token_loss = _token_loss(fields, valid, spec, weight.shape[0])
-        entropy = (fields.lse - fields.mean_pz) * valid
+        entropy = _entropy(fields, valid, spec)
         ctx.save_for_backward(hidden, weight, bias, targets, stats)
         ctx.spec = spec
         ctx.mark_non_differentiable(stats)
@@ -297,7 +316,10 @@ class _TokenwiseFunction(torch.autograd.Function):
         loss_grad = (
             grad_token_loss.float() * valid if grad_token_loss is not None else torch.zeros_like(stats[0])
         )
-        entropy_grad = grad_entropy.float() * valid if grad_entropy is not None else None
+        # Without with_entropy the entropy output is a constant 0 and its gradient is ignored.
+        entropy_grad = (
+            grad_entropy.float() * valid if spec.with_entropy and grad_entropy is not None else None
+        )
 
         def coefficients(rows: slice, row_stats: SoftmaxRowStats) -> GradCoefficients:
             return _loss_coefficients(
@@ -387,6 +409,7 @@ def _make_spec(
     temperature: float,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    with_entropy: bool = False,
 ) -> _Spec:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -400,29 +423,31 @@ def _make_spec(
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     return _Spec(
         backend=resolve_backend(backend, hidden),
-        chunk_size=chunk_size or default_chunk_size(weight.shape[0], weight.dtype),
+        chunk_size=chunk_size or default_chunk_size(weight.shape[0], weight.dtype, weight.device),
         ignore_index=ignore_index,
         softcap=float(softcap) if softcap is not None else None,
         inv_temperature=1.0 / float(temperature),
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
+        with_entropy=with_entropy,
     )
 
 
-def default_chunk_size(vocab_size: int, dtype: torch.dtype, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Tokens per chunk so that one chunk of logits takes at most ``chunk_bytes``."""
-    rows = max(1, chunk_bytes // (vocab_size * dtype.itemsize))
+def default_chunk_size(vocab_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens per chunk so that one chunk of logits takes at most ``DEFAULT_CHUNK_BYTES[device]``."""
+    budget = DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
+    rows = max(1, budget // (vocab_size * dtype.itemsize))
     return rows - rows % 16 if rows >= 16 else rows  # tensor-core friendly multiples of 16
 
 
 def _stats_for_user(
-    stats: torch.Tensor, targets: torch.Tensor, ignore_index: int, shape
+    stats: torch.Tensor, targets: torch.Tensor, spec: _Spec, shape
 ) -> LinearCrossEntropyStats:
     fields = SoftmaxRowStats(*stats)
-    valid = targets != ignore_index
+    valid = targets != spec.ignore_index
     return LinearCrossEntropyStats(
         lse=(fields.lse * valid).view(shape),
-        entropy=((fields.lse - fields.mean_pz) * valid).view(shape),
+        entropy=_entropy(fields, valid, spec).view(shape),
         accuracy=((fields.target_logit >= fields.max_logit) & valid).view(shape),
     )
 
@@ -458,7 +483,8 @@ def linear_cross_entropy(
         num_items_in_batch: divisor of the 'mean' instead of this call's token count: the loss-token
             count of the whole accumulated batch, so gradient accumulation is exact (as in transformers).
         return_stats: also return detached per-token ``LinearCrossEntropyStats`` (lse, entropy, accuracy).
-        chunk_size: tokens per logits chunk (default: ~64 MiB of logits); larger is faster, costs memory.
+        chunk_size: tokens per logits chunk (default: ``DEFAULT_CHUNK_BYTES`` of logits); larger chunks
+            are faster and cost memory.
         backend: 'auto' (Triton on CUDA, PyTorch elsewhere), 'triton' or 'torch'.
 
     Returns:
@@ -480,6 +506,7 @@ def linear_cross_entropy(
         temperature=temperature,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
+        with_entropy=return_stats,
     )
 
     if reduction == "none":
@@ -496,7 +523,7 @@ def linear_cross_entropy(
         )
         loss, stats = _ScalarLossFunction.apply(flat_hidden, weight, bias, flat_targets, spec, scale, needs)
     if return_stats:
-        return loss, _stats_for_user(stats, flat_targets, ignore_index, targets.shape)
+        return loss, _stats_for_user(stats, flat_targets, spec, targets.shape)
     return loss
 
 
@@ -544,6 +571,7 @@ def token_logprobs(
         ignore_index=ignore_index,
         softcap=softcap,
         temperature=temperature,
+        with_entropy=return_entropy,
     )
     nll, entropy, _ = _TokenwiseFunction.apply(flat_hidden, weight, bias, flat_targets, spec)
     logprobs = (-nll).view(targets.shape)

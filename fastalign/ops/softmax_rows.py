@@ -3,6 +3,9 @@
 Both backends of ``linear_cross_entropy`` share one chunk loop (``fastalign.ops.linear_cross_entropy``);
 only these two row operations differ. This file is also the readable statement of their math; the
 derivation is in ``fastalign/kernels/linear_cross_entropy.py``.
+
+To stay within one [C, V] buffer per chunk, ``softmax_row_stats`` may overwrite the logits with
+``exp(z − max z)`` and hands that buffer on; ``softmax_row_grad_`` turns it into the gradient in place.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ class SoftmaxRowStats(NamedTuple):
     lse: torch.Tensor  # log Σ_j exp z_j
     target_logit: torch.Tensor  # z_t, 0 where the target is ignored
     sum_logits: torch.Tensor  # Σ_j z_j (label smoothing)
-    mean_pz: torch.Tensor  # Σ_j p_j z_j (entropy = lse − mean_pz)
+    mean_pz: torch.Tensor  # Σ_j p_j z_j (entropy = lse − mean_pz); NaN when not requested (PyTorch path)
     max_logit: torch.Tensor  # max_j z_j (token accuracy)
 
 
@@ -35,15 +38,25 @@ class GradCoefficients(NamedTuple):
     entropy: torch.Tensor | None
 
 
-def _transform(logits: torch.Tensor, softcap: float | None, inv_temperature: float):
-    """fp32 ``z = softcap·tanh(x/softcap)/T`` and ``dz/dx`` (a float when it is constant)."""
+def _transform(logits: torch.Tensor, softcap: float | None, inv_temperature: float) -> torch.Tensor:
+    """fp32 ``z = softcap·tanh(x/softcap)/T``: ``logits`` itself when it is fp32 and untransformed."""
     z = logits.float()
-    if softcap is None:
-        if inv_temperature != 1.0:
-            z = z * inv_temperature
-        return z, inv_temperature
-    tanh = torch.tanh(z / softcap)
-    return tanh * (softcap * inv_temperature), (1.0 - tanh * tanh).mul_(inv_temperature)
+    if softcap is not None:
+        return torch.tanh(z / softcap).mul_(softcap * inv_temperature)
+    if inv_temperature != 1.0:
+        return z * inv_temperature
+    return z
+
+
+def _chain_(
+    grad_z: torch.Tensor, logits: torch.Tensor, softcap: float | None, inv_temperature: float
+) -> None:
+    """``grad_z *= dz/dx`` in place; ``logits`` holds the raw x whenever a softcap is set."""
+    if softcap is not None:
+        tanh = torch.tanh(logits.float() / softcap)
+        grad_z.mul_(tanh.mul_(tanh).neg_().add_(1.0).mul_(inv_temperature))
+    elif inv_temperature != 1.0:
+        grad_z.mul_(inv_temperature)
 
 
 def softmax_row_stats(
@@ -53,25 +66,35 @@ def softmax_row_stats(
     ignore_index: int,
     softcap: float | None,
     inv_temperature: float,
-) -> SoftmaxRowStats:
-    """Statistics of ``logits`` [C, V] (any float dtype) with ``targets`` [C]."""
-    z, _ = _transform(logits, softcap, inv_temperature)
-    max_logit = z.amax(dim=-1)
-    exp = (z - max_logit[:, None]).exp_()
-    exp_sum = exp.sum(dim=-1)
-    # Σ_j exp_j z_j as a batched dot product: no [C, V] temporary.
-    exp_z_sum = torch.bmm(exp.unsqueeze(1), z.unsqueeze(2)).view(-1)
-    del exp
+    with_entropy: bool,
+) -> tuple[SoftmaxRowStats, torch.Tensor]:
+    """Statistics of ``logits`` [C, V] (any float dtype) with ``targets`` [C].
+
+    Also returns ``exp(z − max z)`` [C, V] fp32, written over ``logits`` when those are fp32 with no
+    transform (the caller must then not read ``logits`` again). ``with_entropy`` computes ``mean_pz``,
+    which costs one more [C, V] buffer.
+    """
+    z = _transform(logits, softcap, inv_temperature)
     is_target = targets != ignore_index
     safe_targets = torch.where(is_target, targets, 0)
     target_logit = z.gather(1, safe_targets[:, None]).squeeze(1) * is_target
-    return SoftmaxRowStats(
+    sum_logits = z.sum(dim=-1)
+    max_logit = z.amax(dim=-1)
+    exp = (z.clone() if with_entropy else z).sub_(max_logit[:, None]).exp_()
+    exp_sum = exp.sum(dim=-1)
+    if with_entropy:
+        # Σ_j exp_j z_j as a batched dot product: no [C, V] temporary.
+        mean_pz = torch.bmm(exp.unsqueeze(1), z.unsqueeze(2)).view(-1) / exp_sum
+    else:
+        mean_pz = torch.full_like(exp_sum, float("nan"))
+    stats = SoftmaxRowStats(
         lse=max_logit + exp_sum.log(),
         target_logit=target_logit,
-        sum_logits=z.sum(dim=-1),
-        mean_pz=exp_z_sum / exp_sum,
+        sum_logits=sum_logits,
+        mean_pz=mean_pz,
         max_logit=max_logit,
     )
+    return stats, exp
 
 
 def softmax_row_grad_(
@@ -83,13 +106,18 @@ def softmax_row_grad_(
     ignore_index: int,
     softcap: float | None,
     inv_temperature: float,
+    exp: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Overwrite ``logits`` [C, V] with ∂(Σ_i output_i)/∂logits and return it."""
-    z, dz_dx = _transform(logits, softcap, inv_temperature)
-    # Build the gradient in z's storage (for fp32 logits with no transform, z *is* logits) unless the
-    # entropy term still needs z.
-    grad = z if coefs.entropy is None else z.clone()
-    grad.sub_(stats.lse[:, None]).exp_()  # p
+    """∂(Σ_i output_i)/∂logits [C, V] in ``logits``' dtype, built in place of ``exp`` (the buffer from
+    ``softmax_row_stats``) or, without it, of ``logits``."""
+    z = None
+    if exp is None or coefs.entropy is not None:
+        if exp is not None and exp.data_ptr() == logits.data_ptr():
+            raise ValueError("the entropy gradient needs the logits, which softmax_row_stats overwrote")
+        z = _transform(logits, softcap, inv_temperature)
+    if exp is None:
+        exp = (z.clone() if coefs.entropy is not None else z).sub_(stats.max_logit[:, None]).exp_()
+    grad = exp.mul_(torch.exp(stats.max_logit - stats.lse)[:, None])  # p = softmax(z)
     if coefs.entropy is None:
         grad.mul_(coefs.p[:, None])
     else:
@@ -99,7 +127,7 @@ def softmax_row_grad_(
     # Ignored rows have a zero target coefficient, so any in-range column may stand in for them.
     safe_targets = torch.where(targets != ignore_index, targets, 0)
     grad.scatter_add_(1, safe_targets[:, None], coefs.target[:, None])
-    grad.mul_(dz_dx)
-    if grad is not logits:
-        logits.copy_(grad)
-    return logits
+    _chain_(grad, logits, softcap, inv_temperature)
+    if grad.dtype != logits.dtype:
+        return logits.copy_(grad)
+    return grad

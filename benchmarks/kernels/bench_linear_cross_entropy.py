@@ -1,0 +1,254 @@
+"""Speed and memory of linear cross-entropy (hidden [N, D] · weight [V, D] → mean CE) per provider.
+
+    python benchmarks/kernels/bench_linear_cross_entropy.py --preset cpu      # the CPU figure of the issue
+    python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu      # V x N x D sweep, bf16
+    python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu-quick
+
+Each row: median time of the forward (gradients enabled, as in training) and of forward+backward, the
+relative spread of the repeats, the peak memory above the inputs, and the floor: 6·N·V·D FLOPs at the
+matmul throughput measured on the same device at the start of the run (an [N, D] @ [D, V] product in
+the benchmark's dtype). A provider that is not installed or does not run on the device is skipped and
+the reason recorded. CPU rows each run in a fresh process so that peak resident memory is their own.
+Writes one JSON file per run under benchmarks/results/; ``benchmarks/report.py`` renders RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import common
+from fastalign import linear_cross_entropy
+
+KERNEL = "linear_cross_entropy"
+
+PRESETS = {
+    # The issue's CPU reference point: N=4096, D=256, V=32000, fp32 on a 2-core machine.
+    "cpu": {"dtype": "float32", "shapes": [(4096, 256, 32000)], "repeats": 5},
+    "gpu-quick": {"dtype": "bfloat16", "shapes": [(4096, 4096, 128256), (16384, 4096, 128256)], "repeats": 0},
+    "gpu": {
+        "dtype": "bfloat16",
+        "shapes": [
+            (n, d, v)
+            for v in (32000, 128256, 151936)
+            for d in (2048, 4096)
+            for n in (2048, 4096, 8192, 16384, 32768)
+        ],
+        "repeats": 0,
+    },
+}
+
+Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _eager(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float(), t)
+
+
+def low_memory_chunk_size(n: int, d: int, v: int) -> int:
+    """Rows whose [rows, V] logits take about half the memory of the [N, D] input: the rule of
+    PyTorch's chunked op (``aspect_ratio:2``), to compare the two at equal memory."""
+    rows = -(-n // -(-v // d))
+    return max(1, (1 << (rows - 1).bit_length()) // 2)
+
+
+def _fastalign_low_memory(h, w, t):
+    n, d = h.shape
+    return linear_cross_entropy(h, w, t, chunk_size=low_memory_chunk_size(n, d, w.shape[0]))
+
+
+def _torch_chunked(h, w, t):
+    return F.linear_cross_entropy(h, w, t, options=torch.nn.LinearCrossEntropyOptions())
+
+
+def _liger() -> Loss:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss()
+    return lambda h, w, t: loss(w, h, t)
+
+
+def _cce() -> Loss:
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    return lambda h, w, t: cce(h, w, t)
+
+
+def provider_table(device: torch.device) -> dict[str, tuple[Callable[[], Loss] | None, str]]:
+    """name → (factory, reason it cannot run here: '' when it can)."""
+    cuda_only = "" if device.type == "cuda" else "needs CUDA"
+
+    def installed(module: str) -> str:
+        return "" if importlib.util.find_spec(module) else f"{module} not installed"
+
+    return {
+        "fastalign-triton": (
+            lambda: lambda h, w, t: linear_cross_entropy(h, w, t, backend="triton"),
+            cuda_only,
+        ),
+        "fastalign-torch": (lambda: lambda h, w, t: linear_cross_entropy(h, w, t, backend="torch"), ""),
+        "fastalign-lowmem": (lambda: _fastalign_low_memory, ""),
+        "torch-eager": (lambda: _eager, ""),
+        "torch-compile": (lambda: torch.compile(_eager), ""),
+        "torch-chunked": (
+            lambda: _torch_chunked,
+            ""
+            if hasattr(F, "linear_cross_entropy")
+            else f"torch {torch.__version__} has no F.linear_cross_entropy",
+        ),
+        "liger-kernel": (_liger, cuda_only or installed("liger_kernel")),
+        "cut-cross-entropy": (_cce, cuda_only or installed("cut_cross_entropy")),
+    }
+
+
+def measure(
+    provider: str,
+    n: int,
+    d: int,
+    v: int,
+    dtype: str,
+    device: torch.device,
+    repeats: int,
+    parts=("time", "memory"),
+) -> dict:
+    """One row (or the ``parts`` of it): fwd and fwd+bwd time and spread, peak extra memory of fwd+bwd."""
+    factory, reason = provider_table(device)[provider]
+    if reason:
+        raise RuntimeError(reason)
+    loss_fn = factory()
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    hidden = torch.randn(n, d, device=device, dtype=dt, requires_grad=True)
+    weight = (torch.randn(v, d, device=device) / d**0.5).to(dt).requires_grad_()
+    targets = torch.randint(0, v, (n,), device=device)
+    targets[::7] = -100
+
+    def forward():
+        return loss_fn(hidden, weight, targets)
+
+    def forward_backward():
+        hidden.grad = weight.grad = None
+        forward().backward()
+
+    forward_backward()  # warm-up (compiles, autotunes, caches)
+    row = {"provider": provider, "N": n, "D": d, "V": v, "dtype": dtype}
+    if "memory" in parts:
+        row["peak_extra_mib"] = round(common.peak_extra_bytes(forward_backward, device) / 2**20, 1)
+    if "time" in parts:
+        fwd_ms, fwd_spread = common.time_ms(forward, device, repeats)
+        fwd_bwd_ms, fwd_bwd_spread = common.time_ms(forward_backward, device, repeats)
+        row |= {
+            "fwd_ms": round(fwd_ms, 3),
+            "fwd_spread": round(fwd_spread, 3),
+            "fwd_bwd_ms": round(fwd_bwd_ms, 3),
+            "fwd_bwd_spread": round(fwd_bwd_spread, 3),
+        }
+    return row
+
+
+def _measure_in_subprocesses(provider, n, d, v, dtype, repeats) -> dict:
+    """Time in one fresh process; memory in another where glibc returns every block of 64 KiB or more
+    to the system on free, so that the peak resident set follows the live allocations (by default
+    freed blocks up to 32 MiB stay resident and a second run reuses them unseen)."""
+    row = {}
+    for part, extra_env in (("time", {}), ("memory", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
+        spec = json.dumps(
+            {"provider": provider, "shape": [n, d, v], "dtype": dtype, "repeats": repeats, "part": part}
+        )
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", spec],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env=os.environ | extra_env,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "worker failed"
+            )
+        row |= json.loads(proc.stdout.strip().splitlines()[-1])
+    return row
+
+
+def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = PRESETS[preset]
+    dtype = config["dtype"]
+    table = provider_table(device)
+    names = providers or list(table)
+    unknown = set(names) - set(table)
+    if unknown:
+        raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(table)}")
+    skipped = {name: table[name][1] for name in names if table[name][1]}
+    rows = []
+    peaks = {}
+    for n, d, v in config["shapes"]:
+        if (n, d, v) not in peaks:
+            tflops = common.matmul_tflops(device, getattr(torch, dtype), n, v, d)
+            peaks[(n, d, v)] = tflops
+        floor_ms = 6 * n * v * d / (peaks[(n, d, v)] * 1e12) * 1e3
+        for name in names:
+            if name in skipped:
+                continue
+            try:
+                if device.type == "cpu":
+                    row = _measure_in_subprocesses(name, n, d, v, dtype, config["repeats"])
+                else:
+                    row = measure(name, n, d, v, dtype, device, config["repeats"])
+            except (RuntimeError, torch.OutOfMemoryError, subprocess.TimeoutExpired) as error:
+                skipped[f"{name} N={n} D={d} V={v}"] = str(error)[:300]
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            row["matmul_tflops"] = round(peaks[(n, d, v)], 2)
+            row["floor_ms"] = round(floor_ms, 3)
+            row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {
+        "suite": "kernels",
+        "kernel": KERNEL,
+        "preset": preset,
+        "floor": "6*N*V*D FLOPs at the measured [N,D]@[D,V] matmul throughput",
+        "env": common.environment(device),
+        "rows": rows,
+        "skipped": skipped,
+    }
+    path = common.write_result(result, out_dir)
+    print(f"wrote {path}")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--providers", nargs="*", help="subset of providers (default: all)")
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        spec = json.loads(args.worker)
+        n, d, v = spec["shape"]
+        device = torch.device("cpu")
+        row = measure(spec["provider"], n, d, v, spec["dtype"], device, spec["repeats"], (spec["part"],))
+        print(json.dumps(row))
+        return
+    run(args.preset, args.providers, args.out)
+
+
+if __name__ == "__main__":
+    main()
