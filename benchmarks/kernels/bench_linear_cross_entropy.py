@@ -5,9 +5,10 @@
     python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu-quick
 
 Each row: median time of the forward (gradients enabled, as in training) and of forward+backward, the
-relative spread of the repeats, the peak memory above the inputs, and the floor: 6·N·V·D FLOPs at the
-matmul throughput measured on the same device at the start of the run (an [N, D] @ [D, V] product in
-the benchmark's dtype). A provider that is not installed or does not run on the device is skipped and
+relative spread of the repeats, the workspace (peak memory above the inputs and their gradients, which
+the warm-up step leaves allocated), and the floor: 6·N·V·D FLOPs at the
+matmul ceiling measured on the same device at the start of the run (``common.matmul_tflops``). A
+provider that is not installed or does not run on the device is skipped and
 the reason recorded. CPU rows each run in a fresh process so that peak resident memory is their own.
 Writes one JSON file per run under benchmarks/results/; ``benchmarks/report.py`` renders RESULTS.md.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import common
 from fastalign import linear_cross_entropy
+from fastalign.bench import measure as measure_
 
 KERNEL = "linear_cross_entropy"
 
@@ -144,10 +145,10 @@ def measure(
     forward_backward()  # warm-up (compiles, autotunes, caches)
     row = {"provider": provider, "N": n, "D": d, "V": v, "dtype": dtype}
     if "memory" in parts:
-        row["peak_extra_mib"] = round(common.peak_extra_bytes(forward_backward, device) / 2**20, 1)
+        row["peak_extra_mib"] = round(measure_.peak_extra_bytes(forward_backward, device) / 2**20, 1)
     if "time" in parts:
-        fwd_ms, fwd_spread = common.time_ms(forward, device, repeats)
-        fwd_bwd_ms, fwd_bwd_spread = common.time_ms(forward_backward, device, repeats)
+        fwd_ms, fwd_spread = measure_.time_ms(forward, device, repeats)
+        fwd_bwd_ms, fwd_bwd_spread = measure_.time_ms(forward_backward, device, repeats)
         row |= {
             "fwd_ms": round(fwd_ms, 3),
             "fwd_spread": round(fwd_spread, 3),
@@ -158,20 +159,15 @@ def measure(
 
 
 def _measure_in_subprocesses(provider, n, d, v, dtype, repeats) -> dict:
-    """Time in one fresh process; memory in another where glibc returns every block of 64 KiB or more
-    to the system on free, so that the peak resident set follows the live allocations (by default
-    freed blocks up to 32 MiB stay resident and a second run reuses them unseen)."""
+    """Time in one fresh process, memory in another (where freed blocks go back to the system at once,
+    which would slow the timing down)."""
     row = {}
-    for part, extra_env in (("time", {}), ("memory", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
+    for part in ("time", "memory"):
         spec = json.dumps(
             {"provider": provider, "shape": [n, d, v], "dtype": dtype, "repeats": repeats, "part": part}
         )
         proc = subprocess.run(
-            [sys.executable, __file__, "--worker", spec],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            env=os.environ | extra_env,
+            [sys.executable, __file__, "--worker", spec], capture_output=True, text=True, timeout=1800
         )
         if proc.returncode != 0:
             raise RuntimeError(
@@ -192,12 +188,9 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
         raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(table)}")
     skipped = {name: table[name][1] for name in names if table[name][1]}
     rows = []
-    peaks = {}
+    tflops = common.matmul_tflops(device, getattr(torch, dtype))
     for n, d, v in config["shapes"]:
-        if (n, d, v) not in peaks:
-            tflops = common.matmul_tflops(device, getattr(torch, dtype), n, v, d)
-            peaks[(n, d, v)] = tflops
-        floor_ms = 6 * n * v * d / (peaks[(n, d, v)] * 1e12) * 1e3
+        floor_ms = 6 * n * v * d / (tflops * 1e12) * 1e3
         for name in names:
             if name in skipped:
                 continue
@@ -212,7 +205,6 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
             finally:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            row["matmul_tflops"] = round(peaks[(n, d, v)], 2)
             row["floor_ms"] = round(floor_ms, 3)
             row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
             rows.append(row)
@@ -221,7 +213,8 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
         "suite": "kernels",
         "kernel": KERNEL,
         "preset": preset,
-        "floor": "6*N*V*D FLOPs at the measured [N,D]@[D,V] matmul throughput",
+        "floor": "6·N·V·D FLOPs at the measured matmul ceiling",
+        "matmul_tflops": round(tflops, 3),
         "env": common.environment(device),
         "rows": rows,
         "skipped": skipped,
@@ -243,6 +236,8 @@ def main() -> None:
     if args.worker:
         spec = json.loads(args.worker)
         n, d, v = spec["shape"]
+        if spec["part"] == "memory":
+            measure_.release_freed_memory_promptly()
         device = torch.device("cpu")
         row = measure(spec["provider"], n, d, v, spec["dtype"], device, spec["repeats"], (spec["part"],))
         print(json.dumps(row))

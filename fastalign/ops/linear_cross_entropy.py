@@ -221,6 +221,9 @@ def _sweep(
             coefs = coefficients(rows, stats)
             grad_logits = _row_grad_(logits, targets_chunk, stats, coefs, spec, workspace)
             grads.add_chunk(rows, grad_logits, hidden_chunk, weight)
+            del grad_logits
+        # Drop this chunk's buffers before the next one is allocated: one chunk alive, not two.
+        del logits, workspace
     return all_stats, (grads.finish(weight, bias) if grads is not None else (None, None, None))
 
 
@@ -281,16 +284,22 @@ class _ScalarLossFunction(torch.autograd.Function):
             needs=needs,
         )
         loss = (_token_loss(SoftmaxRowStats(*stats), valid, spec, vocab).sum() * scale).squeeze()
-        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
-        ctx.has_grad = tuple(g is not None for g in grads)
+        ctx.grads = grads  # intermediates, not inputs: kept on ctx so backward may scale them in place
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
-        saved = zip(ctx.saved_tensors, ctx.has_grad, strict=True)
-        grads = [g * grad_loss.to(g.dtype) if has else None for g, has in saved]
-        return *grads, None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fastalign.linear_cross_entropy: a second backward through the same loss "
+                "(retain_graph=True) is not supported: its gradients are formed in forward and were "
+                "handed out by the first backward. Compute the loss again instead."
+            )
+        grads, ctx.grads = ctx.grads, None
+        # In place: a [V, D] temporary here would add a full weight-sized buffer to the peak.
+        scaled = [g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in grads]
+        return *scaled, None, None, None, None
 
 
 class _TokenwiseFunction(torch.autograd.Function):
@@ -398,9 +407,11 @@ def _validate(
     return hidden.reshape(-1, dim).contiguous(), flat_targets.contiguous()
 
 
-def _make_spec(
+def _prepare(
     hidden: torch.Tensor,
     weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
     *,
     backend: Backend,
     chunk_size: int | None,
@@ -410,7 +421,9 @@ def _make_spec(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     with_entropy: bool = False,
-) -> _Spec:
+) -> tuple[torch.Tensor, torch.Tensor, _Spec]:
+    """Validate everything; return hidden [N, D], targets [N] and the call's ``_Spec``."""
+    flat_hidden, flat_targets = _validate(hidden, weight, targets, bias, ignore_index)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if softcap is not None and not softcap > 0:
@@ -421,7 +434,7 @@ def _make_spec(
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
-    return _Spec(
+    spec = _Spec(
         backend=resolve_backend(backend, hidden),
         chunk_size=chunk_size or default_chunk_size(weight.shape[0], weight.dtype, weight.device),
         ignore_index=ignore_index,
@@ -431,6 +444,7 @@ def _make_spec(
         z_loss=float(z_loss),
         with_entropy=with_entropy,
     )
+    return flat_hidden, flat_targets, spec
 
 
 def default_chunk_size(vocab_size: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -495,10 +509,11 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got {reduction!r}")
-    flat_hidden, flat_targets = _validate(hidden, weight, targets, bias, ignore_index)
-    spec = _make_spec(
+    flat_hidden, flat_targets, spec = _prepare(
         hidden,
         weight,
+        targets,
+        bias,
         backend=backend,
         chunk_size=chunk_size,
         ignore_index=ignore_index,
@@ -562,10 +577,11 @@ def token_logprobs(
         fp32 log-probs shaped like ``targets`` (0 where ``targets == ignore_index``), and the per-token
         entropy of the same distribution (0 where ignored) when ``return_entropy``.
     """
-    flat_hidden, flat_targets = _validate(hidden, weight, targets, bias, ignore_index)
-    spec = _make_spec(
+    flat_hidden, flat_targets, spec = _prepare(
         hidden,
         weight,
+        targets,
+        bias,
         backend=backend,
         chunk_size=chunk_size,
         ignore_index=ignore_index,

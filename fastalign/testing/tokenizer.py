@@ -29,8 +29,9 @@ _WORDS = (
 def _corpus() -> list[str]:
     """Deterministic text: arithmetic questions and answers plus sentences of a small vocabulary."""
     lines = [
-        f"What is {a} plus {b}? The answer is {a + b}."
-        for a, b in itertools.product(range(0, 30, 3), repeat=2)
+        f"What is {a} {word} {b}? The answer is {result}."
+        for a, b in itertools.product(range(0, 40, 3), range(1, 40, 4))
+        for word, result in (("plus", a + b), ("minus", a - b), ("times", a * b))
     ]
     lines += [" ".join(_WORDS[(i * 7 + j * 3) % len(_WORDS)] for j in range(12)) for i in range(200)]
     return lines
@@ -48,6 +49,10 @@ def _trained_json(vocab_size: int) -> str:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    # A small corpus may run out of merges before vocab_size: reserved tokens fill the rest, so the
+    # vocabulary is exactly vocab_size (as models' embedding tables expect).
+    missing = vocab_size - tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
     return tokenizer.to_str()
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastalign import linear_cross_entropy, token_logprobs
@@ -266,6 +268,18 @@ def test_deterministic(backend):
         assert torch.equal(first, second)
 
 
+def test_upstream_gradient_scales_and_double_backward_is_refused(backend):
+    hidden, weight, _, targets = make_inputs(torch.float32)
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_size=CHUNK, backend=backend)
+    (3.0 * loss).backward(retain_graph=True)
+    ref, (h64, w64, _) = reference_loss(hidden, weight, None, targets)
+    (3.0 * ref).backward()
+    assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
+    assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.float32)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 def test_frozen_weight_and_no_grad(backend):
     hidden, weight, _, targets = make_inputs(torch.float32)
     weight.requires_grad_(False)
@@ -338,3 +352,24 @@ def _escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_tokens=st.integers(1, 40),
+    vocab=st.integers(2, 200),
+    dim=st.integers(1, 24),
+    chunk=st.integers(1, 48),
+    ignored_fraction=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_match_float64(n_tokens, vocab, dim, chunk, ignored_fraction, seed):
+    """Property: any shape, chunking and ignore pattern gives the float64 loss and gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n_tokens, dim, generator=generator).requires_grad_()
+    weight = torch.randn(vocab, dim, generator=generator).requires_grad_()
+    targets = torch.randint(0, vocab, (n_tokens,), generator=generator)
+    targets[torch.rand(n_tokens, generator=generator) < ignored_fraction] = IGNORE
+    out = linear_cross_entropy(hidden, weight, targets, chunk_size=chunk, backend="torch")
+    ref, leaves = reference_loss(hidden, weight, None, targets)
+    check_against_reference(out, ref, (hidden, weight, None), leaves, torch.float32)

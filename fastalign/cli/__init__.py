@@ -1,0 +1,1 @@
+"""``fastalign`` command line: thin, parses arguments and calls the library."""
