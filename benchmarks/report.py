@@ -45,7 +45,8 @@ def latest_per_device(runs: list[dict]) -> list[dict]:
 def _ratio(numerator: float | None, denominator: float | None) -> str:
     if not numerator or not denominator:
         return "–"
-    return f"{numerator / denominator:.2f}×"
+    ratio = numerator / denominator
+    return f"{ratio:.3f}×" if ratio < 0.1 else f"{ratio:.2f}×"
 
 
 def render_run(run: dict) -> str:
