@@ -5,5 +5,16 @@ from fastalign.ops.linear_cross_entropy import (
     linear_cross_entropy,
     token_logprobs,
 )
+from fastalign.ops.rms_norm import rms_norm
+from fastalign.ops.rope import apply_rotary_pos_emb
+from fastalign.ops.swiglu import geglu, swiglu
 
-__all__ = ["LinearCrossEntropyStats", "linear_cross_entropy", "token_logprobs"]
+__all__ = [
+    "LinearCrossEntropyStats",
+    "apply_rotary_pos_emb",
+    "geglu",
+    "linear_cross_entropy",
+    "rms_norm",
+    "swiglu",
+    "token_logprobs",
+]
