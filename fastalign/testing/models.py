@@ -24,7 +24,14 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
     "mistral": {"sliding_window": None},
     "qwen2": {"tie_word_embeddings": True},  # Qwen2 also has q/k/v biases, set by its config class
     "qwen3": {"tie_word_embeddings": True},  # Qwen3 adds q/k RMSNorm
+    "gemma": {"tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},  # (1 + w) norms, GeGLU
+    "gemma2": {"tie_word_embeddings": True, "final_logit_softcapping": 30.0, "sliding_window": 8},
+    "gemma3_text": {"tie_word_embeddings": True, "sliding_window": 8},  # q/k norms, local/global layers
+    "phi3": {"partial_rotary_factor": 0.5, "head_dim": None},  # fused qkv and gate_up, partial RoPE
 }
+
+#: Attention implementation with a CPU backward that each family accepts.
+_ATTENTION = {"gemma2": "eager"}
 
 TINY_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILY_OVERRIDES)
 
@@ -34,6 +41,7 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 512, **overrides) -
     if model_type not in _FAMILY_OVERRIDES:
         raise ValueError(f"model_type must be one of {TINY_MODEL_TYPES}, got {model_type!r}")
     kwargs = {**_TINY_SHAPE, **_FAMILY_OVERRIDES[model_type], "vocab_size": vocab_size, **overrides}
+    kwargs = {key: value for key, value in kwargs.items() if not (key == "head_dim" and value is None)}
     # special ids of fastalign.testing.tiny_tokenizer
     kwargs.setdefault("pad_token_id", 0)
     kwargs.setdefault("bos_token_id", 1)
@@ -47,15 +55,17 @@ def tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     **overrides,
 ) -> PreTrainedModel:
     """A randomly initialised tiny causal LM, the same weights for the same ``seed``.
 
-    ``attn_implementation`` defaults to 'sdpa', which has a CPU backward (flex attention has none).
+    ``attn_implementation`` defaults to 'sdpa' (which has a CPU backward; flex attention has none), or
+    'eager' for families without sdpa support.
     """
     config = tiny_config(model_type, vocab_size=vocab_size, **overrides)
+    attention = attn_implementation or _ATTENTION.get(model_type, "sdpa")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
     return model.to(dtype)

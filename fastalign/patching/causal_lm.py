@@ -1,0 +1,126 @@
+"""The patched causal-LM forward: loss and per-token log-probs from the final hidden states, no logits.
+
+Runs inside the model's own ``forward`` call, so under FSDP2 the LM head is unsharded at that moment.
+Without ``labels`` or ``logprob_targets`` it is the model's original forward, unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from fastalign.ops import linear_cross_entropy, token_logprobs
+from fastalign.ops.backend import Backend
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class FusedCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus what the fused head computed.
+
+    token_logprobs: [B, S] log p(logprob_targets) (0 where the target is -100), when asked for.
+    entropy: [B, S] entropy of the next-token distribution, with ``return_entropy=True``.
+    """
+
+    token_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Targets of each position: the next label, -100 after the last (as transformers shifts them)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions whose logits the caller wants, as transformers selects them."""
+    if isinstance(logits_to_keep, int):
+        return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
+    return hidden[:, logits_to_keep, :]
+
+
+def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Callable:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        *,
+        logprob_targets: torch.LongTensor | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        return_logits: bool | None = None,
+        **kwargs,
+    ):
+        """Causal-LM forward with the fused head (see ``fastalign.patch_model``).
+
+        labels: as transformers takes them (shifted here; or pass ``shift_labels``); the loss honours
+            ``num_items_in_batch``. No logits are built unless ``return_logits=True``.
+        logprob_targets: [B, S] token ids whose per-position log-probs (at ``temperature``) come back
+            as ``output.token_logprobs``, for DPO/GRPO-style trainers (already aligned: position t
+            scores logprob_targets[:, t]; -100 skips a position).
+        """
+        shifted = kwargs.pop("shift_labels", None)
+        if labels is None and shifted is None and logprob_targets is None:
+            return type(self).forward(
+                self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                logits_to_keep=logits_to_keep, **kwargs,
+            )  # fmt: skip
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
+        head = self.lm_head
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+
+        loss = None
+        if labels is not None or shifted is not None:
+            targets = shifted if shifted is not None else shift_labels(labels)
+            if isinstance(num_items_in_batch, torch.Tensor):
+                num_items_in_batch = num_items_in_batch.to(hidden.device)
+            loss = linear_cross_entropy(
+                hidden, head.weight, targets.to(hidden.device), head.bias, softcap=softcap,
+                num_items_in_batch=num_items_in_batch, backend=backend,
+            )  # fmt: skip
+
+        logprobs = entropy = None
+        if logprob_targets is not None:
+            result = token_logprobs(
+                hidden, head.weight, logprob_targets.to(hidden.device), head.bias, temperature=temperature,
+                softcap=softcap, return_entropy=return_entropy, backend=backend,
+            )  # fmt: skip
+            logprobs, entropy = result if return_entropy else (result, None)
+
+        logits = None
+        if return_logits if return_logits is not None else return_logits_default:
+            logits = head(hidden)
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+        return FusedCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            token_logprobs=logprobs,
+            entropy=entropy,
+        )
+
+    return forward

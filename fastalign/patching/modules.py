@@ -1,0 +1,74 @@
+"""Replacement ``forward`` functions for the decoder's modules, bound per instance by ``patch_model``.
+
+Each is built by a factory that closes over what the module's class does not say (the family's norm
+convention, the activation, the backend), so a bound method needs no extra state on the module.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fastalign.ops import apply_rotary_pos_emb, geglu, rms_norm, swiglu
+from fastalign.ops.backend import Backend
+
+
+def rms_norm_forward(gemma: bool, backend: Backend) -> Callable:
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        eps = getattr(self, "variance_epsilon", None)
+        return rms_norm(
+            hidden_states, self.weight, self.eps if eps is None else eps, gemma=gemma, backend=backend
+        )
+
+    return forward
+
+
+def gated_mlp_forward(layout: str, gelu: bool, backend: Backend) -> Callable:
+    glu = geglu if gelu else swiglu
+
+    def gate_up_down(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), backend=backend))
+
+    def fused_gate_up(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(glu(gate, up, backend=backend))
+
+    return gate_up_down if layout == "gate_up_down" else fused_gate_up
+
+
+def _fused_rope(original: Callable, backend: Backend) -> Callable:
+    def fused(q, k, cos, sin, unsqueeze_dim: int = 1):
+        if unsqueeze_dim != 1:  # a layout the kernel does not take: the model's own function
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return apply_rotary_pos_emb(q, k, cos, sin, backend=backend)
+
+    return fused
+
+
+ROPE_FUNCTION = "apply_rotary_pos_emb"
+
+
+def uses_module_rope(module: nn.Module) -> bool:
+    """Whether the module's forward calls the module-level ``apply_rotary_pos_emb``."""
+    forward = type(module).forward
+    return ROPE_FUNCTION in forward.__code__.co_names and ROPE_FUNCTION in forward.__globals__
+
+
+def attention_forward_with_fused_rope(module: nn.Module, backend: Backend) -> Callable:
+    """The attention class's own forward, with ``apply_rotary_pos_emb`` resolved to the fused op.
+
+    A copy of the function over a copy of its module's globals: this instance changes, the class and
+    the transformers module do not (so other models in the process are untouched).
+    """
+    forward = type(module).forward
+    scope = dict(forward.__globals__)
+    scope[ROPE_FUNCTION] = _fused_rope(forward.__globals__[ROPE_FUNCTION], backend)
+    patched = types.FunctionType(
+        forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
+    )
+    patched.__kwdefaults__ = forward.__kwdefaults__
+    patched.__doc__ = forward.__doc__
+    return patched

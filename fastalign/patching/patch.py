@@ -1,0 +1,121 @@
+"""``patch_model`` / ``unpatch_model``: instance-level patching of a Hugging Face causal LM.
+
+Every change is an instance attribute ``forward`` on a module of the model in hand (its RMSNorms,
+MLPs, attentions and the causal-LM head), marked as fastalign's: the classes and the transformers
+modules are untouched, other models in the process are unaffected, and deleting those attributes
+restores the original exactly. Nothing captures a tensor at patch time, so a model moved to another
+device or dtype before or after patching keeps working.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+
+from torch import nn
+
+from fastalign.ops.backend import BACKENDS, Backend
+from fastalign.patching.causal_lm import fused_causal_lm_forward
+from fastalign.patching.families import GATED_ACTIVATIONS, family_of
+from fastalign.patching.modules import (
+    attention_forward_with_fused_rope,
+    gated_mlp_forward,
+    rms_norm_forward,
+    uses_module_rope,
+)
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_fastalign_patch"
+
+
+def _base_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers ``*ForCausalLM`` inside ``model`` (itself, or under a peft wrapper)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(inner, "config") or not hasattr(inner, "lm_head") or not hasattr(inner, "model"):
+        raise ValueError(
+            f"patch_model expects a transformers causal LM (a *ForCausalLM with .model and .lm_head), "
+            f"got {type(inner).__name__}"
+        )
+    return inner
+
+
+def _set_forward(module: nn.Module, function: Callable, piece: str) -> None:
+    bound = types.MethodType(function, module)
+    module.forward = bound
+    setattr(function, _MARK, piece)
+
+
+def _patched_piece(module: nn.Module) -> str | None:
+    forward = module.__dict__.get("forward")
+    return getattr(getattr(forward, "__func__", None), _MARK, None)
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo ``patch_model``: every module gets its class's forward back. Returns the model."""
+    for module in model.modules():
+        if _patched_piece(module) is not None:
+            del module.forward
+    return model
+
+
+def patched_pieces(model: nn.Module) -> dict[str, int]:
+    """How many modules of each piece ('rms_norm', 'mlp', 'rope', 'loss') are patched."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        piece = _patched_piece(module)
+        if piece is not None:
+            counts[piece] = counts.get(piece, 0) + 1
+    return counts
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    mlp: bool = True,
+    loss: bool = True,
+    return_logits: bool = False,
+    backend: Backend = "auto",
+) -> nn.Module:
+    """Make a supported Hugging Face causal LM use fastalign's kernels, in place; returns the model.
+
+    Args:
+        model: a ``*ForCausalLM`` of a supported ``config.model_type`` (see
+            ``fastalign.patching.SUPPORTED_MODEL_TYPES``), or a peft model wrapping one.
+        rms_norm, rope, mlp: fuse the RMSNorms, the rotary embedding of q/k, the gated MLP activation.
+        loss: with ``labels`` (or ``logprob_targets``) the forward computes the loss (or per-token
+            log-probs) with the fused linear cross-entropy and builds no logits.
+        return_logits: default of the forward's ``return_logits``: also build logits when a loss is
+            computed (costs the [tokens, vocab] memory the fused head avoids).
+        backend: 'auto' (Triton on CUDA, PyTorch elsewhere), 'triton' or 'torch'.
+
+    Patching again replaces the earlier patch (so options can change); ``unpatch_model`` restores the
+    original.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    causal_lm = _base_causal_lm(model)
+    config = causal_lm.config
+    family = family_of(config.model_type)
+    unpatch_model(model)
+
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if mlp and activation not in GATED_ACTIVATIONS:
+        logger.warning("fastalign: activation %r has no fused kernel; the MLPs stay as they are", activation)
+        mlp = False
+
+    for module in causal_lm.model.modules():
+        name = type(module).__name__
+        if rms_norm and name.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
+            _set_forward(module, rms_norm_forward(family.gemma_norm, backend), "rms_norm")
+        elif mlp and name.endswith("MLP"):
+            forward = gated_mlp_forward(family.mlp_layout, GATED_ACTIVATIONS[activation], backend)
+            _set_forward(module, forward, "mlp")
+        elif rope and name.endswith("Attention") and uses_module_rope(module):
+            _set_forward(module, attention_forward_with_fused_rope(module, backend), "rope")
+    if loss:
+        _set_forward(causal_lm, fused_causal_lm_forward(backend, return_logits), "loss")
+    return model
