@@ -283,7 +283,9 @@ class _ScalarLossFunction(torch.autograd.Function):
             coefficients=coefficients if any(needs) else None,
             needs=needs,
         )
-        loss = (_token_loss(SoftmaxRowStats(*stats), valid, spec, vocab).sum() * scale).squeeze()
+        loss = (
+            _token_loss(SoftmaxRowStats(*stats), valid, spec, vocab).sum() * scale
+        )  # not a view: callers scale it in place
         ctx.grads = grads  # intermediates, not inputs: kept on ctx so backward may scale them in place
         ctx.mark_non_differentiable(stats)
         return loss, stats

@@ -33,6 +33,8 @@ _MARK = "_fastalign_patch"
 def _base_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside ``model`` (itself, or under a peft wrapper)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(inner, "config"):
+        family_of(inner.config.model_type)  # an unsupported family: say so, listing the supported ones
     if not hasattr(inner, "config") or not hasattr(inner, "lm_head") or not hasattr(inner, "model"):
         raise ValueError(
             f"patch_model expects a transformers causal LM (a *ForCausalLM with .model and .lm_head), "

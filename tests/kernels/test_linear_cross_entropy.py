@@ -373,3 +373,14 @@ def test_random_shapes_match_float64(n_tokens, vocab, dim, chunk, ignored_fracti
     out = linear_cross_entropy(hidden, weight, targets, chunk_size=chunk, backend="torch")
     ref, leaves = reference_loss(hidden, weight, None, targets)
     check_against_reference(out, ref, (hidden, weight, None), leaves, torch.float32)
+
+
+def test_loss_can_be_scaled_in_place(backend):
+    """Trainers scale the returned loss in place (transformers.Trainer divides it for accumulation)."""
+    hidden, weight, _, targets = make_inputs(torch.float32)
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_size=CHUNK, backend=backend)
+    loss /= 2
+    loss.backward()
+    ref, (h64, _, _) = reference_loss(hidden, weight, None, targets)
+    (ref / 2).backward()
+    assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)

@@ -1,0 +1,221 @@
+"""patch_model on every supported family: same losses, logits and gradients as the original model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fastalign
+from fastalign.patching import SUPPORTED_MODEL_TYPES, patched_pieces, shift_labels, unpatch_model
+from fastalign.testing import TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
+from tests.helpers import relative_error
+
+#: (loss, gradients) relative tolerances of patched vs original, by dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def padded_batch(seed: int = 0):
+    """Two rows of different lengths, right-padded; labels -100 on padding."""
+    tokenizer = tiny_tokenizer()
+    texts = ["What is 3 plus 4? The answer is 7.", "the model learns to answer"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return {**batch, "labels": labels}
+
+
+def pair(model_type: str, dtype=torch.float32, **patch_options):
+    original = tiny_model(model_type, dtype=dtype)
+    patched = fastalign.patch_model(copy.deepcopy(original), **patch_options)
+    return original, patched
+
+
+def assert_same_gradients(original, patched, tolerance):
+    for (name, a), (_, b) in zip(original.named_parameters(), patched.named_parameters(), strict=True):
+        if a.grad is None:
+            assert b.grad is None, name
+            continue
+        assert b.grad is not None, name
+        assert relative_error(b.grad, a.grad) <= tolerance, f"{name}: {relative_error(b.grad, a.grad):.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
+def test_loss_and_gradients_match_original(model_type, dtype):
+    original, patched = pair(model_type, dtype)
+    pieces = patched_pieces(patched)
+    assert set(pieces) == {"rms_norm", "mlp", "rope", "loss"}, pieces
+    batch = padded_batch()
+    expected, got = original(**batch), patched(**batch)
+    assert got.logits is None  # the fused head builds no logits
+    assert relative_error(got.loss, expected.loss) <= TOLERANCE[dtype]
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_gradients(original, patched, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3"])
+def test_triton_kernels_inside_the_model(model_type):
+    """The Triton kernels (interpreted on CPU) inside a patched model match the original."""
+    original, patched = pair(model_type, backend="triton")
+    batch = padded_batch()
+    expected, got = original(**batch), patched(**batch)
+    assert relative_error(got.loss, expected.loss) <= 1e-5
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_gradients(original, patched, 1e-5)
+
+
+@pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
+def test_without_labels_logits_match_original(model_type):
+    original, patched = pair(model_type)
+    batch = padded_batch()
+    del batch["labels"]
+    torch.testing.assert_close(patched(**batch).logits, original(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_return_logits_on_request_with_softcap():
+    original, patched = pair("gemma2")
+    batch = padded_batch()
+    expected = original(**batch)
+    got = patched(**batch, return_logits=True)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.loss, expected.loss)
+
+
+def test_num_items_in_batch_and_shift_labels():
+    original, patched = pair("llama")
+    batch = padded_batch()
+    expected = original(**batch, num_items_in_batch=torch.tensor(40))
+    got = patched(**batch, num_items_in_batch=torch.tensor(40))
+    torch.testing.assert_close(got.loss, expected.loss)
+    labels = batch.pop("labels")
+    via_shift = patched(**batch, shift_labels=shift_labels(labels))
+    torch.testing.assert_close(via_shift.loss, original(**batch, labels=labels).loss)
+
+
+def test_packed_sequences_with_position_ids():
+    """Two sequences packed in one row: positions restart, as padding-free collators produce."""
+    original, patched = pair("qwen3")
+    input_ids = torch.randint(5, 500, (1, 12))
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    labels = input_ids.clone()
+    labels[0, 4] = -100  # no target across the boundary
+    expected = original(input_ids=input_ids, position_ids=position_ids, labels=labels)
+    got = patched(input_ids=input_ids, position_ids=position_ids, labels=labels)
+    torch.testing.assert_close(got.loss, expected.loss)
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_gradients(original, patched, 1e-5)
+
+
+def test_token_logprobs_from_the_patched_forward():
+    original, patched = pair("llama")
+    batch = padded_batch()
+    targets = shift_labels(batch.pop("labels"))
+    logits = original(**batch).logits.float() / 0.7
+    expected = logits.log_softmax(-1).gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1) * (
+        targets != -100
+    )
+    out = patched(**batch, logprob_targets=targets, temperature=0.7, return_entropy=True)
+    torch.testing.assert_close(out.token_logprobs, expected, rtol=1e-5, atol=1e-5)
+    assert out.entropy.shape == targets.shape and out.logits is None and out.loss is None
+    out.token_logprobs.sum().backward()
+    assert patched.lm_head.weight.grad is not None
+
+
+def test_mini_training_curves_match():
+    """20 AdamW steps of the original and the patched model give the same loss curve."""
+    original, patched = pair("llama")
+    batch = padded_batch()
+    curves = []
+    for model in (original, patched):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(20):
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        curves.append(losses)
+    assert curves[0][-1] < curves[0][0] - 0.5  # it learns
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_peft_lora_model():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    original = peft.get_peft_model(tiny_model("qwen2"), config)
+    for name, param in original.named_parameters():
+        if "lora_B" in name:  # make the adapters matter
+            torch.nn.init.normal_(param, std=0.02)
+    patched = fastalign.patch_model(copy.deepcopy(original))
+    assert patched_pieces(patched)["loss"] == 1
+    batch = padded_batch()
+    expected, got = original(**batch), patched(**batch)
+    torch.testing.assert_close(got.loss, expected.loss)
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_gradients(original, patched, 1e-5)
+
+
+def test_generate_and_gradient_checkpointing_still_work():
+    original, patched = pair("llama")
+    prompt = tiny_tokenizer()(["What is 3 plus 4?"], return_tensors="pt")
+    generate = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(**prompt, **generate), original.generate(**prompt, **generate))
+
+    batch = padded_batch()
+    for model in (original, patched):
+        model.gradient_checkpointing_enable()
+        model.train()
+        model(**batch).loss.backward()
+    assert_same_gradients(original, patched, 1e-5)
+
+
+def test_patch_twice_options_and_unpatch():
+    model = tiny_model("mistral")
+    batch = padded_batch()
+    before = model(**batch).loss
+    fastalign.patch_model(model)
+    fastalign.patch_model(model)  # harmless
+    assert patched_pieces(model) == {"rms_norm": 5, "mlp": 2, "rope": 2, "loss": 1}
+    fastalign.patch_model(model, rms_norm=False, loss=False)
+    assert patched_pieces(model) == {"mlp": 2, "rope": 2}
+    assert model(**batch).logits is not None
+    unpatch_model(model)
+    assert patched_pieces(model) == {}
+    assert all("forward" not in module.__dict__ for module in model.modules())
+    torch.testing.assert_close(model(**batch).loss, before)
+
+
+def test_patching_one_model_leaves_others_alone():
+    patched, other = tiny_model("llama"), tiny_model("llama")
+    fastalign.patch_model(patched)
+    assert patched_pieces(other) == {}
+    assert other(**padded_batch()).logits is not None
+
+
+def test_unsupported_model_type_lists_supported():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(ValueError, match="supported: " + ", ".join(SUPPORTED_MODEL_TYPES)):
+        fastalign.patch_model(model)
+    with pytest.raises(ValueError, match="causal LM"):
+        fastalign.patch_model(torch.nn.Linear(2, 2))
+
+
+def test_fused_loss_equals_transformers_loss_function():
+    """Direct check of the head against transformers' own causal-LM loss on the same hidden states."""
+    model = tiny_model("llama")
+    batch = padded_batch()
+    hidden = model.model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).last_hidden_state
+    logits = model.lm_head(hidden)
+    expected = model.loss_function(logits=logits, labels=batch["labels"], vocab_size=model.config.vocab_size)
+    got = fastalign.linear_cross_entropy(hidden, model.lm_head.weight, shift_labels(batch["labels"]))
+    torch.testing.assert_close(got, expected)
