@@ -6,6 +6,7 @@ convention, the activation, the backend), so a bound method needs no extra state
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 
@@ -57,15 +58,30 @@ def uses_module_rope(module: nn.Module) -> bool:
     return ROPE_FUNCTION in forward.__code__.co_names and ROPE_FUNCTION in forward.__globals__
 
 
+def _module_with_fused_rope(original_module: str, scope: dict, backend: Backend) -> types.ModuleType:
+    """A module importable by name whose namespace is ``scope`` with the fused ``apply_rotary_pos_emb``.
+
+    Registered in ``sys.modules`` so that whatever resolves a function's globals by module name (as
+    ``torch.compile``'s guards do) finds the fused function there.
+    """
+    name = f"{original_module}__fastalign_rope_{backend}"
+    if name not in sys.modules:
+        module = types.ModuleType(name)
+        module.__dict__.update(scope)
+        module.__dict__["__name__"] = name
+        module.__dict__[ROPE_FUNCTION] = _fused_rope(scope[ROPE_FUNCTION], backend)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
 def attention_forward_with_fused_rope(module: nn.Module, backend: Backend) -> Callable:
     """The attention class's own forward, with ``apply_rotary_pos_emb`` resolved to the fused op.
 
-    A copy of the function over a copy of its module's globals: this instance changes, the class and
-    the transformers module do not (so other models in the process are untouched).
+    The same code over a copy of its module's namespace: this instance changes, the class and the
+    transformers module do not (so other models in the process are untouched).
     """
     forward = type(module).forward
-    scope = dict(forward.__globals__)
-    scope[ROPE_FUNCTION] = _fused_rope(forward.__globals__[ROPE_FUNCTION], backend)
+    scope = _module_with_fused_rope(forward.__module__, forward.__globals__, backend).__dict__
     patched = types.FunctionType(
         forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
     )

@@ -219,3 +219,17 @@ def test_fused_loss_equals_transformers_loss_function():
     expected = model.loss_function(logits=logits, labels=batch["labels"], vocab_size=model.config.vocab_size)
     got = fastalign.linear_cross_entropy(hidden, model.lm_head.weight, shift_labels(batch["labels"]))
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_torch_compile_of_the_patched_model(model_type):
+    """Dynamo traces the patched model (the 'aot_eager' backend: code generation is a GPU-side check)."""
+    torch._dynamo.reset()
+    original, patched = pair(model_type)
+    batch = padded_batch()
+    expected = original(**batch)
+    got = torch.compile(patched, backend="aot_eager")(**batch)
+    torch.testing.assert_close(got.loss, expected.loss)
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_gradients(original, patched, 1e-5)
