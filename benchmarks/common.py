@@ -30,6 +30,15 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) ->
     return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
+def copy_bandwidth_gbps(device: torch.device, repeats: int = 5) -> float:
+    """The device's measured memory bandwidth in GB/s: a large copy, bytes read plus bytes written."""
+    size = 2**30 if device.type == "cuda" else 2**28
+    src = torch.empty(size, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms, _ = time_ms(lambda: dst.copy_(src), device, repeats)
+    return 2 * size / (ms * 1e-3) / 1e9
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(

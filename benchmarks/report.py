@@ -18,6 +18,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
 BASELINE = "torch-eager"
+#: Benchmarks that have a section even before any run of theirs is recorded.
+EXPECTED_KERNELS = ("linear_cross_entropy", "rms_norm", "rope", "swiglu")
 
 HEADER = """# Benchmark results
 
@@ -49,6 +51,16 @@ def _ratio(numerator: float | None, denominator: float | None) -> str:
     return f"{ratio:.3f}×" if ratio < 0.1 else f"{ratio:.2f}×"
 
 
+def _shape(row: dict) -> str:
+    return row.get("shape") or f"N={row['N']} D={row['D']} V={row['V']}"
+
+
+def _ceiling(run: dict) -> str:
+    if "matmul_tflops" in run:
+        return f"{run['matmul_tflops']} TFLOP/s"
+    return f"{run['copy_bandwidth_gbps']} GB/s"
+
+
 def render_run(run: dict) -> str:
     env = run["env"]
     lines = [
@@ -57,21 +69,17 @@ def render_run(run: dict) -> str:
         f"{env['date']} · torch {env['torch']} · triton {env['triton']} · transformers {env['transformers']}"
         f" · commit {env['git_commit']} · preset `{run['preset']}`",
         "",
-        f"Floor: {run['floor']} ({run['matmul_tflops']} TFLOP/s).",
+        f"Floor: {run['floor']} ({_ceiling(run)}).",
         "",
-        "| N | D | V | dtype | provider | fwd ms | fwd+bwd ms | spread | floor ms | × floor | peak extra MiB "
+        "| shape | dtype | provider | fwd ms | fwd+bwd ms | spread | floor ms | × floor | peak extra MiB "
         f"| speed-up vs {BASELINE} | memory vs {BASELINE} |",
-        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    baselines = {
-        (row["N"], row["D"], row["V"], row["dtype"]): row
-        for row in run["rows"]
-        if row["provider"] == BASELINE
-    }
+    baselines = {(_shape(row), row["dtype"]): row for row in run["rows"] if row["provider"] == BASELINE}
     for row in run["rows"]:
-        base = baselines.get((row["N"], row["D"], row["V"], row["dtype"]), {})
+        base = baselines.get((_shape(row), row["dtype"]), {})
         lines.append(
-            f"| {row['N']} | {row['D']} | {row['V']} | {row['dtype']} | {row['provider']} "
+            f"| {_shape(row)} | {row['dtype']} | {row['provider']} "
             f"| {row['fwd_ms']:,.1f} | {row['fwd_bwd_ms']:,.1f} | {row['fwd_bwd_spread']:.0%} "
             f"| {row['floor_ms']:,.1f} | {row['fwd_bwd_over_floor']:.2f} | {row['peak_extra_mib']:,.1f} "
             f"| {_ratio(base.get('fwd_bwd_ms'), row['fwd_bwd_ms'])} "
@@ -88,12 +96,13 @@ def render_run(run: dict) -> str:
 def render(runs: list[dict]) -> str:
     latest = latest_per_device(runs)
     sections = [HEADER]
-    kernels = sorted({run["kernel"] for run in latest})
+    kernels = sorted({run["kernel"] for run in latest} | set(EXPECTED_KERNELS))
     for kernel in kernels:
         kernel_runs = [run for run in latest if run["kernel"] == kernel]
         sections += [render_run(run) for run in kernel_runs]
         if not any(run["env"]["device_type"] == "cuda" for run in kernel_runs):
-            sections.append(f"## {kernel} — GPU\n\nNot measured on GPU yet.\n")
+            script = f"benchmarks/kernels/bench_{kernel}.py"
+            sections.append(f"## {kernel} — GPU\n\nNot measured on GPU yet (`{script} --preset gpu`).\n")
     return "\n".join(sections)
 
 

@@ -51,5 +51,5 @@ def _run(device: str, date: str, fwd_bwd_ms: float) -> dict:
 def test_render_keeps_the_latest_run_per_device_and_compares_with_eager():
     text = report.render([_run("cpu A", "2026-01-01", 9.0), _run("cpu A", "2026-02-01", 4.0)])
     assert "2026-02-01" in text and "2026-01-01" not in text
-    assert "| fastalign-torch | 1.0 | 2.0 |" in text and "| 2.00× | 1.00× |" in text
-    assert "Not measured on GPU yet." in text and "liger-kernel (needs CUDA)" in text
+    assert "| N=8 D=4 V=16 | float32 | fastalign-torch | 1.0 | 2.0 |" in text and "| 2.00× | 1.00× |" in text
+    assert "Not measured on GPU yet" in text and "liger-kernel (needs CUDA)" in text

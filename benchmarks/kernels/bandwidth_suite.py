@@ -1,0 +1,118 @@
+"""A benchmark harness for memory-bound ops (RMSNorm, RoPE, gated activations).
+
+An op file gives: how to build inputs for a size, its providers (each a function of those inputs
+returning the output tensors), and the bytes a forward and a backward must move at least. This
+harness times forward and forward+backward (upstream gradient of ones), measures the workspace, and
+states the floor: those bytes over the copy bandwidth measured on the same device at the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+from fastalign.bench import measure
+
+
+@dataclass
+class BandwidthBenchmark:
+    kernel: str
+    shapes: dict[str, Sequence[tuple]]  # preset → sizes passed to make_inputs
+    make_inputs: Callable[[tuple, torch.dtype, torch.device], tuple[torch.Tensor, ...]]
+    bytes_moved: Callable[[tuple, torch.dtype], tuple[int, int]]  # (forward, backward) minimum bytes
+    describe: Callable[[tuple], str]
+    providers: dict[str, Callable] = field(default_factory=dict)
+    requires: dict[str, str] = field(default_factory=dict)  # CUDA-only provider → module it needs, or 'cuda'
+
+
+def _unavailable(bench: BandwidthBenchmark, name: str, device: torch.device) -> str:
+    """Why a provider cannot run here ('' when it can). Every required provider is CUDA-only."""
+    need = bench.requires.get(name)
+    if need is None:
+        return ""
+    if device.type != "cuda":
+        return "needs CUDA"
+    if need != "cuda" and importlib.util.find_spec(need) is None:
+        return f"{need} not installed"
+    return ""
+
+
+def _measure_row(bench, name, size, dtype, device, repeats) -> dict:
+    fn = bench.providers[name]
+    if name == "torch-compile":
+        fn = torch.compile(fn)
+    inputs = bench.make_inputs(size, dtype, device)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def forward():
+        return fn(*inputs)
+
+    def forward_backward():
+        for leaf in leaves:
+            leaf.grad = None
+        outputs = forward()
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+
+    forward_backward()
+    peak = measure.peak_extra_bytes(forward_backward, device)
+    fwd_ms, fwd_spread = measure.time_ms(forward, device, repeats)
+    fwd_bwd_ms, fwd_bwd_spread = measure.time_ms(forward_backward, device, repeats)
+    return {
+        "provider": name,
+        "shape": bench.describe(size),
+        "dtype": str(dtype).removeprefix("torch."),
+        "fwd_ms": round(fwd_ms, 4),
+        "fwd_spread": round(fwd_spread, 3),
+        "fwd_bwd_ms": round(fwd_bwd_ms, 4),
+        "fwd_bwd_spread": round(fwd_bwd_spread, 3),
+        "peak_extra_mib": round((peak or 0) / 2**20, 2),
+    }
+
+
+def run(bench: BandwidthBenchmark, argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=f"{bench.kernel}: speed and memory per provider")
+    parser.add_argument("--preset", choices=sorted(bench.shapes), default="gpu")
+    parser.add_argument("--providers", nargs="*")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    names = args.providers or list(bench.providers)
+    skipped = {name: why for name in names if (why := _unavailable(bench, name, device))}
+    bandwidth = common.copy_bandwidth_gbps(device)
+    rows = []
+    for size in bench.shapes[args.preset]:
+        forward_bytes, backward_bytes = bench.bytes_moved(size, dtype)
+        floor_ms = (forward_bytes + backward_bytes) / (bandwidth * 1e9) * 1e3
+        for name in names:
+            if name in skipped:
+                continue
+            torch._dynamo.reset()
+            row = _measure_row(bench, name, size, dtype, device, args.repeats)
+            row["floor_ms"] = round(floor_ms, 4)
+            row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {
+        "suite": "kernels",
+        "kernel": bench.kernel,
+        "preset": args.preset,
+        "floor": "minimum bytes of forward + backward at the measured copy bandwidth",
+        "copy_bandwidth_gbps": round(bandwidth, 1),
+        "env": common.environment(device),
+        "rows": rows,
+        "skipped": skipped,
+    }
+    path = common.write_result(result, args.out)
+    print(f"wrote {path}")
+    return path
