@@ -18,8 +18,14 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
 BASELINE = "torch-eager"
-#: Benchmarks that have a section even before any run of theirs is recorded.
-EXPECTED_KERNELS = ("linear_cross_entropy", "rms_norm", "rope", "swiglu")
+#: Every benchmark, with its script: each has a section even before a run of it is recorded.
+BENCHMARKS = {
+    "linear_cross_entropy": "benchmarks/kernels/bench_linear_cross_entropy.py",
+    "rms_norm": "benchmarks/kernels/bench_rms_norm.py",
+    "rope": "benchmarks/kernels/bench_rope.py",
+    "swiglu": "benchmarks/kernels/bench_swiglu.py",
+    "e2e_patch_model": "benchmarks/e2e/bench_patch_model.py",
+}
 
 HEADER = """# Benchmark results
 
@@ -96,12 +102,12 @@ def render_run(run: dict) -> str:
 def render(runs: list[dict]) -> str:
     latest = latest_per_device(runs)
     sections = [HEADER]
-    kernels = sorted({run["kernel"] for run in latest} | set(EXPECTED_KERNELS))
+    kernels = sorted({run["kernel"] for run in latest} | set(BENCHMARKS))
     for kernel in kernels:
         kernel_runs = [run for run in latest if run["kernel"] == kernel]
         sections += [render_run(run) for run in kernel_runs]
         if not any(run["env"]["device_type"] == "cuda" for run in kernel_runs):
-            script = f"benchmarks/kernels/bench_{kernel}.py"
+            script = BENCHMARKS.get(kernel, "its benchmark script")
             sections.append(f"## {kernel} — GPU\n\nNot measured on GPU yet (`{script} --preset gpu`).\n")
     return "\n".join(sections)
 

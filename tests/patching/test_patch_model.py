@@ -233,3 +233,17 @@ def test_torch_compile_of_the_patched_model(model_type):
     expected.loss.backward()
     got.loss.backward()
     assert_same_gradients(original, patched, 1e-5)
+
+
+def test_save_pretrained_and_dtype_moves(tmp_path):
+    """Patching changes no weights or config: save/load round-trips; a later .to(dtype) keeps working."""
+    from transformers import AutoModelForCausalLM
+
+    original, patched = pair("qwen2")
+    patched.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    batch = padded_batch()
+    torch.testing.assert_close(reloaded(**batch).loss, original(**batch).loss)
+    patched.to(torch.bfloat16)
+    original.to(torch.bfloat16)
+    assert relative_error(patched(**batch).loss, original(**batch).loss) <= TOLERANCE[torch.bfloat16]

@@ -1,0 +1,129 @@
+"""End to end: forward+backward of a Llama-3-8B-shaped model, original vs ``fastalign.patch_model``.
+
+    python benchmarks/e2e/bench_patch_model.py --preset gpu   # Llama-3-8B shape, 2 of its 32 layers, bf16
+    python benchmarks/e2e/bench_patch_model.py --preset cpu   # a small Llama shape with a 32k vocabulary
+
+Random weights built from a config (no download). Each row: forward (with labels) and forward+backward
+median time, tokens/s, and the workspace (peak memory of a step above the weights and their gradients).
+Floor: 6·P·T matmul FLOPs (P = parameters in matmuls, T = tokens) plus causal attention 6·L·S²·D·B, at
+the matmul ceiling measured on the same device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import common
+from fastalign import patch_model
+from fastalign.bench import measure
+
+PRESETS = {
+    # Llama-3-8B's shapes; 2 of 32 decoder layers so that one GPU holds it with room for activations.
+    "gpu": {
+        "config": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, num_hidden_layers=2),
+        "dtype": "bfloat16", "batch": 1, "seq": 8192, "repeats": 0,
+    },
+    "cpu": {
+        "config": dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=32000, num_hidden_layers=2),
+        "dtype": "float32", "batch": 1, "seq": 2048, "repeats": 3,
+    },
+}  # fmt: skip
+
+
+def _matmul_params(model) -> int:
+    return sum(
+        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name
+    )
+
+
+def _measure(name: str, model, batch: dict, device: torch.device, repeats: int) -> dict:
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward():
+        return model(**batch).loss
+
+    def forward_backward():
+        for p in params:
+            p.grad = None
+        forward().backward()
+
+    forward_backward()
+    peak = measure.peak_extra_bytes(forward_backward, device)
+    fwd_ms, fwd_spread = measure.time_ms(forward, device, repeats)
+    fwd_bwd_ms, fwd_bwd_spread = measure.time_ms(forward_backward, device, repeats)
+    tokens = batch["input_ids"].numel()
+    return {
+        "provider": name,
+        "fwd_ms": round(fwd_ms, 3),
+        "fwd_spread": round(fwd_spread, 3),
+        "fwd_bwd_ms": round(fwd_bwd_ms, 3),
+        "fwd_bwd_spread": round(fwd_bwd_spread, 3),
+        "tokens_per_s": round(tokens / (fwd_bwd_ms * 1e-3), 1),
+        "peak_extra_mib": round((peak or 0) / 2**20, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, preset["dtype"])
+    if device.type == "cpu":
+        measure.release_freed_memory_promptly()
+    config = LlamaConfig(**preset["config"], max_position_embeddings=preset["seq"])
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
+    batch_size, seq = preset["batch"], preset["seq"]
+    input_ids = torch.randint(0, config.vocab_size, (batch_size, seq), device=device)
+    batch = {"input_ids": input_ids, "labels": input_ids}
+
+    tflops = common.matmul_tflops(device, dtype)
+    flops = 6 * _matmul_params(original) * input_ids.numel()
+    flops += 6 * config.num_hidden_layers * seq * seq * config.hidden_size * batch_size
+    floor_ms = flops / (tflops * 1e12) * 1e3
+    shape = (
+        f"llama hidden={config.hidden_size} layers={config.num_hidden_layers} vocab={config.vocab_size} "
+        f"batch={batch_size} seq={seq}"
+    )
+    rows = []
+    for name in ("torch-eager", "fastalign-patched"):
+        model = original if name == "torch-eager" else patch_model(copy.deepcopy(original))
+        row = _measure(name, model, batch, device, preset["repeats"])
+        row |= {"shape": shape, "dtype": preset["dtype"], "floor_ms": round(floor_ms, 3)}
+        row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result = {
+        "suite": "e2e",
+        "kernel": "e2e_patch_model",
+        "preset": args.preset,
+        "floor": "6·P·T + 6·L·S²·D·B FLOPs (forward+backward) at the measured matmul ceiling",
+        "matmul_tflops": round(tflops, 3),
+        "env": common.environment(device),
+        "rows": rows,
+        "skipped": {},
+    }
+    print(f"wrote {common.write_result(result, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
