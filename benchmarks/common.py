@@ -11,11 +11,12 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from fastalign.bench.measure import device_name, time_ms
+from fastalign.bench.measure import device_name, peak_extra_bytes, time_ms
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -37,6 +38,33 @@ def copy_bandwidth_gbps(device: torch.device, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     ms, _ = time_ms(lambda: dst.copy_(src), device, repeats)
     return 2 * size / (ms * 1e-3) / 1e9
+
+
+def step_figures(
+    forward: Callable[[], object],
+    forward_backward: Callable[[], object],
+    device: torch.device,
+    repeats: int,
+    parts: tuple[str, ...] = ("time", "memory"),
+) -> dict:
+    """The figures of one benchmark row: after a warm-up step, the workspace of forward+backward and
+    the median time (and spread) of forward alone and of forward+backward."""
+    forward_backward()  # warm-up: compiles, autotunes, allocates the gradients
+    row = {}
+    if "memory" in parts:
+        row["peak_extra_mib"] = round((peak_extra_bytes(forward_backward, device) or 0) / 2**20, 2)
+    if "time" in parts:
+        for key, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
+            ms, spread = time_ms(fn, device, repeats)
+            row[f"{key}_ms"], row[f"{key}_spread"] = round(ms, 4), round(spread, 3)
+    return row
+
+
+def add_floor(row: dict, floor_ms: float) -> dict:
+    """Record the floor and forward+backward's ratio to it in ``row``; returns it."""
+    row["floor_ms"] = round(floor_ms, 4)
+    row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
+    return row
 
 
 def git_commit() -> str:

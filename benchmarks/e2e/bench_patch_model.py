@@ -58,20 +58,9 @@ def _measure(name: str, model, batch: dict, device: torch.device, repeats: int) 
             p.grad = None
         forward().backward()
 
-    forward_backward()
-    peak = measure.peak_extra_bytes(forward_backward, device)
-    fwd_ms, fwd_spread = measure.time_ms(forward, device, repeats)
-    fwd_bwd_ms, fwd_bwd_spread = measure.time_ms(forward_backward, device, repeats)
-    tokens = batch["input_ids"].numel()
-    return {
-        "provider": name,
-        "fwd_ms": round(fwd_ms, 3),
-        "fwd_spread": round(fwd_spread, 3),
-        "fwd_bwd_ms": round(fwd_bwd_ms, 3),
-        "fwd_bwd_spread": round(fwd_bwd_spread, 3),
-        "tokens_per_s": round(tokens / (fwd_bwd_ms * 1e-3), 1),
-        "peak_extra_mib": round((peak or 0) / 2**20, 1),
-    }
+    row = {"provider": name} | common.step_figures(forward, forward_backward, device, repeats)
+    row["tokens_per_s"] = round(batch["input_ids"].numel() / (row["fwd_bwd_ms"] * 1e-3), 1)
+    return row
 
 
 def main() -> None:
@@ -105,8 +94,7 @@ def main() -> None:
     for name in ("torch-eager", "fastalign-patched"):
         model = original if name == "torch-eager" else patch_model(copy.deepcopy(original))
         row = _measure(name, model, batch, device, preset["repeats"])
-        row |= {"shape": shape, "dtype": preset["dtype"], "floor_ms": round(floor_ms, 3)}
-        row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
+        row = common.add_floor(row | {"shape": shape, "dtype": preset["dtype"]}, floor_ms)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del model

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
-from fastalign.bench import measure
 
 
 @dataclass
@@ -61,20 +60,8 @@ def _measure_row(bench, name, size, dtype, device, repeats) -> dict:
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
 
-    forward_backward()
-    peak = measure.peak_extra_bytes(forward_backward, device)
-    fwd_ms, fwd_spread = measure.time_ms(forward, device, repeats)
-    fwd_bwd_ms, fwd_bwd_spread = measure.time_ms(forward_backward, device, repeats)
-    return {
-        "provider": name,
-        "shape": bench.describe(size),
-        "dtype": str(dtype).removeprefix("torch."),
-        "fwd_ms": round(fwd_ms, 4),
-        "fwd_spread": round(fwd_spread, 3),
-        "fwd_bwd_ms": round(fwd_bwd_ms, 4),
-        "fwd_bwd_spread": round(fwd_bwd_spread, 3),
-        "peak_extra_mib": round((peak or 0) / 2**20, 2),
-    }
+    row = {"provider": name, "shape": bench.describe(size), "dtype": str(dtype).removeprefix("torch.")}
+    return row | common.step_figures(forward, forward_backward, device, repeats)
 
 
 def run(bench: BandwidthBenchmark, argv: list[str] | None = None) -> Path:
@@ -98,9 +85,7 @@ def run(bench: BandwidthBenchmark, argv: list[str] | None = None) -> Path:
             if name in skipped:
                 continue
             torch._dynamo.reset()
-            row = _measure_row(bench, name, size, dtype, device, args.repeats)
-            row["floor_ms"] = round(floor_ms, 4)
-            row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
+            row = common.add_floor(_measure_row(bench, name, size, dtype, device, args.repeats), floor_ms)
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {

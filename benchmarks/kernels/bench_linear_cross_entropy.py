@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import common
 from fastalign import linear_cross_entropy
-from fastalign.bench import measure as measure_
+from fastalign.bench import measure
 
 KERNEL = "linear_cross_entropy"
 
@@ -113,7 +113,7 @@ def provider_table(device: torch.device) -> dict[str, tuple[Callable[[], Loss] |
     }
 
 
-def measure(
+def measure_row(
     provider: str,
     n: int,
     d: int,
@@ -142,20 +142,8 @@ def measure(
         hidden.grad = weight.grad = None
         forward().backward()
 
-    forward_backward()  # warm-up (compiles, autotunes, caches)
     row = {"provider": provider, "N": n, "D": d, "V": v, "dtype": dtype}
-    if "memory" in parts:
-        row["peak_extra_mib"] = round(measure_.peak_extra_bytes(forward_backward, device) / 2**20, 1)
-    if "time" in parts:
-        fwd_ms, fwd_spread = measure_.time_ms(forward, device, repeats)
-        fwd_bwd_ms, fwd_bwd_spread = measure_.time_ms(forward_backward, device, repeats)
-        row |= {
-            "fwd_ms": round(fwd_ms, 3),
-            "fwd_spread": round(fwd_spread, 3),
-            "fwd_bwd_ms": round(fwd_bwd_ms, 3),
-            "fwd_bwd_spread": round(fwd_bwd_spread, 3),
-        }
-    return row
+    return row | common.step_figures(forward, forward_backward, device, repeats, parts)
 
 
 def _measure_in_subprocesses(provider, n, d, v, dtype, repeats) -> dict:
@@ -198,16 +186,14 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
                 if device.type == "cpu":
                     row = _measure_in_subprocesses(name, n, d, v, dtype, config["repeats"])
                 else:
-                    row = measure(name, n, d, v, dtype, device, config["repeats"])
+                    row = measure_row(name, n, d, v, dtype, device, config["repeats"])
             except (RuntimeError, torch.OutOfMemoryError, subprocess.TimeoutExpired) as error:
                 skipped[f"{name} N={n} D={d} V={v}"] = str(error)[:300]
                 continue
             finally:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            row["floor_ms"] = round(floor_ms, 3)
-            row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
-            rows.append(row)
+            rows.append(common.add_floor(row, floor_ms))
             print(json.dumps(row), flush=True)
     result = {
         "suite": "kernels",
@@ -237,9 +223,9 @@ def main() -> None:
         spec = json.loads(args.worker)
         n, d, v = spec["shape"]
         if spec["part"] == "memory":
-            measure_.release_freed_memory_promptly()
+            measure.release_freed_memory_promptly()
         device = torch.device("cpu")
-        row = measure(spec["provider"], n, d, v, spec["dtype"], device, spec["repeats"], (spec["part"],))
+        row = measure_row(spec["provider"], n, d, v, spec["dtype"], device, spec["repeats"], (spec["part"],))
         print(json.dumps(row))
         return
     run(args.preset, args.providers, args.out)
