@@ -1,0 +1,166 @@
+"""``GRPOLoss``: GRPO's policy loss straight from hidden states, with TRL's options and metric names."""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from fastalign.ops import token_logprobs
+from fastalign.ops.backend import Backend
+from fastalign.ops.grpo import TokenLossConfig, grpo_token_loss
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
+
+
+class GRPOLossOutput(NamedTuple):
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]  # TRL's names: kl, entropy, clip_ratio/{low,high,region}_mean (detached)
+    per_token_logps: torch.Tensor  # [B, T] detached: what the trainer keeps as old log-probs
+
+
+class GRPOLoss(nn.Module):
+    """The GRPO family's clipped policy loss from the policy's completion hidden states.
+
+    Per-token log-probs come from the fused, chunked linear log-softmax (no [tokens, vocab] logits,
+    temperature-scaled); the token math (importance ratio at token or sequence level, clip with
+    ``epsilon``/``epsilon_high``, optional ``delta`` cap, k3 KL times ``beta``) is one kernel; the
+    aggregation follows ``loss_type``:
+
+    - grpo: mean over each completion's tokens, then over completions;
+    - bnpo: mean over all completion tokens of this micro-batch;
+    - dr_grpo: sum over tokens / (completions · ``max_completion_length``);
+    - dapo, cispo: sum over tokens / ``num_items_in_batch`` (the completion-token count of the whole
+      accumulated batch across ranks: exact under gradient accumulation and data parallelism; this
+      micro-batch's count when not given). cispo: −sg(min(ratio, ``epsilon_high``))·A·log π.
+
+    Option names follow TRL's ``GRPOConfig``.
+    """
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        delta: float | None = None,
+        loss_type: LossType = "dapo",
+        importance_sampling_level: Literal["token", "sequence"] = "token",
+        temperature: float = 1.0,
+        max_completion_length: int | None = None,
+        backend: Backend = "auto",
+    ):
+        super().__init__()
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {importance_sampling_level!r}"
+            )
+        if loss_type == "dr_grpo" and not max_completion_length:
+            raise ValueError("loss_type='dr_grpo' divides by max_completion_length: pass it")
+        if beta < 0 or epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
+            raise ValueError(
+                f"beta, epsilon and epsilon_high must be >= 0, got {beta}, {epsilon}, {epsilon_high}"
+            )
+        if delta is not None and delta <= 1.0 + (epsilon_high if epsilon_high is not None else epsilon):
+            raise ValueError(f"delta must exceed 1 + epsilon_high, got {delta}")
+        self.loss_type = loss_type
+        self.temperature = temperature
+        self.max_completion_length = max_completion_length
+        self.backend = backend
+        self.config = TokenLossConfig(
+            beta=float(beta),
+            eps_low=float(epsilon),
+            eps_high=float(epsilon if epsilon_high is None else epsilon_high),
+            delta=None if delta is None else float(delta),
+            sequence_level=importance_sampling_level == "sequence",
+            cispo=loss_type == "cispo",
+        )
+
+    def _sequence_weights(self, mask: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+        """norm_b of every completion: loss = Σ_b norm_b Σ_t mask·loss_t."""
+        batch = mask.shape[0]
+        if self.loss_type == "grpo":
+            return 1.0 / (batch * mask.sum(-1).clamp(min=1.0))
+        if self.loss_type == "bnpo":
+            total = mask.sum().clamp(min=1.0)
+        elif self.loss_type == "dr_grpo":
+            total = torch.tensor(float(batch * self.max_completion_length), device=mask.device)
+        else:  # dapo, cispo
+            total = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
+            total = total.to(mask.device, torch.float32).clamp(min=1.0)
+        return (1.0 / total).expand(batch)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        *,
+        old_per_token_logps: torch.Tensor | None = None,
+        ref_per_token_logps: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> GRPOLossOutput:
+        """Loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each
+        completion token) and the LM head ``weight`` [V, D]; ``advantages`` [B]."""
+        batch, length = completion_ids.shape
+        for name, tensor in (
+            ("completion_mask", completion_mask),
+            ("old_per_token_logps", old_per_token_logps),
+            ("ref_per_token_logps", ref_per_token_logps),
+        ):
+            if tensor is not None and tensor.shape != completion_ids.shape:
+                raise ValueError(
+                    f"{name} shape {tuple(tensor.shape)} must equal completion_ids shape {(batch, length)}"
+                )
+        if hidden.shape[:2] != completion_ids.shape:
+            raise ValueError(
+                f"hidden {tuple(hidden.shape)} must be [B, T, D] with [B, T] = {(batch, length)}"
+            )
+        if advantages.shape != (batch,):
+            raise ValueError(f"advantages must have shape [B] = ({batch},), got {tuple(advantages.shape)}")
+        if self.config.beta > 0 and ref_per_token_logps is None:
+            raise ValueError("beta > 0 needs ref_per_token_logps")
+
+        mask = completion_mask.to(torch.float32)
+        logps, entropy = token_logprobs(
+            hidden, weight, completion_ids, bias, temperature=self.temperature, return_entropy=True,
+            backend=self.backend,
+        )  # fmt: skip
+        loss, seq_sums = grpo_token_loss(
+            logps, mask, advantages, self._sequence_weights(mask, num_items_in_batch), self.config,
+            old_logp=old_per_token_logps, ref_logp=ref_per_token_logps if self.config.beta else None,
+            backend=self.backend,
+        )  # fmt: skip
+        return GRPOLossOutput(loss, self._metrics(seq_sums, mask, entropy.detach()), logps.detach())
+
+    def _metrics(self, seq_sums: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor) -> dict:
+        """Masked means over this micro-batch's completion tokens, as TRL logs them (sequence-level
+        clip fractions: the mean over completions)."""
+        tokens = mask.sum().clamp(min=1.0)
+        _, kl, low, high, region = seq_sums
+        if self.config.sequence_level:
+            lengths = mask.sum(-1).clamp(min=1.0)
+            clip_mean = lambda sums: (sums / lengths).mean()  # noqa: E731
+        else:
+            clip_mean = lambda sums: sums.sum() / tokens  # noqa: E731
+        metrics = {"entropy": (entropy * mask).sum() / tokens}
+        if self.config.beta:
+            metrics["kl"] = kl.sum() / tokens
+        if self.config.cispo:
+            metrics["cispo_clip_ratio"] = clip_mean(high)
+        else:
+            metrics |= {
+                "clip_ratio/low_mean": clip_mean(low),
+                "clip_ratio/high_mean": clip_mean(high),
+                "clip_ratio/region_mean": clip_mean(region),
+            }
+        return metrics
