@@ -24,6 +24,7 @@ BENCHMARKS = {
     "rms_norm": "benchmarks/kernels/bench_rms_norm.py",
     "rope": "benchmarks/kernels/bench_rope.py",
     "swiglu": "benchmarks/kernels/bench_swiglu.py",
+    "grpo": "benchmarks/kernels/bench_grpo.py",
     "e2e_patch_model": "benchmarks/e2e/bench_patch_model.py",
 }
 

@@ -9,7 +9,14 @@ from torch import nn
 
 from fastalign.ops import token_logprobs
 from fastalign.ops.backend import Backend
-from fastalign.ops.grpo import TokenLossConfig, grpo_token_loss
+from fastalign.ops.grpo import (
+    TokenLossConfig,
+    TokenLossInputs,
+    grpo_token_loss,
+    grpo_token_objective,
+    sequence_log_weights,
+)
+from fastalign.ops.linear_cross_entropy import token_objective
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
@@ -131,36 +138,57 @@ class GRPOLoss(nn.Module):
             raise ValueError("beta > 0 needs ref_per_token_logps")
 
         mask = completion_mask.to(torch.float32)
-        logps, entropy = token_logprobs(
-            hidden, weight, completion_ids, bias, temperature=self.temperature, return_entropy=True,
-            backend=self.backend,
+        seq_weight = self._sequence_weights(mask, num_items_in_batch)
+        ref = ref_per_token_logps if self.config.beta else None
+        if self.config.sequence_level:  # every log-prob of a completion is needed before its ratio
+            logps, entropy = token_logprobs(
+                hidden, weight, completion_ids, bias, temperature=self.temperature, return_entropy=True,
+                backend=self.backend,
+            )  # fmt: skip
+            loss, sums = grpo_token_loss(
+                logps, mask, advantages, seq_weight, self.config, old_logp=old_per_token_logps, ref_logp=ref,
+                backend=self.backend,
+            )  # fmt: skip
+            log_weights = sequence_log_weights(logps.detach(), mask, old_per_token_logps)
+            metrics = self._metrics(sums, mask, entropy.detach(), advantages, log_weights)
+            return GRPOLossOutput(loss, metrics, logps.detach())
+        # Token level: each token's loss needs only its own log-prob, so the gradient is formed chunk
+        # by chunk in the forward pass and the logits are built once.
+        inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_per_token_logps, ref)
+        result = token_objective(
+            hidden, weight, completion_ids, grpo_token_objective(inputs, self.config, self.backend), bias,
+            temperature=self.temperature, return_entropy=True, backend=self.backend,
         )  # fmt: skip
-        loss, seq_sums = grpo_token_loss(
-            logps, mask, advantages, self._sequence_weights(mask, num_items_in_batch), self.config,
-            old_logp=old_per_token_logps, ref_logp=ref_per_token_logps if self.config.beta else None,
-            backend=self.backend,
-        )  # fmt: skip
-        return GRPOLossOutput(loss, self._metrics(seq_sums, mask, entropy.detach()), logps.detach())
+        sums = torch.cat([result.loss.detach().reshape(1), result.aux])
+        return GRPOLossOutput(result.loss, self._metrics(sums, mask, result.entropy), result.logprobs)
 
-    def _metrics(self, seq_sums: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor) -> dict:
-        """Masked means over this micro-batch's completion tokens, as TRL logs them (sequence-level
-        clip fractions: the mean over completions)."""
+    def _metrics(self, sums, mask, entropy, advantages=None, log_weights=None) -> dict:
+        """Masked means over this micro-batch's completion tokens, as TRL logs them; at sequence level
+        the clip fractions are the mean over completions of each completion's flag."""
         tokens = mask.sum().clamp(min=1.0)
-        _, kl, low, high, region = seq_sums
-        if self.config.sequence_level:
-            lengths = mask.sum(-1).clamp(min=1.0)
-            clip_mean = lambda sums: (sums / lengths).mean()  # noqa: E731
-        else:
-            clip_mean = lambda sums: sums.sum() / tokens  # noqa: E731
+        _, kl, low, high, region = sums / tokens
+        if log_weights is not None:
+            low, high, region = self._sequence_clip_fractions(advantages.float(), log_weights.exp())
         metrics = {"entropy": (entropy * mask).sum() / tokens}
         if self.config.beta:
-            metrics["kl"] = kl.sum() / tokens
+            metrics["kl"] = kl
         if self.config.cispo:
-            metrics["cispo_clip_ratio"] = clip_mean(high)
+            metrics["cispo_clip_ratio"] = high
         else:
             metrics |= {
-                "clip_ratio/low_mean": clip_mean(low),
-                "clip_ratio/high_mean": clip_mean(high),
-                "clip_ratio/region_mean": clip_mean(region),
+                "clip_ratio/low_mean": low,
+                "clip_ratio/high_mean": high,
+                "clip_ratio/region_mean": region,
             }
         return metrics
+
+    def _sequence_clip_fractions(self, advantages: torch.Tensor, ratio: torch.Tensor):
+        config = self.config
+        if config.cispo:
+            high = (ratio > config.eps_high) & (advantages > 0)
+            return torch.zeros(()), high.float().mean(), high.float().mean()
+        if config.delta is not None:
+            ratio = ratio.clamp(max=config.delta)
+        low = (ratio < 1 - config.eps_low) & (advantages < 0)
+        high = (ratio > 1 + config.eps_high) & (advantages > 0)
+        return low.float().mean(), high.float().mean(), (low | high).float().mean()

@@ -129,16 +129,37 @@ class TokenLossConfig:
     cispo: bool
 
 
-def _token_loss_torch(logp, old_logp, ref_logp, mask, advantages, seq_weight, config: TokenLossConfig):
-    """TRL's per-token loss, aggregated with the weights ``mask · seq_weight``; returns (loss, [5, B])."""
-    old = logp.detach() if old_logp is None else old_logp
-    log_ratio = logp - old
-    if config.sequence_level:
-        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    else:
-        log_weights = log_ratio
-    coef_1 = torch.exp(log_weights)
-    adv = advantages.unsqueeze(1)
+class TokenLossInputs(NamedTuple):
+    """Per-token inputs of the token loss, flattened over the completions' [B, T] tokens (fp32)."""
+
+    mask: torch.Tensor
+    advantage: torch.Tensor  # each token's completion advantage
+    weight: torch.Tensor  # the aggregation weight w_t = mask_t · norm_b
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+
+    @classmethod
+    def build(cls, mask, advantages, seq_weight, old_logp=None, ref_logp=None) -> TokenLossInputs:
+        mask = mask.float()
+        return cls(
+            mask=mask.reshape(-1).contiguous(),
+            advantage=advantages.float()[:, None].expand_as(mask).reshape(-1).contiguous(),
+            weight=(mask * seq_weight.float()[:, None]).reshape(-1).contiguous(),
+            old_logp=None if old_logp is None else old_logp.float().reshape(-1).contiguous(),
+            ref_logp=None if ref_logp is None else ref_logp.float().reshape(-1).contiguous(),
+        )
+
+    def rows(self, rows: slice) -> TokenLossInputs:
+        return TokenLossInputs(*(None if t is None else t[rows] for t in self))
+
+
+def _token_loss_torch(logp, log_weight, inputs: TokenLossInputs, config: TokenLossConfig):
+    """TRL's per-token loss on flat tokens, weighted and summed; returns (loss, sums [5]).
+
+    Differentiable w.r.t. ``logp`` (and ``log_weight``, the sequence-level log importance weights)."""
+    old = logp.detach() if inputs.old_logp is None else inputs.old_logp
+    coef_1 = torch.exp(log_weight if config.sequence_level else logp - old)
+    adv, mask = inputs.advantage, inputs.mask
     if config.cispo:
         per_token_loss = -torch.clamp(coef_1, max=config.eps_high).detach() * adv * logp
         high = (coef_1 > config.eps_high) & (adv > 0)
@@ -150,39 +171,50 @@ def _token_loss_torch(logp, old_logp, ref_logp, mask, advantages, seq_weight, co
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
         low = (coef_1 < 1 - config.eps_low) & (adv < 0)
         high = (coef_1 > 1 + config.eps_high) & (adv > 0)
-    region = low | high
     kl = torch.zeros_like(logp)
-    if ref_logp is not None:
-        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    if inputs.ref_logp is not None:
+        kl = torch.exp(inputs.ref_logp - logp) - (inputs.ref_logp - logp) - 1
         per_token_loss = per_token_loss + config.beta * kl
-    per_token_loss = per_token_loss.expand_as(mask)
-    loss_per_seq = (per_token_loss * mask * seq_weight[:, None]).sum(-1)
-    sums = [(flag.expand_as(mask).float() * mask).sum(-1) for flag in (low, high, region)]
-    seq_out = torch.stack([loss_per_seq.detach(), (kl.detach() * mask).sum(-1), *sums])
-    return loss_per_seq.sum(), seq_out
+    loss = (per_token_loss * inputs.weight).sum()
+    flags = [(flag.float() * mask).sum() for flag in (low, high, low | high)]
+    return loss, torch.stack([loss.detach(), (kl.detach() * mask).sum(), *flags])
+
+
+def _token_loss_triton(logp, log_weight, inputs: TokenLossInputs, config: TokenLossConfig):
+    """(∂L/∂logp, sums [5]) from the Triton kernel; ``log_weight`` is taken as a value."""
+    from fastalign.kernels import grpo as kernels
+
+    return kernels.grpo_token_loss(
+        logp.contiguous(), inputs.old_logp, inputs.ref_logp,
+        None if log_weight is None else log_weight.detach().contiguous(), inputs.mask, inputs.advantage,
+        inputs.weight, beta=config.beta, eps_low=config.eps_low, eps_high=config.eps_high, delta=config.delta,
+        cispo=config.cispo,
+    )  # fmt: skip
 
 
 class _TokenLossFunction(torch.autograd.Function):
     """The Triton kernel: the gradient w.r.t. the log-probs is formed in forward."""
 
     @staticmethod
-    def forward(ctx, logp, old_logp, ref_logp, mask, advantages, seq_weight, config: TokenLossConfig):
-        from fastalign.kernels import grpo as kernels
-
-        grad, seq_out = kernels.grpo_token_loss(
-            logp.contiguous(), None if old_logp is None else old_logp.contiguous(),
-            None if ref_logp is None else ref_logp.contiguous(), mask.contiguous(), advantages.contiguous(),
-            seq_weight.contiguous(), beta=config.beta, eps_low=config.eps_low, eps_high=config.eps_high,
-            delta=config.delta, sequence_level=config.sequence_level, cispo=config.cispo,
-        )  # fmt: skip
+    def forward(ctx, logp, log_weight, inputs: TokenLossInputs, config: TokenLossConfig):
+        grad, sums = _token_loss_triton(logp, log_weight, inputs, config)
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(seq_out)
-        return seq_out[0].sum(), seq_out
+        ctx.mark_non_differentiable(sums)
+        return sums[0].clone(), sums
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_seq_out):
+    def backward(ctx, grad_loss, _grad_sums):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss, None, None, None, None, None, None
+        return grad * grad_loss, None, None, None
+
+
+def sequence_log_weights(
+    logp: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor | None
+) -> torch.Tensor:
+    """GSPO's per-completion log importance weight Σ mask·(ℓ − ℓ_old) / Σ mask, [B] (old = ℓ detached
+    when absent, which makes it 0 with the gradient of the mean log-prob)."""
+    old = logp.detach() if old_logp is None else old_logp.float()
+    return ((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
 def grpo_token_loss(
@@ -197,15 +229,32 @@ def grpo_token_loss(
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_b seq_weight_b Σ_t mask·loss_t of log-probs [B, T] (differentiable w.r.t. ``logp``), and the
-    per-completion sums [5, B] (loss share, Σ mask·kl, low-, high- and region-clipped token counts)."""
-    mask = mask.to(torch.float32)
+    sums [5]: L, Σ mask·kl, and the low-, high- and region-clipped token counts."""
+    mask = mask.float()
     logp = logp.float()
-    old_logp = None if old_logp is None else old_logp.float()
-    ref_logp = None if ref_logp is None else ref_logp.float()
+    inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_logp, ref_logp)
+    log_weight = None
+    if config.sequence_level:
+        log_weight = sequence_log_weights(logp, mask, old_logp)[:, None].expand_as(logp).reshape(-1)
     if resolve_backend(backend, logp) == "torch":
-        return _token_loss_torch(
-            logp, old_logp, ref_logp, mask, advantages.float(), seq_weight.float(), config
-        )
-    return _TokenLossFunction.apply(
-        logp, old_logp, ref_logp, mask, advantages.float(), seq_weight.float(), config
-    )
+        return _token_loss_torch(logp.reshape(-1), log_weight, inputs, config)
+    return _TokenLossFunction.apply(logp.reshape(-1), log_weight, inputs, config)
+
+
+def grpo_token_objective(inputs: TokenLossInputs, config: TokenLossConfig, backend: Backend):
+    """The token-level GRPO loss as a ``token_objective`` (gradient formed in forward, chunk by chunk)."""
+    if config.sequence_level:
+        raise ValueError("sequence-level importance sampling needs every log-prob of a completion first")
+
+    def objective(rows: slice, logp: torch.Tensor):
+        chunk = inputs.rows(rows)
+        if resolve_backend(backend, logp) == "torch":
+            with torch.enable_grad():
+                leaf = logp.detach().requires_grad_()
+                loss, sums = _token_loss_torch(leaf, None, chunk, config)
+                (grad,) = torch.autograd.grad(loss, leaf)
+            return loss.detach(), grad, sums[1:]
+        grad, sums = _token_loss_triton(logp, None, chunk, config)
+        return sums[0], grad, sums[1:]
+
+    return objective

@@ -262,8 +262,30 @@ def _loss_coefficients(
     )
 
 
-class _ScalarLossFunction(torch.autograd.Function):
-    """Sum of per-token losses times ``scale``; the gradient is formed in forward (6·N·V·D)."""
+class _GradientInForward(torch.autograd.Function):
+    """A scalar whose gradients w.r.t. (hidden, weight, bias) the forward pass already formed (the
+    logits are built once: 6·N·V·D); backward only scales them by the upstream gradient.
+
+    Subclasses' forward takes (hidden, weight, bias, then four non-differentiable inputs), stores the
+    gradients in ``ctx.grads`` and returns (loss, *non-differentiable extras).
+    """
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_grad_extras):
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fastalign: a second backward through the same fused loss (retain_graph=True) is not "
+                "supported: its gradients are formed in forward and were handed out by the first "
+                "backward. Compute the loss again instead."
+            )
+        grads, ctx.grads = ctx.grads, None
+        # In place: a [V, D] temporary here would add a full weight-sized buffer to the peak.
+        scaled = [g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in grads]
+        return *scaled, None, None, None, None
+
+
+class _ScalarLossFunction(_GradientInForward):
+    """Sum of per-token cross-entropy losses times ``scale``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec: _Spec, scale: torch.Tensor, needs):
@@ -283,25 +305,53 @@ class _ScalarLossFunction(torch.autograd.Function):
             coefficients=coefficients if any(needs) else None,
             needs=needs,
         )
-        loss = (
-            _token_loss(SoftmaxRowStats(*stats), valid, spec, vocab).sum() * scale
-        )  # not a view: callers scale it in place
-        ctx.grads = grads  # intermediates, not inputs: kept on ctx so backward may scale them in place
+        # Not a view (callers scale it in place).
+        loss = _token_loss(SoftmaxRowStats(*stats), valid, spec, vocab).sum() * scale
+        ctx.grads = grads
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
+
+#: ``objective(rows, logprobs)`` → (its loss over those tokens, ∂loss/∂logprobs, auxiliary sums): a
+#: loss made of per-token terms, each a function of that token's log-prob only.
+TokenObjective = Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class _TokenObjectiveFunction(_GradientInForward):
+    """Σ over chunks of ``objective`` applied to the chunk's log-probs."""
+
     @staticmethod
-    def backward(ctx, grad_loss, _grad_stats):
-        if ctx.grads is None:
-            raise RuntimeError(
-                "fastalign.linear_cross_entropy: a second backward through the same loss "
-                "(retain_graph=True) is not supported: its gradients are formed in forward and were "
-                "handed out by the first backward. Compute the loss again instead."
-            )
-        grads, ctx.grads = ctx.grads, None
-        # In place: a [V, D] temporary here would add a full weight-sized buffer to the peak.
-        scaled = [g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in grads]
-        return *scaled, None, None, None, None
+    def forward(ctx, hidden, weight, bias, targets, spec: _Spec, objective: TokenObjective, needs):
+        valid = targets != spec.ignore_index
+        logprobs = torch.zeros(targets.shape[0], dtype=torch.float32, device=hidden.device)
+        totals: list[torch.Tensor] = []
+
+        def evaluate(rows: slice, stats: SoftmaxRowStats) -> torch.Tensor:
+            logprobs[rows] = (stats.target_logit - stats.lse) * valid[rows]
+            loss, d_logprobs, aux = objective(rows, logprobs[rows])
+            totals.append(torch.cat([loss.reshape(1), aux.reshape(-1)]))
+            return d_logprobs * valid[rows]
+
+        def coefficients(rows: slice, stats: SoftmaxRowStats) -> GradCoefficients:
+            upstream = evaluate(rows, stats)  # log p_t = z_t − lse: ∂/∂z = δ_t − p
+            return GradCoefficients(p=-upstream, target=upstream, uniform=None, entropy=None)
+
+        stats, grads = _sweep(
+            hidden,
+            weight,
+            bias,
+            targets,
+            spec,
+            coefficients=coefficients if any(needs) else None,
+            needs=needs,
+        )
+        if not any(needs):  # nothing to differentiate: the objective once, over all tokens
+            evaluate(slice(0, targets.shape[0]), SoftmaxRowStats(*stats))
+        total = torch.stack(totals).sum(dim=0)
+        entropy = _entropy(SoftmaxRowStats(*stats), valid, spec)
+        ctx.grads = grads
+        ctx.mark_non_differentiable(logprobs, entropy, total)
+        return total[0].clone(), logprobs, entropy, total[1:]
 
 
 class _TokenwiseFunction(torch.autograd.Function):
@@ -532,16 +582,21 @@ def linear_cross_entropy(
     else:
         scale = _mean_scale(flat_targets, ignore_index, num_items_in_batch) if reduction == "mean" else None
         scale = torch.ones((), device=hidden.device) if scale is None else scale
-        grad_on = torch.is_grad_enabled()
-        needs = (
-            grad_on and hidden.requires_grad,
-            grad_on and weight.requires_grad,
-            grad_on and bias is not None and bias.requires_grad,
-        )
+        needs = _input_grads_needed(hidden, weight, bias)
         loss, stats = _ScalarLossFunction.apply(flat_hidden, weight, bias, flat_targets, spec, scale, needs)
     if return_stats:
         return loss, _stats_for_user(stats, flat_targets, spec, targets.shape)
     return loss
+
+
+def _input_grads_needed(hidden, weight, bias) -> tuple[bool, bool, bool]:
+    """Which of (hidden, weight, bias) a forward-formed gradient must be computed for."""
+    grad_on = torch.is_grad_enabled()
+    return (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
 
 
 def _mean_scale(
@@ -596,3 +651,44 @@ def token_logprobs(
     if return_entropy:
         return logprobs, entropy.view(targets.shape)
     return logprobs
+
+
+class TokenObjectiveResult(NamedTuple):
+    loss: torch.Tensor  # differentiable w.r.t. hidden, weight, bias
+    logprobs: torch.Tensor  # shaped like targets, detached; 0 where ignored
+    entropy: torch.Tensor  # shaped like targets, detached (0 unless return_entropy)
+    aux: torch.Tensor  # the objective's auxiliary sums over all chunks
+
+
+def token_objective(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    objective: TokenObjective,
+    bias: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+) -> TokenObjectiveResult:
+    """A loss Σ_t f_t(log p_t) of per-token log-probs, with its gradient formed in the forward pass.
+
+    For objectives whose every term depends on one token's log-prob (GRPO at token level, for
+    example), the logits are built once (6·N·V·D) instead of twice as with ``token_logprobs`` and a
+    separate backward (8·N·V·D). ``objective(rows, logprobs)`` sees the flattened token indices
+    ``rows`` of one chunk and their log-probs, and returns (loss over those tokens, ∂loss/∂logprobs,
+    a 1-D tensor of auxiliary sums); losses and sums are added over chunks. Ignored tokens reach the
+    objective with log-prob 0 and their gradient is dropped: the objective should weight them 0.
+    """
+    flat_hidden, flat_targets, spec = _prepare(
+        hidden, weight, targets, bias, backend=backend, chunk_size=chunk_size, ignore_index=ignore_index,
+        softcap=softcap, temperature=temperature, with_entropy=return_entropy,
+    )  # fmt: skip
+    needs = _input_grads_needed(hidden, weight, bias)
+    loss, logprobs, entropy, aux = _TokenObjectiveFunction.apply(
+        flat_hidden, weight, bias, flat_targets, spec, objective, needs
+    )
+    return TokenObjectiveResult(loss, logprobs.view(targets.shape), entropy.view(targets.shape), aux)

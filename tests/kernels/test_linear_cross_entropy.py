@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastalign import linear_cross_entropy, token_logprobs
+from fastalign.ops.linear_cross_entropy import token_objective
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference, relative_error
 
@@ -384,3 +385,35 @@ def test_loss_can_be_scaled_in_place(backend):
     ref, (h64, _, _) = reference_loss(hidden, weight, None, targets)
     (ref / 2).backward()
     assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
+
+
+def test_token_objective_forms_the_gradient_in_forward(backend):
+    """Σ_t u_t·exp(log p_t) through token_objective equals the same loss built on token_logprobs."""
+    hidden, weight, bias, targets = make_inputs(torch.float32, bias=True)
+    upstream = torch.randn(targets.numel(), device=DEVICE)
+    valid = (targets != IGNORE).reshape(-1)
+
+    def objective(rows, logprobs):  # sees log p = 0 at ignored tokens: masks them itself
+        values = upstream[rows] * logprobs.exp() * valid[rows]
+        return values.sum(), upstream[rows] * logprobs.exp() * valid[rows], torch.stack([values.sum()])
+
+    result = token_objective(
+        hidden, weight, targets, objective, bias, temperature=0.9, chunk_size=CHUNK, backend=backend
+    )
+    result.loss.backward()
+    got = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    logprobs = token_logprobs(
+        hidden, weight, targets, bias, temperature=0.9, chunk_size=CHUNK, backend=backend
+    )
+    expected = (upstream * logprobs.reshape(-1).exp() * valid).sum()
+    expected.backward()
+    torch.testing.assert_close(result.logprobs, logprobs.detach())
+    torch.testing.assert_close(result.loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result.aux[0], result.loss.detach())
+    for name, value, tensor in zip(("hidden", "weight", "bias"), got, (hidden, weight, bias), strict=True):
+        torch.testing.assert_close(value, tensor.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():
+        no_grad = token_objective(hidden, weight, targets, objective, bias, temperature=0.9, backend=backend)
+    torch.testing.assert_close(no_grad.loss, result.loss.detach(), rtol=1e-5, atol=1e-6)

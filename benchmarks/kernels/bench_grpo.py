@@ -1,0 +1,142 @@
+"""GRPO loss head: fastalign's GRPOLoss vs plain PyTorch as TRL computes it, torch.compile and Liger.
+
+    python benchmarks/kernels/bench_grpo.py --preset gpu   # B=8 x G=8, T=1024 and 16384, V=151936, D=4096
+    python benchmarks/kernels/bench_grpo.py --preset cpu   # a small head, fp32
+
+Each step: per-token log-probs of the completions from hidden states at temperature 1, the clipped
+token loss with beta=0.04 (old and reference log-probs given), dapo aggregation, backward to the hidden
+states and the head. Plain PyTorch builds the [B·G·T, V] logits and a log-softmax of them, as TRL does.
+Floor: 6·N·V·D FLOPs (logits once, two gradient matmuls; fastalign's log-probs recompute the logits in
+backward, 8·N·V·D) at the measured matmul ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import common
+from fastalign.bench import measure
+from fastalign.losses import GRPOLoss
+
+PRESETS = {
+    "gpu": {
+        "dtype": "bfloat16",
+        "shapes": [(64, 1024, 4096, 151936), (64, 16384, 4096, 151936)],
+        "repeats": 0,
+    },
+    "cpu": {"dtype": "float32", "shapes": [(8, 256, 256, 32000)], "repeats": 3},
+}
+BETA, EPSILON, EPSILON_HIGH = 0.04, 0.2, 0.28
+
+
+def trl_style(hidden, weight, ids, mask, advantages, old, ref):
+    """TRL's path: logits, selective log-softmax, elementwise loss, dapo aggregation."""
+    logits = (hidden @ weight.T).float()
+    logps = torch.gather(logits.log_softmax(-1), -1, ids[..., None]).squeeze(-1)
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - EPSILON, 1 + EPSILON_HIGH)
+    per_token = -torch.min(coef_1 * advantages[:, None], coef_2 * advantages[:, None])
+    per_token = per_token + BETA * (torch.exp(ref - logps) - (ref - logps) - 1)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def providers(device: torch.device) -> dict:
+    fused = GRPOLoss(beta=BETA, epsilon=EPSILON, epsilon_high=EPSILON_HIGH, loss_type="dapo")
+
+    def fastalign(hidden, weight, ids, mask, advantages, old, ref):
+        return fused(
+            hidden, weight, ids, mask, advantages, old_per_token_logps=old, ref_per_token_logps=ref
+        ).loss
+
+    table = {"fastalign": fastalign, "torch-eager": trl_style, "torch-compile": torch.compile(trl_style)}
+    if device.type == "cuda" and importlib.util.find_spec("liger_kernel"):
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        liger = LigerFusedLinearGRPOLoss(
+            beta=BETA, epsilon_low=EPSILON, epsilon_high=EPSILON_HIGH, loss_type="dapo"
+        )
+
+        def liger_kernel(hidden, weight, ids, mask, advantages, old, ref):
+            return liger(
+                hidden, weight, ids, mask, advantages, ref_per_token_logps=ref, old_per_token_logps=old
+            )[0]
+
+        table["liger-kernel"] = liger_kernel
+    return table
+
+
+def _figures(fn, inputs, device: torch.device, repeats: int) -> dict:
+    hidden, weight = inputs[:2]
+
+    def forward():
+        return fn(*inputs)
+
+    def forward_backward():
+        hidden.grad = weight.grad = None
+        forward().backward()
+
+    return common.step_figures(forward, forward_backward, device, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, preset["dtype"])
+    if device.type == "cpu":
+        measure.release_freed_memory_promptly()
+    tflops = common.matmul_tflops(device, dtype)
+    table = providers(device)
+    skipped = {} if "liger-kernel" in table else {"liger-kernel": "needs CUDA and liger-kernel"}
+    rows = []
+    for completions, length, dim, vocab in preset["shapes"]:
+        torch.manual_seed(0)
+        hidden = torch.randn(completions, length, dim, device=device, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(vocab, dim, device=device) / dim**0.5).to(dtype).requires_grad_()
+        ids = torch.randint(0, vocab, (completions, length), device=device)
+        mask = (torch.rand(completions, length, device=device) < 0.9).float()
+        advantages = torch.randn(completions, device=device)
+        old = -torch.rand(completions, length, device=device) * 5 - 8
+        ref = old + torch.randn_like(old) * 0.1
+        inputs = (hidden, weight, ids, mask, advantages, old, ref)
+        floor_ms = 6 * completions * length * vocab * dim / (tflops * 1e12) * 1e3
+        for name, fn in table.items():
+            try:
+                row = {"provider": name} | _figures(fn, inputs, device, preset["repeats"])
+            except torch.OutOfMemoryError as error:
+                skipped[f"{name} B·G={completions} T={length}"] = f"out of memory: {str(error)[:120]}"
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            shape = f"B·G={completions} T={length} D={dim} V={vocab}"
+            rows.append(common.add_floor(row | {"shape": shape, "dtype": preset["dtype"]}, floor_ms))
+            print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "suite": "kernels",
+        "kernel": "grpo",
+        "preset": args.preset,
+        "floor": "6·N·V·D FLOPs at the measured matmul ceiling",
+        "matmul_tflops": round(tflops, 3),
+        "env": common.environment(device),
+        "rows": rows,
+        "skipped": skipped,
+    }
+    print(f"wrote {common.write_result(result, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
