@@ -44,7 +44,8 @@ class GRPOLoss(nn.Module):
       accumulated batch across ranks: exact under gradient accumulation and data parallelism; this
       micro-batch's count when not given). cispo: −sg(min(ratio, ``epsilon_high``))·A·log π.
 
-    Option names follow TRL's ``GRPOConfig``.
+    Option names follow TRL's ``GRPOConfig``; ``chunk_size`` (tokens per logits chunk) trades memory for
+    speed as in ``linear_cross_entropy``.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class GRPOLoss(nn.Module):
         importance_sampling_level: Literal["token", "sequence"] = "token",
         temperature: float = 1.0,
         max_completion_length: int | None = None,
+        chunk_size: int | None = None,
         backend: Backend = "auto",
     ):
         super().__init__()
@@ -79,6 +81,7 @@ class GRPOLoss(nn.Module):
         self.loss_type = loss_type
         self.temperature = temperature
         self.max_completion_length = max_completion_length
+        self.chunk_size = chunk_size
         self.backend = backend
         self.config = TokenLossConfig(
             beta=float(beta),
@@ -143,7 +146,7 @@ class GRPOLoss(nn.Module):
         if self.config.sequence_level:  # every log-prob of a completion is needed before its ratio
             logps, entropy = token_logprobs(
                 hidden, weight, completion_ids, bias, temperature=self.temperature, return_entropy=True,
-                backend=self.backend,
+                chunk_size=self.chunk_size, backend=self.backend,
             )  # fmt: skip
             loss, sums = grpo_token_loss(
                 logps, mask, advantages, seq_weight, self.config, old_logp=old_per_token_logps, ref_logp=ref,
@@ -155,9 +158,10 @@ class GRPOLoss(nn.Module):
         # Token level: each token's loss needs only its own log-prob, so the gradient is formed chunk
         # by chunk in the forward pass and the logits are built once.
         inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_per_token_logps, ref)
+        objective = grpo_token_objective(inputs, self.config, self.backend)
         result = token_objective(
-            hidden, weight, completion_ids, grpo_token_objective(inputs, self.config, self.backend), bias,
-            temperature=self.temperature, return_entropy=True, backend=self.backend,
+            hidden, weight, completion_ids, objective, bias, temperature=self.temperature,
+            return_entropy=True, chunk_size=self.chunk_size, backend=self.backend,
         )  # fmt: skip
         sums = torch.cat([result.loss.detach().reshape(1), result.aux])
         return GRPOLossOutput(result.loss, self._metrics(sums, mask, result.entropy), result.logprobs)

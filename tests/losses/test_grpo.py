@@ -187,3 +187,26 @@ def test_bad_input():
         loss_fn(hidden, weight, ids, mask, advantages[:-1], ref_per_token_logps=ref)
     with pytest.raises(ValueError, match="ref_per_token_logps"):
         loss_fn(hidden, weight, ids, mask, advantages)
+
+
+def test_memory_is_independent_of_the_vocabulary(backend):
+    """No tensor of B·T × V elements is allocated; only a chunk of logits at a time."""
+    from tests.kernels.test_linear_cross_entropy import _RecordAllocations
+
+    batch, length, vocab, chunk = 4, 64, 1024, 32
+    hidden = torch.randn(batch, length, D, device=DEVICE, requires_grad=True)
+    weight = torch.randn(vocab, D, device=DEVICE, requires_grad=True)
+    ids = torch.randint(0, vocab, (batch, length), device=DEVICE)
+    mask = torch.ones(batch, length, device=DEVICE)
+    old = torch.full((batch, length), -7.0, device=DEVICE)
+    for level in ("token", "sequence"):
+        loss_fn = GRPOLoss(beta=0.04, importance_sampling_level=level, chunk_size=chunk, backend=backend)
+        with _RecordAllocations() as recorder:
+            out = loss_fn(
+                hidden, weight, ids, mask, torch.randn(batch, device=DEVICE), old_per_token_logps=old,
+                ref_per_token_logps=old,
+            )  # fmt: skip
+            out.loss.backward()
+        fp32 = 4
+        assert recorder.largest <= max(2 * chunk * vocab, vocab * D, batch * length * D) * fp32
+        assert recorder.largest < batch * length * vocab * fp32
