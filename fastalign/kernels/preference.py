@@ -11,6 +11,7 @@ smoothing, and logσ(x) = min(x, 0) − log(1 + e^−|x|):
     bco_pair   −logσ(βc − δ) − logσ(−(βr − δ))              sppo_hard (c − 1/(2β))² + (r + 1/(2β))²
     nca_pair   −logσ(βc) − ½logσ(−βc) − ½logσ(−βr)          apo_zero  1 − σ(βc) + σ(βr)
     apo_down   σ(βc) + 1 − σ(z)                              orpo      −β·logσ(h − log(1−e^c) + log(1−e^r))
+    kto        1 − σ(z)
 
 One program handles ``BLOCK`` pairs; the derivatives are written out below, no autograd. Floor: a few
 bytes per pair: negligible next to the log-probs that feed it.
@@ -35,6 +36,7 @@ LOSS_CODES: dict[str, int] = {
     "apo_down": 9,
     "discopop": 10,
     "orpo": 11,
+    "kto": 12,
 }
 
 
@@ -109,6 +111,11 @@ def _pair_loss_kernel(
         e = tl.exp(-z)
         loss = -_log_sigmoid(z) * (1.0 - m) + e * m
         dh = beta * (-_sigmoid(-z) * (1.0 - m) + _log_sigmoid(z) * dm - e * m + e * dm)
+        dc, dr = dh, -dh
+    elif LOSS == 12:  # kto: 1 − σ(β(c − r)), c − r = log-ratio − KL (desirable) or KL − log-ratio
+        s = _sigmoid(z)
+        loss = 1.0 - s
+        dh = -beta * s * (1.0 - s)
         dc, dr = dh, -dh
     else:  # orpo: c, r are mean per-token log-probs (< 0); log-odds difference
         log_odds = h - tl.log(1.0 - tl.exp(c)) + tl.log(1.0 - tl.exp(r))

@@ -1,5 +1,6 @@
 """Losses users and trainers hold: they take hidden states and the LM-head weight, never logits."""
 
 from fastalign.losses.grpo import GRPOLoss, GRPOLossOutput
+from fastalign.losses.preference import KTOLoss, PreferenceLoss, PreferenceLossOutput
 
-__all__ = ["GRPOLoss", "GRPOLossOutput"]
+__all__ = ["GRPOLoss", "GRPOLossOutput", "KTOLoss", "PreferenceLoss", "PreferenceLossOutput"]

@@ -47,6 +47,8 @@ def _pair_loss_torch(c, r, loss_type: str, beta: float, smoothing: float, tau: f
     if loss_type == "discopop":
         modulation = torch.sigmoid(z / tau)
         return -F.logsigmoid(z) * (1 - modulation) + torch.exp(-z) * modulation
+    if loss_type == "kto":
+        return 1 - torch.sigmoid(z)
     if loss_type == "orpo":
         log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
         return -beta * F.logsigmoid(log_odds)

@@ -1,0 +1,304 @@
+"""``PreferenceLoss`` (DPO family, SimPO, CPO, ORPO) and ``KTOLoss`` from hidden states, never logits.
+
+Sequence log-probs come from the fused, chunked linear log-softmax (``token_logprobs``); reference
+passes run under ``no_grad`` (or use precomputed reference log-probs); the per-pair loss is one small
+kernel (``fastalign/kernels/preference.py``). Option and metric names follow TRL's DPOConfig,
+CPOConfig, ORPOConfig and KTOConfig.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fastalign.ops import token_logprobs
+from fastalign.ops.backend import Backend
+from fastalign.ops.preference import DPO_LOSS_TYPES, dpo_pair_inputs, pair_loss
+
+IGNORE_INDEX = -100
+OBJECTIVES: tuple[str, ...] = ("dpo", "simpo", "cpo", "orpo")
+CPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo")
+
+
+class PreferenceLossOutput(NamedTuple):
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]  # detached, TRL's names
+
+
+def _masked_targets(targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    return targets if loss_mask is None else torch.where(loss_mask.bool(), targets, IGNORE_INDEX)
+
+
+def sequence_logprobs(
+    hidden, weight, targets, bias=None, *, chunk_size=None, backend: Backend = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Σ log p over each sequence's loss tokens [N], loss-token counts [N], token log-probs [N, T]).
+
+    Raises a ValueError naming the first sequence without a loss token."""
+    lengths = (targets != IGNORE_INDEX).sum(-1).float()
+    if bool((lengths == 0).any()):
+        index = int((lengths == 0).nonzero()[0, 0])
+        raise ValueError(f"sequence {index} of the batch has no loss tokens (all masked)")
+    tokens = token_logprobs(hidden, weight, targets, bias, chunk_size=chunk_size, backend=backend)
+    return tokens.sum(-1), lengths, tokens
+
+
+def _reward_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
+    return {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "logps/chosen": chosen_logps.mean(),
+        "logps/rejected": rejected_logps.mean(),
+    }
+
+
+class PreferenceLoss(nn.Module):
+    """Pairwise preference losses from the policy's hidden states of chosen-then-rejected sequences.
+
+    objective:
+        'dpo': ``loss_type`` one of ``DPO_LOSS_TYPES`` or a list of them with ``loss_weights`` (a
+            weighted sum of their means, as TRL mixes them); needs reference log-probs unless
+            ``reference_free``. 'sft' in the list adds the chosen NLL.
+        'simpo': −logσ(β(mean log p_c − mean log p_r − γ/β)) with label smoothing (no reference).
+        'cpo': sigmoid / hinge / ipo on the log-prob margin (ipo on mean log-probs) + ``cpo_alpha``·NLL.
+        'orpo': chosen NLL − β·logσ(log-odds ratio), on mean log-probs.
+    """
+
+    def __init__(
+        self,
+        *,
+        objective: str = "dpo",
+        loss_type: str | Sequence[str] = "sigmoid",
+        loss_weights: Sequence[float] | None = None,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        discopop_tau: float = 0.05,
+        reference_free: bool = False,
+        gamma: float = 0.5,
+        cpo_alpha: float = 1.0,
+        chunk_size: int | None = None,
+        backend: Backend = "auto",
+    ):
+        super().__init__()
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+        valid = {"dpo": DPO_LOSS_TYPES, "cpo": CPO_LOSS_TYPES}.get(objective, ("sigmoid",))
+        unknown = [name for name in loss_types if name not in valid]
+        if unknown or not loss_types:
+            raise ValueError(
+                f"loss_type {unknown or loss_types} is not valid for {objective!r}; valid: {valid}"
+            )
+        if loss_weights is not None and len(loss_weights) != len(loss_types):
+            raise ValueError(f"loss_weights ({len(loss_weights)}) must match loss_type ({len(loss_types)})")
+        if not beta > 0:
+            raise ValueError(f"beta must be > 0, got {beta}")
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        self.objective = objective
+        self.loss_types = loss_types
+        self.loss_weights = list(loss_weights) if loss_weights is not None else [1.0] * len(loss_types)
+        self.beta = float(beta)
+        self.label_smoothing = float(label_smoothing)
+        self.discopop_tau = float(discopop_tau)
+        self.reference_free = reference_free or objective != "dpo"
+        self.gamma = float(gamma)
+        self.cpo_alpha = float(cpo_alpha)
+        self.chunk_size = chunk_size
+        self.backend = backend
+        # bco_pair's reward shift: the running mean of all rewards seen (TRL's RunningMoments)
+        self.register_buffer("bco_reward_mean", torch.zeros(()), persistent=True)
+        self.register_buffer("bco_reward_count", torch.zeros(()), persistent=True)
+
+    def _pair(self, kernel_type: str, c, r, shift: float = 0.0) -> torch.Tensor:
+        smoothing = self.label_smoothing
+        if kernel_type == "exo_pair" and smoothing == 0.0:
+            smoothing = 1e-3  # as TRL: the EXO loss needs a non-zero ε
+        return pair_loss(
+            c, r, kernel_type, beta=self.beta, label_smoothing=smoothing, discopop_tau=self.discopop_tau,
+            shift=shift, backend=self.backend,
+        )  # fmt: skip
+
+    def _bco_shift(self, c: torch.Tensor, r: torch.Tensor) -> float:
+        rewards = torch.cat([c, r]).detach() * self.beta
+        count = self.bco_reward_count + rewards.numel()
+        self.bco_reward_mean.copy_(
+            self.bco_reward_mean + (rewards.sum() - rewards.numel() * self.bco_reward_mean) / count
+        )
+        self.bco_reward_count.copy_(count)
+        return float(self.bco_reward_mean)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        *,
+        bias: torch.Tensor | None = None,
+        ref_hidden: torch.Tensor | None = None,
+        ref_weight: torch.Tensor | None = None,
+        ref_bias: torch.Tensor | None = None,
+        ref_chosen_logps: torch.Tensor | None = None,
+        ref_rejected_logps: torch.Tensor | None = None,
+    ) -> PreferenceLossOutput:
+        """hidden [2P, T, D]: the P chosen sequences, then the P rejected ones, each position's state
+        predicting ``targets`` [2P, T] there; ``loss_mask`` [2P, T] marks the completion tokens."""
+        if hidden.shape[0] % 2:
+            raise ValueError(
+                "hidden holds chosen then rejected sequences: its batch size "
+                f"({hidden.shape[0]}) must be even"
+            )
+        pairs = hidden.shape[0] // 2
+        targets = _masked_targets(targets, loss_mask)
+        seq, lengths, tokens = sequence_logprobs(
+            hidden, weight, targets, bias, chunk_size=self.chunk_size, backend=self.backend
+        )
+        chosen, rejected = seq[:pairs], seq[pairs:]
+        chosen_len, rejected_len = lengths[:pairs], lengths[pairs:]
+        nll = -tokens[:pairs].sum() / chosen_len.sum()
+
+        if self.objective == "dpo":
+            ref_chosen, ref_rejected = self._reference(pairs, targets, ref_hidden, ref_weight, ref_bias,
+                                                       ref_chosen_logps, ref_rejected_logps)  # fmt: skip
+            loss = torch.zeros((), device=hidden.device)
+            for loss_type, loss_weight in zip(self.loss_types, self.loss_weights, strict=True):
+                if loss_type == "sft":
+                    loss = loss + loss_weight * nll
+                    continue
+                kernel_type, c, r = dpo_pair_inputs(
+                    loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len
+                )
+                shift = self._bco_shift(c, r) if loss_type == "bco_pair" else 0.0
+                loss = loss + loss_weight * self._pair(kernel_type, c, r, shift).mean()
+            chosen_rewards = self.beta * (chosen - ref_chosen).detach()
+            rejected_rewards = self.beta * (rejected - ref_rejected).detach()
+            metrics = _reward_metrics(chosen_rewards, rejected_rewards, chosen.detach(), rejected.detach())
+            if "sft" in self.loss_types:
+                metrics["nll_loss"] = nll.detach()
+            return PreferenceLossOutput(loss, metrics)
+
+        chosen_mean, rejected_mean = chosen / chosen_len, rejected / rejected_len
+        if self.objective == "simpo":
+            c, r = chosen_mean, rejected_mean + self.gamma / self.beta
+            loss = self._pair("sigmoid", c, r).mean()
+            rewards = (chosen_mean, rejected_mean)
+        elif self.objective == "cpo":
+            c, r = (chosen_mean, rejected_mean) if self.loss_types[0] == "ipo" else (chosen, rejected)
+            loss = self._pair(self.loss_types[0], c, r).mean() + self.cpo_alpha * nll
+            rewards = (c, r)
+        else:  # orpo
+            loss = nll + self._pair("orpo", chosen_mean, rejected_mean).mean()
+            rewards = (chosen_mean, rejected_mean)
+        chosen_rewards, rejected_rewards = (self.beta * reward.detach() for reward in rewards)
+        metrics = _reward_metrics(chosen_rewards, rejected_rewards, chosen.detach(), rejected.detach())
+        if self.objective in ("cpo", "orpo"):
+            metrics["nll_loss"] = nll.detach()
+        if self.objective == "orpo":
+            log_odds = (
+                chosen_mean
+                - rejected_mean
+                - torch.log1p(-chosen_mean.exp())
+                + torch.log1p(-rejected_mean.exp())
+            ).detach()
+            metrics["log_odds_ratio"] = torch.nn.functional.logsigmoid(log_odds).mean()
+            metrics["log_odds_chosen"] = log_odds.mean()
+        return PreferenceLossOutput(loss, metrics)
+
+    def _reference(self, pairs, targets, ref_hidden, ref_weight, ref_bias, ref_chosen, ref_rejected):
+        """Reference sequence log-probs (chosen [P], rejected [P]): given, computed, or 0 (reference-free)."""
+        if self.reference_free:
+            zeros = torch.zeros(pairs, device=targets.device)
+            return zeros, zeros
+        if ref_chosen is not None and ref_rejected is not None:
+            for name, value in (("ref_chosen_logps", ref_chosen), ("ref_rejected_logps", ref_rejected)):
+                if value.shape != (pairs,):
+                    raise ValueError(f"{name} must have shape [P] = ({pairs},), got {tuple(value.shape)}")
+            return ref_chosen.float(), ref_rejected.float()
+        if ref_hidden is None or ref_weight is None:
+            raise ValueError(
+                "the reference is missing: pass ref_chosen_logps and ref_rejected_logps, or ref_hidden and "
+                "ref_weight, or use reference_free=True"
+            )
+        with torch.no_grad():
+            ref_seq, _, _ = sequence_logprobs(
+                ref_hidden, ref_weight, targets, ref_bias, chunk_size=self.chunk_size, backend=self.backend
+            )
+        return ref_seq[:pairs], ref_seq[pairs:]
+
+
+class KTOLoss(nn.Module):
+    """KTO on unpaired completions: desirable ones are pushed above the reference by more than the KL
+    estimate, undesirable ones below (``desirable_weight``/``undesirable_weight`` balance them).
+
+    The KL estimate is TRL's: mean over the batch of (policy − reference) log-probs of mismatched
+    prompt/completion pairs, clamped at 0, without gradient.
+    """
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        chunk_size: int | None = None,
+        backend: Backend = "auto",
+    ):
+        super().__init__()
+        if not beta > 0:
+            raise ValueError(f"beta must be > 0, got {beta}")
+        self.beta = float(beta)
+        self.desirable_weight = float(desirable_weight)
+        self.undesirable_weight = float(undesirable_weight)
+        self.chunk_size = chunk_size
+        self.backend = backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        *,
+        ref_logps: torch.Tensor,
+        kl_logps: torch.Tensor,
+        ref_kl_logps: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> PreferenceLossOutput:
+        """hidden [N, T, D] of N completions; ``labels`` [N] True where desirable; reference sequence
+        log-probs [N]; policy and reference log-probs of the mismatched (KL) completions [M]."""
+        count = hidden.shape[0]
+        if labels.shape != (count,):
+            raise ValueError(f"labels must have shape [N] = ({count},), got {tuple(labels.shape)}")
+        if ref_logps.shape != (count,):
+            raise ValueError(f"ref_logps must have shape [N] = ({count},), got {tuple(ref_logps.shape)}")
+        if kl_logps.shape != ref_kl_logps.shape:
+            raise ValueError(
+                f"kl_logps {tuple(kl_logps.shape)} and ref_kl_logps {tuple(ref_kl_logps.shape)} differ"
+            )
+        seq, _, _ = sequence_logprobs(
+            hidden, weight, _masked_targets(targets, loss_mask), bias, chunk_size=self.chunk_size,
+            backend=self.backend,
+        )  # fmt: skip
+        kl = (kl_logps.float() - ref_kl_logps.float()).mean().clamp(min=0).detach()
+        logratios = seq - ref_logps.float()
+        desirable = labels.bool()
+        c = torch.where(desirable, logratios, kl)
+        r = torch.where(desirable, kl, logratios)
+        losses = pair_loss(c, r, "kto", beta=self.beta, backend=self.backend)
+        weights = torch.where(desirable, self.desirable_weight, self.undesirable_weight)
+        rewards = self.beta * logratios.detach()
+        metrics = {"kl": kl}
+        for name, selected in (("chosen", desirable), ("rejected", ~desirable)):
+            if bool(selected.any()):
+                metrics[f"rewards/{name}"] = rewards[selected].mean()
+                metrics[f"logps/{name}"] = seq.detach()[selected].mean()
+        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        return PreferenceLossOutput((losses * weights).mean(), metrics)

@@ -1,0 +1,285 @@
+"""PreferenceLoss and KTOLoss against the papers' / TRL's formulas in float64, from hidden states."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastalign.losses import KTOLoss, PreferenceLoss
+from fastalign.ops.preference import DPO_LOSS_TYPES
+from tests.conftest import DEVICE
+from tests.helpers import assert_close_to_reference
+
+P, T, D, V = 3, 6, 9, 23
+BETA, SMOOTHING, TAU = 0.3, 0.1, 0.05
+
+
+def make_batch(dtype, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(2 * P, T, D, generator=gen) * scale).to(DEVICE, dtype).requires_grad_()
+    weight = (torch.randn(V, D, generator=gen) / D**0.5).to(DEVICE, dtype).requires_grad_()
+    targets = torch.randint(0, V, (2 * P, T), generator=gen).to(DEVICE)
+    lengths = torch.tensor([6, 2, 4, 5, 1, 3])  # padded completions of different lengths
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(DEVICE)
+    ref_hidden = hidden.detach() + 0.3 * torch.randn(hidden.shape, generator=gen).to(DEVICE, dtype)
+    return hidden, weight, targets, mask, ref_hidden
+
+
+def seq_logps64(hidden, weight, targets, mask):
+    """float64 Σ log p over each sequence's masked tokens, and the token log-probs."""
+    log_p = (hidden.double() @ weight.double().T).log_softmax(-1)
+    tokens = log_p.gather(-1, targets[..., None]).squeeze(-1) * mask
+    return tokens.sum(-1), tokens, mask.sum(-1).double()
+
+
+def reference_loss(
+    loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len, nll, beta=BETA
+):
+    """TRL's dpo_loss for one loss type (float64), written from the formulas."""
+    ls = SMOOTHING
+    c, r = chosen - ref_chosen, rejected - ref_rejected
+    logits = (chosen - rejected) - (ref_chosen - ref_rejected)
+    z = beta * logits
+    if loss_type == "sigmoid":
+        return (-F.logsigmoid(z) * (1 - ls) - F.logsigmoid(-z) * ls).mean()
+    if loss_type == "sigmoid_norm":
+        zn = beta * (c / chosen_len - r / rejected_len)
+        return (-F.logsigmoid(zn) * (1 - ls) - F.logsigmoid(-zn) * ls).mean()
+    if loss_type == "robust":
+        return ((-F.logsigmoid(z) * (1 - ls) + F.logsigmoid(-z) * ls) / (1 - 2 * ls)).mean()
+    if loss_type == "exo_pair":
+        return (
+            z.sigmoid() * (F.logsigmoid(z) - math.log(1 - ls))
+            + (-z).sigmoid() * (F.logsigmoid(-z) - math.log(ls))
+        ).mean()
+    if loss_type == "hinge":
+        return torch.relu(1 - z).mean()
+    if loss_type == "ipo":
+        return ((logits - 1 / (2 * beta)) ** 2).mean()
+    if loss_type == "bco_pair":
+        delta = torch.cat([beta * c, beta * r]).mean().detach()
+        return (-F.logsigmoid(beta * c - delta) - F.logsigmoid(-(beta * r - delta))).mean()
+    if loss_type == "sppo_hard":
+        return ((c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2).mean()
+    if loss_type == "nca_pair":
+        return (
+            -F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c) - 0.5 * F.logsigmoid(-beta * r)
+        ).mean()
+    if loss_type in ("aot", "aot_unpaired"):
+        if loss_type == "aot":
+            d = torch.sort(chosen - rejected)[0] - torch.sort(ref_chosen - ref_rejected)[0]
+        else:
+            d = torch.sort(c)[0] - torch.sort(r)[0]
+        return (-F.logsigmoid(beta * d) * (1 - ls) - F.logsigmoid(-beta * d) * ls).mean()
+    if loss_type == "apo_zero":
+        return ((1 - torch.sigmoid(beta * c)) + torch.sigmoid(beta * r)).mean()
+    if loss_type == "apo_down":
+        return (torch.sigmoid(beta * c) + (1 - torch.sigmoid(beta * (c - r)))).mean()
+    if loss_type == "discopop":
+        modulation = torch.sigmoid(z / TAU)
+        return (-F.logsigmoid(z) * (1 - modulation) + torch.exp(-z) * modulation).mean()
+    if loss_type == "sft":
+        return nll
+    raise AssertionError(loss_type)
+
+
+def run_dpo(backend, dtype, loss_type, loss_weights=None, reference="hidden", seed=0, scale=1.0):
+    hidden, weight, targets, mask, ref_hidden = make_batch(dtype, seed, scale)
+    loss_fn = PreferenceLoss(
+        loss_type=loss_type, loss_weights=loss_weights, beta=BETA, label_smoothing=SMOOTHING,
+        discopop_tau=TAU, reference_free=reference == "free", backend=backend,
+    )  # fmt: skip
+    ref_seq, _, _ = seq_logps64(ref_hidden, weight.detach(), targets, mask)
+    kwargs = {}
+    if reference == "hidden":
+        kwargs = dict(ref_hidden=ref_hidden, ref_weight=weight.detach())
+    elif reference == "logps":
+        kwargs = dict(ref_chosen_logps=ref_seq[:P].float(), ref_rejected_logps=ref_seq[P:].float())
+    out = loss_fn(hidden, weight, targets, mask, **kwargs)
+    out.loss.backward()
+
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    seq, tokens, lengths = seq_logps64(h64, w64, targets, mask)
+    if reference == "free":
+        ref_seq = torch.zeros_like(ref_seq)
+    nll = -tokens[:P].sum() / lengths[:P].sum()
+    types = [loss_type] if isinstance(loss_type, str) else loss_type
+    weights = loss_weights or [1.0] * len(types)
+    expected = sum(
+        w * reference_loss(t, seq[:P], seq[P:], ref_seq[:P], ref_seq[P:], lengths[:P], lengths[P:], nll)
+        for t, w in zip(types, weights, strict=True)
+    )
+    expected.backward()
+    rewards = (BETA * (seq[:P] - ref_seq[:P]).detach(), BETA * (seq[P:] - ref_seq[P:]).detach())
+    return out, expected, (hidden, weight), (h64, w64), rewards, seq.detach()
+
+
+@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+def test_dpo_loss_types_match_float64(backend, loss_type):
+    out, expected, (hidden, weight), (h64, w64), rewards, seq = run_dpo(backend, torch.float32, loss_type)
+    assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
+    assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
+    assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.float32)
+    metrics = out.metrics
+    torch.testing.assert_close(metrics["rewards/chosen"].double(), rewards[0].mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["rewards/rejected"].double(), rewards[1].mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        metrics["rewards/margins"].double(), (rewards[0] - rewards[1]).mean(), rtol=1e-5, atol=1e-6
+    )
+    assert metrics["rewards/accuracies"].item() == (rewards[0] > rewards[1]).double().mean().item()
+    torch.testing.assert_close(metrics["logps/chosen"].double(), seq[:P].mean(), rtol=1e-5, atol=1e-6)
+    assert ("nll_loss" in metrics) == (loss_type == "sft")
+
+
+@pytest.mark.parametrize("reference", ["logps", "free"])
+def test_reference_from_logps_or_none(backend, reference):
+    out, expected, (hidden, _), (h64, _), _, _ = run_dpo(
+        backend, torch.float32, "sigmoid", reference=reference
+    )
+    assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
+    assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
+
+
+def test_weighted_mix_of_loss_types(backend):
+    mix, weights = ["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0]
+    out, expected, (_, weight), (_, w64), _, _ = run_dpo(backend, torch.float32, mix, weights)
+    assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
+    assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_bf16(backend, loss_type):
+    out, expected, (hidden, weight), (h64, w64), _, _ = run_dpo(backend, torch.bfloat16, loss_type, seed=1)
+    assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.bfloat16)
+    assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.bfloat16)
+    assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.bfloat16)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "discopop", "nca_pair", "apo_down"])
+def test_extreme_margins_stay_finite(backend, loss_type):
+    out, expected, (hidden, weight), _, _, _ = run_dpo(backend, torch.float32, loss_type, scale=300.0)
+    assert (
+        torch.isfinite(out.loss) and torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+    )
+    if torch.isfinite(expected):
+        assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
+
+
+def test_equal_chosen_and_rejected(backend):
+    hidden, weight, targets, mask, _ = make_batch(torch.float32)
+    hidden = torch.cat([hidden[:P], hidden[:P]]).detach().requires_grad_()
+    targets, mask = torch.cat([targets[:P], targets[:P]]), torch.cat([mask[:P], mask[:P]])
+    out = PreferenceLoss(beta=BETA, reference_free=True, backend=backend)(hidden, weight, targets, mask)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, torch.tensor(math.log(2.0), device=DEVICE))
+    assert out.metrics["rewards/margins"] == 0 and torch.isfinite(hidden.grad).all()
+
+
+def _reference_free_inputs(hidden, weight, targets, mask):
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    seq, tokens, lengths = seq_logps64(h64, w64, targets, mask)
+    nll = -tokens[:P].sum() / lengths[:P].sum()
+    return h64, w64, seq, lengths, nll
+
+
+@pytest.mark.parametrize("variant", ["simpo", "cpo-sigmoid", "cpo-hinge", "cpo-ipo", "orpo"])
+def test_reference_free_objectives(backend, variant):
+    hidden, weight, targets, mask, _ = make_batch(torch.float32, seed=2)
+    objective, _, loss_type = variant.partition("-")
+    gamma, alpha = 0.4, 0.7
+    loss_fn = PreferenceLoss(
+        objective=objective, loss_type=loss_type or "sigmoid", beta=BETA, label_smoothing=SMOOTHING,
+        gamma=gamma, cpo_alpha=alpha, backend=backend,
+    )  # fmt: skip
+    out = loss_fn(hidden, weight, targets, mask)
+    out.loss.backward()
+    h64, w64, seq, lengths, nll = _reference_free_inputs(hidden, weight, targets, mask)
+    mean_c, mean_r = seq[:P] / lengths[:P], seq[P:] / lengths[P:]
+    if objective == "simpo":
+        logits = (mean_c - mean_r) - gamma / BETA
+        expected = (
+            -F.logsigmoid(BETA * logits) * (1 - SMOOTHING) - F.logsigmoid(-BETA * logits) * SMOOTHING
+        ).mean()
+    elif objective == "cpo":
+        if loss_type == "ipo":
+            expected = ((mean_c - mean_r - 1 / (2 * BETA)) ** 2).mean()
+        elif loss_type == "hinge":
+            expected = torch.relu(1 - BETA * (seq[:P] - seq[P:])).mean()
+        else:
+            z = BETA * (seq[:P] - seq[P:])
+            expected = (-F.logsigmoid(z) * (1 - SMOOTHING) - F.logsigmoid(-z) * SMOOTHING).mean()
+        expected = expected + alpha * nll
+    else:
+        log_odds = (mean_c - mean_r) - (torch.log1p(-torch.exp(mean_c)) - torch.log1p(-torch.exp(mean_r)))
+        expected = nll - (BETA * F.logsigmoid(log_odds)).mean()
+        torch.testing.assert_close(
+            out.metrics["log_odds_chosen"].double(), log_odds.mean().detach(), rtol=1e-5, atol=1e-6
+        )
+    expected.backward()
+    assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
+    assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
+    assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.float32)
+    assert ("nll_loss" in out.metrics) == (objective != "simpo")
+
+
+def test_kto_matches_formula(backend):
+    hidden, weight, targets, mask, _ = make_batch(torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    labels = torch.tensor([True, False, True, True, False, False], device=DEVICE)
+    ref_logps = (torch.randn(2 * P, generator=gen) - 8).to(DEVICE)
+    kl_logps, ref_kl = (
+        (torch.randn(5, generator=gen) - 8).to(DEVICE),
+        (torch.randn(5, generator=gen) - 8.5).to(DEVICE),
+    )
+    loss_fn = KTOLoss(beta=BETA, desirable_weight=1.3, undesirable_weight=0.7, backend=backend)
+    out = loss_fn(
+        hidden, weight, targets, labels, mask, ref_logps=ref_logps, kl_logps=kl_logps, ref_kl_logps=ref_kl
+    )
+    out.loss.backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    seq, _, _ = seq_logps64(h64, w64, targets, mask)
+    kl = (kl_logps - ref_kl).double().mean().clamp(min=0)
+    ratio = seq - ref_logps.double()
+    chosen = 1 - torch.sigmoid(BETA * (ratio[labels] - kl))
+    rejected = 1 - torch.sigmoid(BETA * (kl - ratio[~labels]))
+    expected = torch.cat([1.3 * chosen, 0.7 * rejected]).mean()
+    expected.backward()
+    assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
+    assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
+    torch.testing.assert_close(out.metrics["kl"].double(), kl)
+    torch.testing.assert_close(
+        out.metrics["rewards/chosen"].double(), (BETA * ratio[labels]).mean().detach(), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_bad_input():
+    hidden, weight, targets, mask, ref_hidden = make_batch(torch.float32)
+    with pytest.raises(ValueError, match=r"valid: .*sigmoid"):
+        PreferenceLoss(loss_type="dpo")
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        PreferenceLoss(beta=0.0)
+    with pytest.raises(ValueError, match="loss_weights"):
+        PreferenceLoss(loss_type=["sigmoid", "ipo"], loss_weights=[1.0])
+    with pytest.raises(ValueError, match="objective"):
+        PreferenceLoss(objective="ppo")
+    loss_fn = PreferenceLoss()
+    with pytest.raises(ValueError, match="must be even"):
+        loss_fn(hidden[:-1], weight, targets[:-1], mask[:-1], ref_hidden=ref_hidden[:-1], ref_weight=weight)
+    with pytest.raises(ValueError, match="ref_chosen_logps must have shape"):
+        loss_fn(
+            hidden,
+            weight,
+            targets,
+            mask,
+            ref_chosen_logps=torch.zeros(P + 1),
+            ref_rejected_logps=torch.zeros(P),
+        )
+    with pytest.raises(ValueError, match="reference is missing"):
+        loss_fn(hidden, weight, targets, mask)
+    mask = mask.clone()
+    mask[4] = False
+    with pytest.raises(ValueError, match="sequence 4 of the batch has no loss tokens"):
+        loss_fn(hidden, weight, targets, mask, ref_hidden=ref_hidden, ref_weight=weight)
