@@ -25,6 +25,7 @@ BENCHMARKS = {
     "rope": "benchmarks/kernels/bench_rope.py",
     "swiglu": "benchmarks/kernels/bench_swiglu.py",
     "grpo": "benchmarks/kernels/bench_grpo.py",
+    "preference": "benchmarks/kernels/bench_preference.py",
     "e2e_patch_model": "benchmarks/e2e/bench_patch_model.py",
 }
 

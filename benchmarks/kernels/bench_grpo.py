@@ -12,9 +12,7 @@ backward, 8·N·V·D) at the measured matmul ceiling.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -22,8 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import common
-from fastalign.bench import measure
+from benchmarks.kernels.loss_head_suite import LossHeadBenchmark, run
 from fastalign.losses import GRPOLoss
 
 PRESETS = {
@@ -73,70 +70,28 @@ def providers(device: torch.device) -> dict:
     return table
 
 
-def _figures(fn, inputs, device: torch.device, repeats: int) -> dict:
-    hidden, weight = inputs[:2]
+def make_inputs(shape, dtype, device):
+    completions, length, dim, vocab = shape
+    hidden = torch.randn(completions, length, dim, device=device, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(vocab, dim, device=device) / dim**0.5).to(dtype).requires_grad_()
+    ids = torch.randint(0, vocab, (completions, length), device=device)
+    mask = (torch.rand(completions, length, device=device) < 0.9).float()
+    advantages = torch.randn(completions, device=device)
+    old = -torch.rand(completions, length, device=device) * 5 - 8
+    ref = old + torch.randn_like(old) * 0.1
+    return hidden, weight, ids, mask, advantages, old, ref
 
-    def forward():
-        return fn(*inputs)
 
-    def forward_backward():
-        hidden.grad = weight.grad = None
-        forward().backward()
-
-    return common.step_figures(forward, forward_backward, device, repeats)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
-    args = parser.parse_args()
-    preset = PRESETS[args.preset]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, preset["dtype"])
-    if device.type == "cpu":
-        measure.release_freed_memory_promptly()
-    tflops = common.matmul_tflops(device, dtype)
-    table = providers(device)
-    skipped = {} if "liger-kernel" in table else {"liger-kernel": "needs CUDA and liger-kernel"}
-    rows = []
-    for completions, length, dim, vocab in preset["shapes"]:
-        torch.manual_seed(0)
-        hidden = torch.randn(completions, length, dim, device=device, dtype=dtype, requires_grad=True)
-        weight = (torch.randn(vocab, dim, device=device) / dim**0.5).to(dtype).requires_grad_()
-        ids = torch.randint(0, vocab, (completions, length), device=device)
-        mask = (torch.rand(completions, length, device=device) < 0.9).float()
-        advantages = torch.randn(completions, device=device)
-        old = -torch.rand(completions, length, device=device) * 5 - 8
-        ref = old + torch.randn_like(old) * 0.1
-        inputs = (hidden, weight, ids, mask, advantages, old, ref)
-        floor_ms = 6 * completions * length * vocab * dim / (tflops * 1e12) * 1e3
-        for name, fn in table.items():
-            try:
-                row = {"provider": name} | _figures(fn, inputs, device, preset["repeats"])
-            except torch.OutOfMemoryError as error:
-                skipped[f"{name} B·G={completions} T={length}"] = f"out of memory: {str(error)[:120]}"
-                continue
-            finally:
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            shape = f"B·G={completions} T={length} D={dim} V={vocab}"
-            rows.append(common.add_floor(row | {"shape": shape, "dtype": preset["dtype"]}, floor_ms))
-            print(json.dumps(rows[-1]), flush=True)
-    result = {
-        "suite": "kernels",
-        "kernel": "grpo",
-        "preset": args.preset,
-        "floor": "6·N·V·D FLOPs at the measured matmul ceiling",
-        "matmul_tflops": round(tflops, 3),
-        "env": common.environment(device),
-        "rows": rows,
-        "skipped": skipped,
-    }
-    print(f"wrote {common.write_result(result, args.out)}")
-
+BENCH = LossHeadBenchmark(
+    kernel="grpo",
+    description=__doc__,
+    presets=PRESETS,
+    make_inputs=make_inputs,
+    floor_flops=lambda shape: 6 * shape[0] * shape[1] * shape[2] * shape[3],
+    floor_text="6·N·V·D FLOPs at the measured matmul ceiling",
+    describe=lambda shape: f"B·G={shape[0]} T={shape[1]} D={shape[2]} V={shape[3]}",
+    providers=providers,
+)
 
 if __name__ == "__main__":
-    main()
+    run(BENCH)

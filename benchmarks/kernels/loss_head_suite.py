@@ -1,0 +1,89 @@
+"""A runner for loss-head benchmarks (GRPO, DPO): providers × shapes, one JSON result file.
+
+A benchmark file gives its presets, how to build the inputs of a shape (the first two being the
+hidden states and head weight that receive gradients), the FLOPs of its floor, and its providers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+from fastalign.bench import measure
+
+
+@dataclass
+class LossHeadBenchmark:
+    kernel: str
+    description: str
+    presets: dict[str, dict]  # name → {"dtype", "shapes", "repeats"}
+    make_inputs: Callable[[tuple, torch.dtype, torch.device], tuple]
+    floor_flops: Callable[[tuple], float]
+    floor_text: str
+    describe: Callable[[tuple], str]
+    providers: Callable[[torch.device], dict[str, Callable]]
+    cuda_only: tuple[str, ...] = ("liger-kernel",)
+
+
+def _figures(fn, inputs, device: torch.device, repeats: int) -> dict:
+    hidden, weight = inputs[:2]
+
+    def forward():
+        return fn(*inputs)
+
+    def forward_backward():
+        hidden.grad = weight.grad = None
+        forward().backward()
+
+    return common.step_figures(forward, forward_backward, device, repeats)
+
+
+def run(bench: LossHeadBenchmark, argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=bench.description)
+    parser.add_argument("--preset", choices=sorted(bench.presets), default="gpu")
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    args = parser.parse_args(argv)
+    preset = bench.presets[args.preset]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, preset["dtype"])
+    if device.type == "cpu":
+        measure.release_freed_memory_promptly()
+    tflops = common.matmul_tflops(device, dtype)
+    table = bench.providers(device)
+    skipped = {name: "needs CUDA and its package" for name in bench.cuda_only if name not in table}
+    rows = []
+    for shape in preset["shapes"]:
+        torch.manual_seed(0)
+        inputs = bench.make_inputs(shape, dtype, device)
+        floor_ms = bench.floor_flops(shape) / (tflops * 1e12) * 1e3
+        for name, fn in table.items():
+            try:
+                row = {"provider": name} | _figures(fn, inputs, device, preset["repeats"])
+            except torch.OutOfMemoryError as error:
+                skipped[f"{name} {bench.describe(shape)}"] = f"out of memory: {str(error)[:120]}"
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            row |= {"shape": bench.describe(shape), "dtype": preset["dtype"]}
+            rows.append(common.add_floor(row, floor_ms))
+            print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "suite": "kernels",
+        "kernel": bench.kernel,
+        "preset": args.preset,
+        "floor": bench.floor_text,
+        "matmul_tflops": round(tflops, 3),
+        "env": common.environment(device),
+        "rows": rows,
+        "skipped": skipped,
+    }
+    path = common.write_result(result, args.out)
+    print(f"wrote {path}")
+    return path
