@@ -57,6 +57,32 @@ def _reward_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_log
     }
 
 
+class _Pairs(NamedTuple):
+    """Policy sequence log-probs of the chosen and rejected completions, their loss-token counts, and
+    the chosen completions' mean NLL per token."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_len: torch.Tensor
+    rejected_len: torch.Tensor
+    nll: torch.Tensor
+
+
+def _log_odds_metrics(pair: _Pairs) -> dict:
+    """ORPO's logged log-odds: of the mean log-probs, chosen against rejected."""
+    chosen_mean, rejected_mean = (
+        (pair.chosen / pair.chosen_len).detach(),
+        (pair.rejected / pair.rejected_len).detach(),
+    )
+    log_odds = (
+        chosen_mean - rejected_mean - torch.log1p(-chosen_mean.exp()) + torch.log1p(-rejected_mean.exp())
+    )
+    return {
+        "log_odds_ratio": torch.nn.functional.logsigmoid(log_odds).mean(),
+        "log_odds_chosen": log_odds.mean(),
+    }
+
+
 class PreferenceLoss(nn.Module):
     """Pairwise preference losses from the policy's hidden states of chosen-then-rejected sequences.
 
@@ -159,56 +185,62 @@ class PreferenceLoss(nn.Module):
         seq, lengths, tokens = sequence_logprobs(
             hidden, weight, targets, bias, chunk_size=self.chunk_size, backend=self.backend
         )
-        chosen, rejected = seq[:pairs], seq[pairs:]
-        chosen_len, rejected_len = lengths[:pairs], lengths[pairs:]
-        nll = -tokens[:pairs].sum() / chosen_len.sum()
-
+        pair = _Pairs(
+            seq[:pairs],
+            seq[pairs:],
+            lengths[:pairs],
+            lengths[pairs:],
+            -tokens[:pairs].sum() / lengths[:pairs].sum(),
+        )
         if self.objective == "dpo":
-            ref_chosen, ref_rejected = self._reference(pairs, targets, ref_hidden, ref_weight, ref_bias,
-                                                       ref_chosen_logps, ref_rejected_logps)  # fmt: skip
-            loss = torch.zeros((), device=hidden.device)
-            for loss_type, loss_weight in zip(self.loss_types, self.loss_weights, strict=True):
-                if loss_type == "sft":
-                    loss = loss + loss_weight * nll
-                    continue
-                kernel_type, c, r = dpo_pair_inputs(
-                    loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len
-                )
-                shift = self._bco_shift(c, r) if loss_type == "bco_pair" else 0.0
-                loss = loss + loss_weight * self._pair(kernel_type, c, r, shift).mean()
-            chosen_rewards = self.beta * (chosen - ref_chosen).detach()
-            rejected_rewards = self.beta * (rejected - ref_rejected).detach()
-            metrics = _reward_metrics(chosen_rewards, rejected_rewards, chosen.detach(), rejected.detach())
-            if "sft" in self.loss_types:
-                metrics["nll_loss"] = nll.detach()
-            return PreferenceLossOutput(loss, metrics)
-
-        chosen_mean, rejected_mean = chosen / chosen_len, rejected / rejected_len
-        if self.objective == "simpo":
-            c, r = chosen_mean, rejected_mean + self.gamma / self.beta
-            loss = self._pair("sigmoid", c, r).mean()
-            rewards = (chosen_mean, rejected_mean)
-        elif self.objective == "cpo":
-            c, r = (chosen_mean, rejected_mean) if self.loss_types[0] == "ipo" else (chosen, rejected)
-            loss = self._pair(self.loss_types[0], c, r).mean() + self.cpo_alpha * nll
-            rewards = (c, r)
-        else:  # orpo
-            loss = nll + self._pair("orpo", chosen_mean, rejected_mean).mean()
-            rewards = (chosen_mean, rejected_mean)
+            refs = self._reference(
+                pairs, targets, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps
+            )
+            loss, rewards = self._dpo(pair, *refs)
+        else:
+            loss, rewards = self._reference_free(pair)
         chosen_rewards, rejected_rewards = (self.beta * reward.detach() for reward in rewards)
-        metrics = _reward_metrics(chosen_rewards, rejected_rewards, chosen.detach(), rejected.detach())
-        if self.objective in ("cpo", "orpo"):
-            metrics["nll_loss"] = nll.detach()
+        metrics = _reward_metrics(
+            chosen_rewards, rejected_rewards, pair.chosen.detach(), pair.rejected.detach()
+        )
+        if self.objective in ("cpo", "orpo") or "sft" in self.loss_types:
+            metrics["nll_loss"] = pair.nll.detach()
         if self.objective == "orpo":
-            log_odds = (
-                chosen_mean
-                - rejected_mean
-                - torch.log1p(-chosen_mean.exp())
-                + torch.log1p(-rejected_mean.exp())
-            ).detach()
-            metrics["log_odds_ratio"] = torch.nn.functional.logsigmoid(log_odds).mean()
-            metrics["log_odds_chosen"] = log_odds.mean()
+            metrics |= _log_odds_metrics(pair)
         return PreferenceLossOutput(loss, metrics)
+
+    def _dpo(self, pair: _Pairs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
+        """The weighted DPO-family loss and the implicit rewards' log-ratios."""
+        loss = torch.zeros((), device=pair.chosen.device)
+        for loss_type, loss_weight in zip(self.loss_types, self.loss_weights, strict=True):
+            if loss_type == "sft":
+                loss = loss + loss_weight * pair.nll
+                continue
+            kernel_type, c, r = dpo_pair_inputs(
+                loss_type,
+                pair.chosen,
+                pair.rejected,
+                ref_chosen,
+                ref_rejected,
+                pair.chosen_len,
+                pair.rejected_len,
+            )
+            shift = self._bco_shift(c, r) if loss_type == "bco_pair" else 0.0
+            loss = loss + loss_weight * self._pair(kernel_type, c, r, shift).mean()
+        return loss, (pair.chosen - ref_chosen, pair.rejected - ref_rejected)
+
+    def _reference_free(self, pair: _Pairs):
+        """SimPO, CPO or ORPO, and what their rewards scale (mean or summed log-probs)."""
+        chosen_mean, rejected_mean = pair.chosen / pair.chosen_len, pair.rejected / pair.rejected_len
+        if self.objective == "simpo":
+            loss = self._pair("sigmoid", chosen_mean, rejected_mean + self.gamma / self.beta).mean()
+            return loss, (chosen_mean, rejected_mean)
+        if self.objective == "cpo":
+            ipo = self.loss_types[0] == "ipo"  # CPO's IPO variant compares mean log-probs
+            c, r = (chosen_mean, rejected_mean) if ipo else (pair.chosen, pair.rejected)
+            return self._pair(self.loss_types[0], c, r).mean() + self.cpo_alpha * pair.nll, (c, r)
+        loss = pair.nll + self._pair("orpo", chosen_mean, rejected_mean).mean()
+        return loss, (chosen_mean, rejected_mean)
 
     def _reference(self, pairs, targets, ref_hidden, ref_weight, ref_bias, ref_chosen, ref_rejected):
         """Reference sequence log-probs (chosen [P], rejected [P]): given, computed, or 0 (reference-free)."""
