@@ -112,6 +112,20 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def record(
+    *, suite: str, kernel: str, preset: str, floor: str, ceiling: dict, device: torch.device, rows: list,
+    skipped: dict, out_dir: Path = RESULTS_DIR,
+) -> Path:  # fmt: skip
+    """Write one run (its rows, the environment, the floor and the measured ceiling) as a JSON file."""
+    result = {
+        "suite": suite, "kernel": kernel, "preset": preset, "floor": floor, **ceiling,
+        "env": environment(device), "rows": rows, "skipped": skipped,
+    }  # fmt: skip
+    path = write_result(result, out_dir)
+    print(f"wrote {path}")
+    return path
+
+
 def write_result(result: dict, out_dir: Path = RESULTS_DIR) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "-" for c in result["env"]["device"]).strip("-").lower()

@@ -100,17 +100,11 @@ def main() -> None:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result = {
-        "suite": "e2e",
-        "kernel": "e2e_patch_model",
-        "preset": args.preset,
-        "floor": "6·P·T + 6·L·S²·D·B FLOPs (forward+backward) at the measured matmul ceiling",
-        "matmul_tflops": round(tflops, 3),
-        "env": common.environment(device),
-        "rows": rows,
-        "skipped": {},
-    }
-    print(f"wrote {common.write_result(result, args.out)}")
+    common.record(
+        suite="e2e", kernel="e2e_patch_model", preset=args.preset,
+        floor="6·P·T + 6·L·S²·D·B FLOPs (forward+backward) at the measured matmul ceiling",
+        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped={}, out_dir=args.out,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -88,16 +88,9 @@ def run(bench: BandwidthBenchmark, argv: list[str] | None = None) -> Path:
             row = common.add_floor(_measure_row(bench, name, size, dtype, device, args.repeats), floor_ms)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {
-        "suite": "kernels",
-        "kernel": bench.kernel,
-        "preset": args.preset,
-        "floor": "minimum bytes of forward + backward at the measured copy bandwidth",
-        "copy_bandwidth_gbps": round(bandwidth, 1),
-        "env": common.environment(device),
-        "rows": rows,
-        "skipped": skipped,
-    }
-    path = common.write_result(result, args.out)
-    print(f"wrote {path}")
-    return path
+    return common.record(
+        suite="kernels", kernel=bench.kernel, preset=args.preset,
+        floor="minimum bytes of forward + backward at the measured copy bandwidth",
+        ceiling={"copy_bandwidth_gbps": round(bandwidth, 1)}, device=device, rows=rows, skipped=skipped,
+        out_dir=args.out,
+    )  # fmt: skip

@@ -195,19 +195,11 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
                     torch.cuda.empty_cache()
             rows.append(common.add_floor(row, floor_ms))
             print(json.dumps(row), flush=True)
-    result = {
-        "suite": "kernels",
-        "kernel": KERNEL,
-        "preset": preset,
-        "floor": "6·N·V·D FLOPs at the measured matmul ceiling",
-        "matmul_tflops": round(tflops, 3),
-        "env": common.environment(device),
-        "rows": rows,
-        "skipped": skipped,
-    }
-    path = common.write_result(result, out_dir)
-    print(f"wrote {path}")
-    return path
+    return common.record(
+        suite="kernels", kernel=KERNEL, preset=preset, floor="6·N·V·D FLOPs at the measured matmul ceiling",
+        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
+        out_dir=out_dir,
+    )  # fmt: skip
 
 
 def main() -> None:

@@ -74,16 +74,8 @@ def run(bench: LossHeadBenchmark, argv: list[str] | None = None) -> Path:
             row |= {"shape": bench.describe(shape), "dtype": preset["dtype"]}
             rows.append(common.add_floor(row, floor_ms))
             print(json.dumps(rows[-1]), flush=True)
-    result = {
-        "suite": "kernels",
-        "kernel": bench.kernel,
-        "preset": args.preset,
-        "floor": bench.floor_text,
-        "matmul_tflops": round(tflops, 3),
-        "env": common.environment(device),
-        "rows": rows,
-        "skipped": skipped,
-    }
-    path = common.write_result(result, args.out)
-    print(f"wrote {path}")
-    return path
+    return common.record(
+        suite="kernels", kernel=bench.kernel, preset=args.preset, floor=bench.floor_text,
+        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
+        out_dir=args.out,
+    )  # fmt: skip

@@ -203,11 +203,12 @@ def _sweep(
 
     Returns the per-token statistics as a [5, N] fp32 tensor (fields of ``SoftmaxRowStats``; ``saved``
     when given, which skips computing them) and the gradients w.r.t. (hidden, weight, bias) of
-    ``Σ outputs`` weighted by ``coefficients`` (None for inputs not in ``needs``).
+    ``Σ outputs`` weighted by ``coefficients`` (None for inputs not in ``needs``; ``coefficients`` is
+    not called when nothing is needed).
     """
     n = hidden.shape[0]
     all_stats = torch.empty((5, n), dtype=torch.float32, device=hidden.device) if saved is None else saved
-    grads = _InputGrads(hidden, weight, bias, needs) if coefficients is not None else None
+    grads = _InputGrads(hidden, weight, bias, needs) if coefficients is not None and any(needs) else None
     for rows in _chunks(n, spec.chunk_size):
         hidden_chunk, targets_chunk = hidden[rows], targets[rows]
         logits = F.linear(hidden_chunk, weight, bias)
@@ -296,15 +297,7 @@ class _ScalarLossFunction(_GradientInForward):
         def coefficients(rows: slice, stats: SoftmaxRowStats) -> GradCoefficients:
             return _loss_coefficients(upstream[rows], None, stats, spec, vocab)
 
-        stats, grads = _sweep(
-            hidden,
-            weight,
-            bias,
-            targets,
-            spec,
-            coefficients=coefficients if any(needs) else None,
-            needs=needs,
-        )
+        stats, grads = _sweep(hidden, weight, bias, targets, spec, coefficients=coefficients, needs=needs)
         # Not a view (callers scale it in place).
         loss = _token_loss(SoftmaxRowStats(*stats), valid, spec, vocab).sum() * scale
         ctx.grads = grads
@@ -336,15 +329,7 @@ class _TokenObjectiveFunction(_GradientInForward):
             upstream = evaluate(rows, stats)  # log p_t = z_t − lse: ∂/∂z = δ_t − p
             return GradCoefficients(p=-upstream, target=upstream, uniform=None, entropy=None)
 
-        stats, grads = _sweep(
-            hidden,
-            weight,
-            bias,
-            targets,
-            spec,
-            coefficients=coefficients if any(needs) else None,
-            needs=needs,
-        )
+        stats, grads = _sweep(hidden, weight, bias, targets, spec, coefficients=coefficients, needs=needs)
         if not any(needs):  # nothing to differentiate: the objective once, over all tokens
             evaluate(slice(0, targets.shape[0]), SoftmaxRowStats(*stats))
         total = torch.stack(totals).sum(dim=0)
