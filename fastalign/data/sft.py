@@ -1,0 +1,103 @@
+"""SFT rows → token ids and a loss mask (1 where the token is a training target).
+
+- text: all tokens, plus EOS.
+- messages: the chat template's rendering; with ``assistant_only_loss`` only the assistant tokens,
+  which needs a template that marks them with ``{% generation %}`` (else a clear error, never a silent
+  run that trains on nothing).
+- prompt + completion: the prompt's tokens then the completion's (and EOS for standard text); with
+  ``completion_only_loss`` (the default) only the completion tokens. Conversational prompts are
+  rendered with the generation prompt and must be a prefix of the full conversation's rendering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from fastalign.data.formats import DatasetFormat, check_row, detect_format
+
+
+@dataclass(frozen=True)
+class TokenizedExample:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1: a training target
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _render(tokenizer, messages, **kwargs) -> dict:
+    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+
+
+def _has_generation_marks(tokenizer) -> bool:
+    template = tokenizer.chat_template or ""
+    return "generation" in template and "endgeneration" in template
+
+
+def tokenize_sft_row(
+    row: dict,
+    index: int,
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: DatasetFormat,
+    *,
+    max_length: int | None = None,
+    truncation: bool = True,
+    completion_only_loss: bool | None = None,
+    assistant_only_loss: bool = False,
+) -> TokenizedExample:
+    """Token ids and loss mask of one row (``index`` names it in errors)."""
+    check_row(row, index, fmt)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if fmt.kind == "language_modeling" and not fmt.conversational:
+        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"] + eos
+        mask = [1] * len(ids)
+    elif fmt.kind == "language_modeling":
+        if assistant_only_loss:
+            if not _has_generation_marks(tokenizer):
+                raise ValueError(
+                    "assistant_only_loss needs a chat template that marks assistant turns with "
+                    "{% generation %} ... {% endgeneration %}; this tokenizer's template does not"
+                )
+            rendered = _render(tokenizer, row["messages"], return_assistant_tokens_mask=True)
+            ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
+        else:
+            ids = list(_render(tokenizer, row["messages"])["input_ids"])
+            mask = [1] * len(ids)
+    else:
+        if fmt.conversational:
+            prompt = list(_render(tokenizer, row["prompt"], add_generation_prompt=True)["input_ids"])
+            ids = list(_render(tokenizer, row["prompt"] + row["completion"])["input_ids"])
+            if ids[: len(prompt)] != prompt:
+                raise ValueError(
+                    f"row {index}: the chat template does not render the prompt as a prefix of the "
+                    "prompt + completion conversation, so the completion tokens cannot be found"
+                )
+        else:
+            prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            ids = prompt + tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + eos
+        only_completion = True if completion_only_loss is None else completion_only_loss
+        mask = [0 if only_completion and i < len(prompt) else 1 for i in range(len(ids))]
+
+    if max_length is not None and len(ids) > max_length:
+        if not truncation:
+            raise ValueError(
+                f"row {index}: {len(ids)} tokens exceed max_length={max_length} (truncation is off)"
+            )
+        ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        raise ValueError(f"row {index}: no loss tokens (after truncation to max_length={max_length})")
+    return TokenizedExample(ids, mask)
+
+
+def tokenize_sft_dataset(
+    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, **options
+) -> list[TokenizedExample]:
+    """Every row of a dataset (or list of dicts) in one format; options as ``tokenize_sft_row``."""
+    rows = list(rows)
+    if not rows:
+        raise ValueError("the dataset is empty")
+    fmt = detect_format(list(rows[0].keys()), rows[0])
+    return [tokenize_sft_row(row, index, tokenizer, fmt, **options) for index, row in enumerate(rows)]
