@@ -68,6 +68,10 @@ def add_floor(row: dict, floor_ms: float) -> dict:
 
 
 def git_commit() -> str:
+    """The checkout's commit (``-dirty`` with local changes); ``FASTALIGN_GIT_COMMIT`` names it where the
+    tree was copied without its git directory (a remote benchmark machine)."""
+    if os.environ.get("FASTALIGN_GIT_COMMIT"):
+        return os.environ["FASTALIGN_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

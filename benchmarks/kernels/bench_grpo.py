@@ -1,6 +1,6 @@
 """GRPO loss head: fastalign's GRPOLoss vs plain PyTorch as TRL computes it, torch.compile and Liger.
 
-    python benchmarks/kernels/bench_grpo.py --preset gpu   # B=8 x G=8, T=1024 and 16384, V=151936, D=4096
+    python benchmarks/kernels/bench_grpo.py --preset gpu   # 64 x 1024 and 8 x 16384 tokens, V=151936, D=4096
     python benchmarks/kernels/bench_grpo.py --preset cpu   # a small head, fp32
 
 Each step: per-token log-probs of the completions from hidden states at temperature 1, the clipped
@@ -26,7 +26,7 @@ from fastalign.losses import GRPOLoss
 PRESETS = {
     "gpu": {
         "dtype": "bfloat16",
-        "shapes": [(64, 1024, 4096, 151936), (64, 16384, 4096, 151936)],
+        "shapes": [(64, 1024, 4096, 151936), (8, 16384, 4096, 151936)],
         "repeats": 0,
     },
     "cpu": {"dtype": "float32", "shapes": [(8, 256, 256, 32000)], "repeats": 3},

@@ -56,10 +56,11 @@ def test_loss_and_gradients_match_original(model_type, dtype):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3"])
-def test_triton_kernels_inside_the_model(model_type):
-    """The Triton kernels (interpreted on CPU) inside a patched model match the original."""
+def test_triton_kernels_inside_the_model(model_type, device):
+    """The Triton kernels (on CUDA, or interpreted on CPU) inside a patched model match the original."""
     original, patched = pair(model_type, backend="triton")
-    batch = padded_batch()
+    original, patched = original.to(device), patched.to(device)
+    batch = {key: value.to(device) for key, value in padded_batch().items()}
     expected, got = original(**batch), patched(**batch)
     assert relative_error(got.loss, expected.loss) <= 1e-5
     expected.loss.backward()
