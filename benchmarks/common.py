@@ -6,10 +6,12 @@ their peak resident memory is their own.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import platform
+import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +60,20 @@ def step_figures(
             ms, spread = time_ms(fn, device, repeats)
             row[f"{key}_ms"], row[f"{key}_spread"] = round(ms, 4), round(spread, 3)
     return row
+
+
+@contextlib.contextmanager
+def keep_rows_on_termination(skipped: dict):
+    """Turn SIGTERM (a ``timeout`` or a scheduler) or Ctrl-C inside the block into a normal exit that
+    notes the interruption in ``skipped``, so the rows measured so far are still recorded."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    except KeyboardInterrupt:
+        skipped["interrupted"] = "the run was stopped before every shape was measured"
+        print("interrupted: recording the rows measured so far", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def add_floor(row: dict, floor_ms: float) -> dict:

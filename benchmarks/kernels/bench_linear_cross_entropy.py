@@ -3,6 +3,8 @@
     python benchmarks/kernels/bench_linear_cross_entropy.py --preset cpu      # the CPU figure of the issue
     python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu      # V x N x D sweep, bf16
     python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu-quick
+    python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu-chunks --providers \
+        fastalign-chunk256 fastalign-chunk1024 fastalign-chunk2048 fastalign-chunk4096 fastalign-chunk8192
 
 Each row: median time of the forward (gradients enabled, as in training) and of forward+backward, the
 relative spread of the repeats, the workspace (peak memory above the inputs and their gradients, which
@@ -16,6 +18,7 @@ Writes one JSON file per run under benchmarks/results/; ``benchmarks/report.py``
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import subprocess
@@ -38,17 +41,21 @@ PRESETS = {
     # The issue's CPU reference point: N=4096, D=256, V=32000, fp32 on a 2-core machine.
     "cpu": {"dtype": "float32", "shapes": [(4096, 256, 32000)], "repeats": 5},
     "gpu-quick": {"dtype": "bfloat16", "shapes": [(4096, 4096, 128256), (16384, 4096, 128256)], "repeats": 0},
+    # The issue's reference (16384, 4096, 128256), then tokens, vocabulary and hidden size varied one at
+    # a time (Llama-3-8B/70B, Qwen2.5, Gemma-3 vocabularies).
     "gpu": {
         "dtype": "bfloat16",
         "shapes": [
-            (n, d, v)
-            for v in (32000, 128256, 151936)
-            for d in (2048, 4096)
-            for n in (2048, 4096, 8192, 16384, 32768)
+            (16384, 4096, 128256), (4096, 4096, 128256), (32768, 4096, 128256), (16384, 4096, 32000),
+            (16384, 4096, 151936), (16384, 4096, 262144), (8192, 2048, 151936), (16384, 8192, 128256),
         ],
         "repeats": 0,
     },
-}
+    "gpu-chunks": {"dtype": "bfloat16", "shapes": [(16384, 4096, 128256)], "repeats": 0},
+}  # fmt: skip
+
+#: Rows per chunk that the ``fastalign-chunk<rows>`` providers run with (not run unless named).
+CHUNK_SWEEP = (256, 1024, 2048, 4096, 8192)
 
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -110,7 +117,11 @@ def provider_table(device: torch.device) -> dict[str, tuple[Callable[[], Loss] |
         ),
         "liger-kernel": (_liger, cuda_only or installed("liger_kernel")),
         "cut-cross-entropy": (_cce, cuda_only or installed("cut_cross_entropy")),
-    }
+    } | {f"fastalign-chunk{rows}": (functools.partial(_fixed_chunks, rows), "") for rows in CHUNK_SWEEP}
+
+
+def _fixed_chunks(rows: int) -> Loss:
+    return lambda h, w, t: linear_cross_entropy(h, w, t, chunk_size=rows)
 
 
 def measure_row(
@@ -170,13 +181,24 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
     config = PRESETS[preset]
     dtype = config["dtype"]
     table = provider_table(device)
-    names = providers or list(table)
+    names = providers or [name for name in table if not name.startswith("fastalign-chunk")]
     unknown = set(names) - set(table)
     if unknown:
         raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(table)}")
     skipped = {name: table[name][1] for name in names if table[name][1]}
     rows = []
     tflops = common.matmul_tflops(device, getattr(torch, dtype))
+    with common.keep_rows_on_termination(skipped):
+        _measure_shapes(config, names, skipped, rows, tflops, device)
+    return common.record(
+        suite="kernels", kernel=KERNEL, preset=preset, floor="6·N·V·D FLOPs at the measured matmul ceiling",
+        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
+        out_dir=out_dir,
+    )  # fmt: skip
+
+
+def _measure_shapes(config, names, skipped, rows, tflops, device) -> None:
+    dtype = config["dtype"]
     for n, d, v in config["shapes"]:
         floor_ms = 6 * n * v * d / (tflops * 1e12) * 1e3
         for name in names:
@@ -195,11 +217,6 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
                     torch.cuda.empty_cache()
             rows.append(common.add_floor(row, floor_ms))
             print(json.dumps(row), flush=True)
-    return common.record(
-        suite="kernels", kernel=KERNEL, preset=preset, floor="6·N·V·D FLOPs at the measured matmul ceiling",
-        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
-        out_dir=out_dir,
-    )  # fmt: skip
 
 
 def main() -> None:

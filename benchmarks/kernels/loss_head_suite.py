@@ -58,6 +58,16 @@ def run(bench: LossHeadBenchmark, argv: list[str] | None = None) -> Path:
     table = bench.providers(device)
     skipped = {name: "needs CUDA and its package" for name in bench.cuda_only if name not in table}
     rows = []
+    with common.keep_rows_on_termination(skipped):
+        _measure_shapes(bench, preset, table, skipped, rows, tflops, device, dtype)
+    return common.record(
+        suite="kernels", kernel=bench.kernel, preset=args.preset, floor=bench.floor_text,
+        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
+        out_dir=args.out,
+    )  # fmt: skip
+
+
+def _measure_shapes(bench, preset, table, skipped, rows, tflops, device, dtype) -> None:
     for shape in preset["shapes"]:
         torch.manual_seed(0)
         inputs = bench.make_inputs(shape, dtype, device)
@@ -74,8 +84,3 @@ def run(bench: LossHeadBenchmark, argv: list[str] | None = None) -> Path:
             row |= {"shape": bench.describe(shape), "dtype": preset["dtype"]}
             rows.append(common.add_floor(row, floor_ms))
             print(json.dumps(rows[-1]), flush=True)
-    return common.record(
-        suite="kernels", kernel=bench.kernel, preset=args.preset, floor=bench.floor_text,
-        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
-        out_dir=args.out,
-    )  # fmt: skip

@@ -48,7 +48,10 @@ def _group_advantages_kernel(
     count = tl.sum(valid.to(tl.float32), axis=0)
     total = tl.sum(r, axis=0)
     mean = total / tl.maximum(count, 1.0)
-    centered = tl.where(valid, r - mean, 0.0)
+    # All-equal groups centre to exactly 0 (std 0), whatever the rounding of their mean.
+    highest = tl.max(tl.where(valid, r, -float("inf")), axis=0)
+    lowest = tl.min(tl.where(valid, r, float("inf")), axis=0)
+    centered = tl.where(valid, (r - mean) * (highest > lowest).to(tl.float32), 0.0)
     std = tl.sqrt(tl.sum(centered * centered, axis=0) / tl.maximum(count - 1.0, 1.0))
     if RLOO:
         # r − (total − r) / (n − 1) = n / (n − 1) · (r − mean); no baseline without another reward

@@ -16,8 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-SQRT_2_OVER_PI = 0.7978845608028654
-GELU_COEF = 0.044715
+# Globals read inside @triton.jit code must be tl.constexpr: the compiler refuses plain Python floats
+# (the interpreter does not, so tests/kernels/test_jit_globals.py checks this on CPU).
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+GELU_COEF = tl.constexpr(0.044715)
 
 
 @triton.jit

@@ -25,13 +25,17 @@ class GroupAdvantages(NamedTuple):
 
 
 def _nan_group_stats(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(count, mean, unbiased std) of each row's non-NaN values."""
+    """(count, centered values, unbiased std) of each row's non-NaN values; 0 where NaN.
+
+    A row whose values are all equal is centered to exactly 0 with std exactly 0: the rounding of its
+    mean must not turn a zero-std group into a tiny std (and advantages of ±0.5/eps)."""
     valid = ~torch.isnan(groups)
     count = valid.sum(-1).float()
     mean = torch.where(valid, groups, 0.0).sum(-1) / count.clamp_min(1.0)
-    centered = torch.where(valid, groups - mean[:, None], 0.0)
+    spread = torch.where(valid, groups, -torch.inf).amax(-1) > torch.where(valid, groups, torch.inf).amin(-1)
+    centered = torch.where(valid & spread[:, None], groups - mean[:, None], 0.0)
     std = (centered.square().sum(-1) / (count - 1.0).clamp_min(1.0)).sqrt()
-    return count, mean, std
+    return count, centered, std
 
 
 def _batch_std(rewards: torch.Tensor) -> torch.Tensor:
@@ -40,9 +44,7 @@ def _batch_std(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def _group_advantages_torch(groups, rloo: bool, scale: str, batch_std, eps: float):
-    valid = ~torch.isnan(groups)
-    count, mean, std = _nan_group_stats(groups)
-    centered = torch.where(valid, groups - mean[:, None], 0.0)
+    count, centered, std = _nan_group_stats(groups)
     if rloo:
         factor = torch.where(count > 1.0, count / (count - 1.0).clamp_min(1.0), 0.0)
         centered = centered * factor[:, None]
@@ -50,7 +52,7 @@ def _group_advantages_torch(groups, rloo: bool, scale: str, batch_std, eps: floa
         centered = centered / (std[:, None] + eps)
     elif scale == "batch":
         centered = centered / (batch_std + eps)
-    return torch.where(valid, centered, 0.0), std
+    return centered, std
 
 
 def group_advantages(

@@ -58,6 +58,17 @@ def test_group_advantages_match_definitions(backend, scale, estimator):
     assert int(result.num_zero_std_groups) == zero_std == 2  # all-equal group and single-reward group
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_equal_rewards_whose_mean_rounds_get_zero_advantage(backend, estimator):
+    """7 × 0.7 sums to 4.9 in fp32 and 4.9 / 7 ≠ 0.7: the group is still zero-std with advantages 0
+    (on CUDA even 25 / 5 rounds, as Triton's fp32 division is approximate)."""
+    rewards = torch.tensor([[0.7] * 7, [0.3] * 6 + [NAN]], device=DEVICE)
+    result = group_advantages(rewards, 7, advantage_estimator=estimator, backend=backend)
+    assert torch.equal(result.advantages, torch.zeros_like(rewards))
+    assert torch.equal(result.group_std, torch.zeros(2, device=DEVICE))
+    assert int(result.num_zero_std_groups) == 2
+
+
 def test_group_advantages_flat_and_random(backend):
     rewards = torch.randn(6 * 7, device=DEVICE)
     rewards[::5] = NAN

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fastalign.losses import KTOLoss, PreferenceLoss
 from fastalign.ops.preference import DPO_LOSS_TYPES
 from tests.conftest import DEVICE
-from tests.helpers import assert_close_to_reference
+from tests.helpers import assert_close_to_reference, relative_error
 
 P, T, D, V = 3, 6, 9, 23
 BETA, SMOOTHING, TAU = 0.3, 0.1, 0.05
@@ -160,7 +160,9 @@ def test_extreme_margins_stay_finite(backend, loss_type):
         torch.isfinite(out.loss) and torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
     )
     if torch.isfinite(expected):
-        assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
+        # The margin is a difference of large, nearly equal log-prob sums: the fp32 matmul's rounding
+        # (cuBLAS on CUDA sums in another order than the CPU) is amplified, so 1e-4 instead of 1e-5.
+        assert relative_error(out.loss.detach(), expected.detach()) <= 1e-4
 
 
 def test_equal_chosen_and_rejected(backend):
