@@ -69,6 +69,7 @@ def run(bench: LossHeadBenchmark, argv: list[str] | None = None) -> Path:
 
 def _measure_shapes(bench, preset, table, skipped, rows, tflops, device, dtype) -> None:
     for shape in preset["shapes"]:
+        torch._dynamo.reset()  # compile each shape afresh: no dynamic-shape recompiles across shapes
         torch.manual_seed(0)
         inputs = bench.make_inputs(shape, dtype, device)
         floor_ms = bench.floor_flops(shape) / (tflops * 1e12) * 1e3
@@ -77,6 +78,9 @@ def _measure_shapes(bench, preset, table, skipped, rows, tflops, device, dtype) 
                 row = {"provider": name} | _figures(fn, inputs, device, preset["repeats"])
             except torch.OutOfMemoryError as error:
                 skipped[f"{name} {bench.describe(shape)}"] = f"out of memory: {str(error)[:120]}"
+                continue
+            except Exception as error:  # a provider's own failure (e.g. a torch.compile bug) is a row lost
+                skipped[f"{name} {bench.describe(shape)}"] = f"{type(error).__name__}: {str(error)[:200]}"
                 continue
             finally:
                 if device.type == "cuda":
