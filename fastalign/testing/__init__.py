@@ -1,6 +1,14 @@
-"""Tiny offline models and tokenizers for tests, demos and benchmarks: no hub access, ever."""
+"""Tiny offline models, tokenizers and data sets for tests, demos and benchmarks: no hub access, ever."""
 
+from fastalign.testing.datasets import BUILTIN_DATASETS, tiny_sft_rows
 from fastalign.testing.models import TINY_MODEL_TYPES, tiny_config, tiny_model
 from fastalign.testing.tokenizer import tiny_tokenizer
 
-__all__ = ["TINY_MODEL_TYPES", "tiny_config", "tiny_model", "tiny_tokenizer"]
+__all__ = [
+    "BUILTIN_DATASETS",
+    "TINY_MODEL_TYPES",
+    "tiny_config",
+    "tiny_model",
+    "tiny_sft_rows",
+    "tiny_tokenizer",
+]

@@ -1,0 +1,1 @@
+"""The training engine: loop, distribution, memory, checkpoints and objectives."""

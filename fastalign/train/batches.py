@@ -1,0 +1,114 @@
+"""Which micro-batches each rank trains on, step by step, in an order that a checkpoint can resume.
+
+The order is a pure function of (seed, epoch): every epoch shuffles the training units (examples, or
+packed bins of examples) with its own generator, groups them into micro-batches, and deals the
+micro-batches of each optimizer step to the ranks in turn. The position is (epoch, step in epoch),
+so resuming needs two integers, not a pickled data loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fastalign.data.collate import PackedCollator, PaddingCollator
+from fastalign.data.packing import pack_best_fit_decreasing
+from fastalign.data.sft import TokenizedExample
+
+
+@dataclass
+class BatchPosition:
+    epoch: int = 0
+    step_in_epoch: int = 0
+
+
+class MicroBatches:
+    """The micro-batches of every optimizer step for one rank.
+
+    Each step takes ``accumulation × world_size`` micro-batches of ``batch_size`` units; rank r gets
+    micro-batches r, r + world_size, ... of them. An epoch's remainder that cannot fill a whole step is
+    dropped (as ``drop_last``), so every step has the same number of micro-batches on every rank.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[TokenizedExample],
+        *,
+        batch_size: int,
+        accumulation: int,
+        pad_token_id: int,
+        seed: int,
+        packing_length: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ):
+        if not examples:
+            raise ValueError("the training set is empty")
+        self.examples = list(examples)
+        self.units = (
+            pack_best_fit_decreasing([len(e) for e in self.examples], packing_length)
+            if packing_length
+            else [[i] for i in range(len(self.examples))]
+        )
+        self.batch_size, self.accumulation = batch_size, accumulation
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.collate: Callable[[Sequence[TokenizedExample]], dict] = (
+            PackedCollator() if packing_length else PaddingCollator(pad_token_id)
+        )
+        per_step = batch_size * accumulation * world_size
+        unit = "packed sequence" if packing_length else "example"
+        self.steps_per_epoch = len(self.units) // per_step
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the training set has {len(self.units)} {unit}s, fewer than one step needs: "
+                f"per_device_train_batch_size={batch_size} × "
+                f"gradient_accumulation_steps={accumulation} × {world_size} process(es) = {per_step}"
+            )
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.units)))
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(len(self.units), generator=generator).tolist()
+
+    def step_batches(self, position: BatchPosition) -> list[dict]:
+        """This rank's micro-batches of the step at ``position``."""
+        order = self._order(position.epoch)
+        per_micro = self.batch_size
+        first = position.step_in_epoch * self.accumulation * self.world_size
+        batches = []
+        for k in range(self.accumulation):
+            micro = first + k * self.world_size + self.rank
+            units = order[micro * per_micro : (micro + 1) * per_micro]
+            batches.append(self.collate([self.examples[i] for u in units for i in self.units[u]]))
+        return batches
+
+    def advance(self, position: BatchPosition) -> BatchPosition:
+        step = position.step_in_epoch + 1
+        if step == self.steps_per_epoch:
+            return BatchPosition(position.epoch + 1, 0)
+        return BatchPosition(position.epoch, step)
+
+
+#: Marks an evaluation batch that a rank runs only to keep collectives in step; it is not counted.
+FILLER_KEY = "fastalign_filler"
+
+
+def evaluation_batches(
+    examples: Sequence[TokenizedExample],
+    batch_size: int,
+    pad_token_id: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[dict]:
+    """Every held-out example once: padded micro-batches dealt to the ranks in turn, every rank
+    getting the same number (short ranks repeat a batch marked with ``FILLER_KEY``)."""
+    collate = PaddingCollator(pad_token_id)
+    batches = [collate(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
+    mine = batches[rank::world_size]
+    fillers = -(-len(batches) // world_size) - len(mine)
+    return mine + [{**batches[0], FILLER_KEY: True}] * fillers if batches else []

@@ -1,0 +1,162 @@
+"""The engine's built-in behaviour, written as callbacks: metrics to JSONL, a progress bar, TensorBoard
+and Weights & Biases when asked for, early stopping, and the loss-curve PNG at the end. Only the main
+process writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+from fastalign.train.engine import Callback, Engine
+
+
+class JsonlMetrics(Callback):
+    """One JSON object per logging step (and per evaluation) in ``<output_dir>/metrics.jsonl``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def on_train_begin(self, engine: Engine) -> None:
+        if engine.ctx.is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, engine: Engine, record: dict) -> None:
+        if engine.ctx.is_main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def on_log(self, engine: Engine, logs: dict) -> None:
+        self._write(engine, logs)
+
+    def on_evaluate(self, engine: Engine, metrics: dict) -> None:
+        self._write(engine, metrics)
+
+
+class ProgressBar(Callback):
+    """A tqdm bar over the steps with the latest loss, tokens/s and memory."""
+
+    def on_train_begin(self, engine: Engine) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=engine.schedule.max_steps, initial=engine.state.step, disable=not engine.ctx.is_main,
+            desc="train", unit="step", dynamic_ncols=True,
+        )  # fmt: skip
+
+    def on_step_end(self, engine: Engine, metrics: dict) -> None:
+        self.bar.update(1)
+
+    def on_log(self, engine: Engine, logs: dict) -> None:
+        shown = {"loss": f"{logs['loss']:.4f}", "tok/s": f"{logs['tokens_per_second']:,.0f}"}
+        if "mfu" in logs:
+            shown["mfu"] = f"{logs['mfu']:.1%}"
+        shown["mem"] = f"{logs['peak_memory_gib']:.2f}GiB"
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.write(f"step {logs['step']}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
+
+    def on_evaluate(self, engine: Engine, metrics: dict) -> None:
+        self.bar.write(f"step {metrics['step']}: eval_loss {metrics['eval_loss']:.4f}")
+
+    def on_train_end(self, engine: Engine) -> None:
+        self.bar.close()
+
+
+class TensorBoardMetrics(Callback):
+    """Scalars under ``<output_dir>/runs`` (needs the tensorboard package)."""
+
+    def __init__(self, log_dir: str | Path):
+        self.log_dir = Path(log_dir)
+
+    def on_train_begin(self, engine: Engine) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.log_dir)) if engine.ctx.is_main else None
+
+    def on_log(self, engine: Engine, logs: dict) -> None:
+        if self.writer:
+            for key, value in logs.items():
+                if key != "step":
+                    self.writer.add_scalar(f"train/{key}", value, logs["step"])
+
+    def on_evaluate(self, engine: Engine, metrics: dict) -> None:
+        if self.writer:
+            self.writer.add_scalar("eval/loss", metrics["eval_loss"], metrics["step"])
+
+    def on_train_end(self, engine: Engine) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+class WandbMetrics(Callback):
+    """Logs to Weights & Biases (needs the wandb package; its usual environment variables apply)."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def on_train_begin(self, engine: Engine) -> None:
+        import wandb
+
+        self.run = wandb.init(config=self.config) if engine.ctx.is_main else None
+
+    def on_log(self, engine: Engine, logs: dict) -> None:
+        if self.run:
+            self.run.log({f"train/{k}": v for k, v in logs.items() if k != "step"}, step=logs["step"])
+
+    def on_evaluate(self, engine: Engine, metrics: dict) -> None:
+        if self.run:
+            self.run.log({"eval/loss": metrics["eval_loss"]}, step=metrics["step"])
+
+    def on_train_end(self, engine: Engine) -> None:
+        if self.run:
+            self.run.finish()
+
+
+class EarlyStopping(Callback):
+    """Stops when the eval loss has not improved by ``min_delta`` for ``patience`` evaluations."""
+
+    def __init__(self, patience: int = 3, min_delta: float = 0.0):
+        self.patience, self.min_delta = patience, min_delta
+        self.best, self.bad = math.inf, 0
+
+    def on_evaluate(self, engine: Engine, metrics: dict) -> None:
+        if metrics["eval_loss"] < self.best - self.min_delta:
+            self.best, self.bad = metrics["eval_loss"], 0
+        else:
+            self.bad += 1
+            engine.should_stop = self.bad >= self.patience
+
+
+class LossCurve(Callback):
+    """``loss_curve.png`` of the logged training (and eval) loss at the end (needs matplotlib)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def on_train_end(self, engine: Engine) -> None:
+        if not engine.ctx.is_main:
+            return
+        if importlib.util.find_spec("matplotlib") is None:
+            print(f"loss curve not written: matplotlib is not installed ({self.path})")
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        history = engine.state.log_history
+        train = [(h["step"], h["loss"]) for h in history if "loss" in h]
+        evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for points, label in ((train, "train loss"), (evals, "eval loss")):
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(self.path, dpi=120)
+        plt.close(fig)

@@ -1,0 +1,251 @@
+"""The training loop: one optimizer step at a time, whatever the objective.
+
+A step: this rank's micro-batches; the loss-term count of all of them on all ranks (so each
+micro-batch's loss is its share of the accumulated batch's mean: exact gradient accumulation); forward
+and backward of each (gradient sync only on the last under FSDP2); a non-finite check; clipping;
+optimizer and scheduler step. Logging, evaluation and checkpointing are callbacks
+(``fastalign.train.callbacks``), so users add behaviour without editing the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastalign.train import checkpoint
+from fastalign.train.batches import FILLER_KEY, BatchPosition, MicroBatches
+from fastalign.train.distributed import DistributedContext, all_reduce_sum
+from fastalign.train.metrics import peak_memory_gib
+from fastalign.train.objectives.base import Objective
+
+
+class NonFiniteLossError(RuntimeError):
+    """A step produced a NaN/inf loss or gradient; no optimizer step was taken."""
+
+
+@dataclass
+class TrainerState:
+    """Where the run is: everything besides tensors that a checkpoint restores."""
+
+    step: int = 0
+    position: BatchPosition = field(default_factory=BatchPosition)
+    tokens_seen: int = 0
+    scheduler: dict = field(default_factory=dict)
+    log_history: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainerState:
+        return cls(**{**data, "position": BatchPosition(**data["position"])})
+
+
+class Callback:
+    """Hooks the engine calls; override the ones you need. ``engine.should_stop = True`` ends the
+    run after the current step (e.g. early stopping)."""
+
+    def on_train_begin(self, engine: Engine) -> None: ...
+    def on_step_end(self, engine: Engine, metrics: dict) -> None: ...
+    def on_log(self, engine: Engine, logs: dict) -> None: ...
+    def on_evaluate(self, engine: Engine, metrics: dict) -> None: ...
+    def on_save(self, engine: Engine, path: Path) -> None: ...
+    def on_train_end(self, engine: Engine) -> None: ...
+
+
+@dataclass
+class Schedule:
+    max_steps: int
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    eval_steps: int = 0
+    save_steps: int = 0
+    save_total_limit: int = 2
+
+
+class Engine:
+    """Trains ``model`` on ``objective`` over ``batches``; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        objective: Objective,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        batches: MicroBatches,
+        schedule: Schedule,
+        ctx: DistributedContext,
+        *,
+        output_dir: str | Path,
+        eval_batches: Sequence[dict] = (),
+        callbacks: Sequence[Callback] = (),
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        self.model, self.objective, self.optimizer, self.scheduler = model, objective, optimizer, scheduler
+        self.batches, self.schedule, self.ctx = batches, schedule, ctx
+        self.output_dir = Path(output_dir)
+        self.eval_batches, self.callbacks = list(eval_batches), list(callbacks)
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.autocast_dtype = autocast_dtype  # single-process bf16: fp32 weights, bf16 matmuls
+        self.state = TrainerState()
+        self.should_stop = False
+        self._reset_window()
+
+    # ---------------------------------------------------------------------------------------------
+    def resume(self, path: str | Path) -> None:
+        data = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.ctx)
+        self.state = TrainerState.from_dict(data)
+        self.scheduler.load_state_dict(self.state.scheduler)
+
+    def save(self) -> Path:
+        self.state.scheduler = self.scheduler.state_dict()
+        path = checkpoint.save_checkpoint(
+            self.output_dir, self.state.step, self.model, self.optimizer, self.state.to_dict(), self.ctx,
+            self.schedule.save_total_limit,
+        )  # fmt: skip
+        self._call("on_save", path)
+        return path
+
+    def train(self) -> TrainerState:
+        self.model.train()
+        self._call("on_train_begin")
+        while self.state.step < self.schedule.max_steps and not self.should_stop:
+            metrics = self.train_step()
+            self._call("on_step_end", metrics)
+            step = self.state.step
+            if step % self.schedule.logging_steps == 0 or step == self.schedule.max_steps:
+                self._log()
+            if self.schedule.eval_steps and step % self.schedule.eval_steps == 0 and self.eval_batches:
+                self.evaluate()
+            if self.schedule.save_steps and step % self.schedule.save_steps == 0:
+                self.save()
+        self._call("on_train_end")
+        return self.state
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns its metrics (global over ranks)."""
+        start = time.perf_counter()
+        micro_batches = self.batches.step_batches(self.state.position)
+        local_items = sum(self.objective.loss_tokens(batch) for batch in micro_batches)
+        num_items = all_reduce_sum(local_items, self.ctx).clamp_min(1)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            self._set_gradient_sync(last)
+            with self._autocast():
+                loss, _ = self.objective.compute_loss(self.model, _to(batch, self.ctx.device), num_items)
+            # FSDP2 averages gradients over ranks; each rank's loss is its share of the global mean.
+            (loss * self.ctx.world_size).backward()
+            loss_sum += loss.detach().double().cpu()
+        loss_value = float(all_reduce_sum(loss_sum, self.ctx))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable(), self.schedule.max_grad_norm))
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(
+                f"step {self.state.step + 1}: loss {loss_value}, gradient norm {grad_norm}; stopped without "
+                f"updating the model. The last good checkpoint is {self._latest_checkpoint()}"
+            )
+        learning_rate = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = int(all_reduce_sum(sum(_token_count(batch) for batch in micro_batches), self.ctx))
+        self.state.step += 1
+        self.state.position = self.batches.advance(self.state.position)
+        self.state.tokens_seen += tokens
+        metrics = {
+            "loss": loss_value, "grad_norm": grad_norm, "learning_rate": learning_rate, "tokens": tokens,
+            "seconds": time.perf_counter() - start,
+        }  # fmt: skip
+        for key in ("loss", "tokens", "seconds"):
+            self._window[key] = self._window.get(key, 0.0) + metrics[key]
+        self._window["steps"] += 1
+        self._window["grad_norm"], self._window["learning_rate"] = grad_norm, learning_rate
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Token-mean objective loss over the held-out batches (all ranks together)."""
+        self.model.eval()
+        total, items = torch.zeros((), dtype=torch.float64), 0
+        for batch in self.eval_batches:
+            batch = dict(batch)
+            # Ranks run the same number of forwards (FSDP2 gathers collectively); fillers count 0.
+            count = 0 if batch.pop(FILLER_KEY, False) else self.objective.loss_tokens(batch)
+            with self._autocast():
+                loss, _ = self.objective.compute_loss(
+                    self.model, _to(batch, self.ctx.device), torch.tensor(max(count, 1))
+                )
+            total += loss.double().cpu() * max(count, 1)
+            items += count
+        self.model.train()
+        total, items = all_reduce_sum(total, self.ctx), all_reduce_sum(items, self.ctx)
+        metrics = {"step": self.state.step, "eval_loss": float(total / items.clamp_min(1))}
+        self.state.log_history.append(metrics)
+        self._call("on_evaluate", metrics)
+        return metrics
+
+    # ---------------------------------------------------------------------------------------------
+    def _log(self) -> None:
+        window = self._window
+        seconds = max(window["seconds"], 1e-9)
+        logs = {
+            "step": self.state.step,
+            "epoch": round(self.state.position.epoch + self.state.position.step_in_epoch
+                           / self.batches.steps_per_epoch, 4),
+            "loss": window["loss"] / window["steps"],
+            "grad_norm": window["grad_norm"],
+            "learning_rate": window["learning_rate"],
+            "tokens_per_second": window["tokens"] / seconds,
+            "peak_memory_gib": round(peak_memory_gib(self.ctx.device), 3),
+        }  # fmt: skip
+        if self.flops_per_token and self.peak_flops:
+            logs["mfu"] = (
+                logs["tokens_per_second"] * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
+            )
+        self.state.log_history.append(logs)
+        self._call("on_log", logs)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._window = {"loss": 0.0, "tokens": 0.0, "seconds": 0.0, "steps": 0}
+
+    def _call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """FSDP2 reduce-scatters gradients only after the last micro-batch of a step."""
+        if self.ctx.enabled and hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(enabled)
+
+    def _latest_checkpoint(self) -> str:
+        found = checkpoint.list_checkpoints(self.output_dir)
+        return str(found[-1]) if found else "none (no checkpoint was saved yet)"
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
+
+
+def _token_count(batch: dict) -> int:
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()

@@ -1,0 +1,41 @@
+"""The model and tokenizer a run trains: a local checkpoint directory, or a built-in tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from fastalign.testing import BUILTIN_DATASETS, TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
+
+#: Built-in model names: ``tiny-<family>``, random weights, the offline tokenizer (no download).
+BUILTIN_MODELS = tuple(f"tiny-{family}" for family in TINY_MODEL_TYPES)
+
+
+def load_model_and_tokenizer(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """fp32 weights (mixed precision is the engine's business), ``use_cache`` off for training."""
+    if name_or_path in BUILTIN_MODELS:
+        model, tokenizer = tiny_model(name_or_path.removeprefix("tiny-")), tiny_tokenizer()
+    else:
+        path = Path(name_or_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model_name_or_path {name_or_path!r} is neither a local model directory (with a "
+                f"config.json) nor a built-in model ({', '.join(BUILTIN_MODELS)}); nothing is downloaded"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.use_cache = False
+    return model, tokenizer
+
+
+def load_dataset_rows(name_or_path: str) -> list[dict]:
+    """Rows of a built-in data set, or of local JSONL/JSON/Parquet files (``fastalign.data``)."""
+    if name_or_path in BUILTIN_DATASETS:
+        return BUILTIN_DATASETS[name_or_path]()
+    from fastalign.data import load_rows
+
+    return list(load_rows(name_or_path))

@@ -1,0 +1,206 @@
+"""Activation memory: per-layer checkpointing, and CPU offloading of what the decoder layers save.
+
+Why: at long sequence lengths the activations saved for the backward pass, not the weights, are the
+largest term of training memory (layers × tokens × hidden × a dozen saved tensors). Checkpointing
+keeps only each decoder layer's input and recomputes the rest in backward (about a third more
+compute). Offloading moves the saved tensors to CPU memory during the forward and brings them back
+during the backward; it costs host↔device bandwidth (PCIe, or NVLink-C2C on Grace Hopper) and pinned
+host memory as large as what it offloads. The two compose: under non-reentrant checkpointing a layer
+saves only its inputs, so those are what gets offloaded.
+
+Overlap: the device-to-host copies run on a side CUDA stream while the compute stream goes on with
+the layer, and in backward the first unpack of a layer also starts the copies back of the layer
+before it (the one backward reaches next), so those run during this layer's backward. Offloading is
+active only inside the decoder layers' forwards: the loss head, which runs after them inside the
+model's forward, keeps its tensors on the device.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """``model`` itself, or the transformers model under a peft wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM: the first ``nn.ModuleList`` named ``layers`` (peft-aware)."""
+    inner = _causal_lm(model)
+    for name, module in inner.named_modules():
+        if name.rpartition(".")[2] == "layers" and isinstance(module, nn.ModuleList):
+            return list(module)
+    raise ValueError(f"found no decoder layers (an nn.ModuleList named 'layers') in {type(inner).__name__}")
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward instead of keeping its activations.
+
+    Non-reentrant checkpointing works with frozen embeddings (LoRA) and with FSDP2; a KV cache is of
+    no use in training and is incompatible with recomputation, so ``use_cache`` goes off.
+    """
+    inner = _causal_lm(model)
+    kwargs = {"use_reentrant": False}
+    if hasattr(inner, "activation_checkpointing_enable"):  # newer transformers; the old name warns
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    inner.config.use_cache = False
+
+
+def enable_activation_offloading(model: nn.Module, *, min_bytes: int = 1 << 20) -> ActivationOffloader:
+    """Offload what the decoder layers save for backward to CPU memory; ``.remove()`` undoes it.
+
+    Tensors under ``min_bytes`` stay on the device: their copies would cost more than they free.
+    """
+    return ActivationOffloader(decoder_layers(model), min_bytes=min_bytes)
+
+
+class _Offloaded:
+    """A saved activation held in CPU memory, and where its copies stand."""
+
+    __slots__ = ("__weakref__", "cpu", "device", "event", "group", "on_device")
+
+    def __init__(self, cpu: torch.Tensor, device: torch.device, group: int, event: torch.cuda.Event | None):
+        self.cpu, self.device, self.group, self.event = cpu, device, group, event
+        self.on_device: torch.Tensor | None = None  # the copy back, once started
+
+
+class ActivationOffloader:
+    """Saved-tensor hooks entered by each decoder layer's forward and exited after it (even if it raises).
+
+    Counters: ``offloaded_tensors``/``offloaded_bytes`` went to CPU; ``restored_tensors`` came back,
+    ``prefetched_tensors`` of them before their layer's backward started; ``kept_on_device`` were on
+    CPU already; ``skipped_small`` were under ``min_bytes``; ``skipped_parameters`` were weights or
+    views of them, which stay alive anyway.
+    """
+
+    _force_copy: bool = False  # tests: send CPU tensors through the offload path as if on CUDA
+
+    def __init__(self, layers: list[nn.Module], *, min_bytes: int) -> None:
+        self.min_bytes = min_bytes
+        self.offloaded_tensors = self.offloaded_bytes = self.restored_tensors = self.prefetched_tensors = 0
+        self.kept_on_device = self.skipped_small = self.skipped_parameters = 0
+        self._group = 0  # numbers the layer calls: backward meets them in reverse order
+        self._groups: dict[int, weakref.WeakSet[_Offloaded]] = {}  # the graph owns the entries
+        self._contexts: list[saved_tensors_hooks] = []
+        self._copying: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # sources of this layer's copies
+        self._copied: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # and of the previous layer's
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._handles = [
+            handle
+            for layer in layers
+            for handle in (
+                layer.register_forward_pre_hook(self._enter),
+                layer.register_forward_hook(self._exit, always_call=True),
+            )
+        ]
+
+    def remove(self) -> None:
+        """Remove the hooks; tensors offloaded already still come back in backward."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._release(self._copying)
+        self._release(self._copied)
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self._group += 1
+        self._groups = {group: entries for group, entries in self._groups.items() if entries}  # freed graphs
+        context = saved_tensors_hooks(self._pack, self._unpack)
+        context.__enter__()
+        self._contexts.append(context)
+
+    def _exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        self._contexts.pop().__exit__(None, None, None)
+        self._release(self._copied)  # a layer later, those copies are done (or nearly)
+        self._copied, self._copying = self._copying, []
+
+    @torch.no_grad()
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Offloaded:
+        base = tensor if tensor._base is None else tensor._base
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
+            self.skipped_parameters += 1
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < self.min_bytes:
+            self.skipped_small += 1
+            return tensor
+        if tensor.is_cuda:
+            cpu, event = self._to_host(tensor)
+        elif tensor.device.type == "cpu" and self._force_copy:
+            cpu, event = tensor.clone(), None
+        else:
+            self.kept_on_device += 1
+            return tensor
+        entry = _Offloaded(cpu, tensor.device, self._group, event)
+        self._groups.setdefault(self._group, weakref.WeakSet()).add(entry)
+        self.offloaded_tensors += 1
+        self.offloaded_bytes += nbytes
+        return entry
+
+    @torch.no_grad()
+    def _unpack(self, packed: torch.Tensor | _Offloaded) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        self._release(self._copying)  # the forward is over: its copies can no longer overlap anything
+        self._release(self._copied)
+        self._fetch(packed.group)
+        self.prefetched_tensors += self._fetch(packed.group - 1)
+        tensor, packed.on_device = packed.on_device, None
+        if tensor is None:  # unpacked a second time (retain_graph)
+            tensor = self._copy_back(packed)
+        if packed.event is not None:
+            torch.cuda.current_stream(packed.device).wait_event(packed.event)
+        self.restored_tensors += 1
+        return tensor
+
+    def _fetch(self, group: int) -> int:
+        """Start the copies back of one layer call's tensors (once); returns how many."""
+        entries = list(self._groups.pop(group, ()))
+        for entry in entries:
+            entry.on_device = self._copy_back(entry)
+        return len(entries)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def _to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        stream = self._side_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # copy the finished value
+        with torch.cuda.stream(stream):
+            cpu = torch.empty_like(tensor, device="cpu", pin_memory=True)
+            cpu.copy_(tensor, non_blocking=True)
+            event = stream.record_event()
+        # The caching allocator knows only the compute stream: the source must outlive the copy.
+        self._copying.append((tensor, event))
+        return cpu, event
+
+    def _copy_back(self, entry: _Offloaded) -> torch.Tensor:
+        if entry.device.type == "cpu":  # the _force_copy test path
+            return entry.cpu.clone()
+        compute, stream = torch.cuda.current_stream(entry.device), self._side_stream(entry.device)
+        tensor = torch.empty_like(entry.cpu, device=entry.device)  # belongs to the compute stream
+        stream.wait_stream(compute)  # that memory may have been freed by compute work still queued
+        with torch.cuda.stream(stream):
+            tensor.copy_(entry.cpu, non_blocking=True)
+            entry.event = stream.record_event()
+        tensor.record_stream(stream)  # also safe if a prefetched tensor is freed unused
+        return tensor
+
+    @staticmethod
+    def _release(sources: list[tuple[torch.Tensor, torch.cuda.Event]]) -> None:
+        """Drop the sources of device-to-host copies once the compute stream has waited for them.
+
+        Their memory goes back to the compute stream's pool, so whatever reuses it runs after the copy.
+        """
+        for source, event in sources:
+            torch.cuda.current_stream(source.device).wait_event(event)
+        sources.clear()

@@ -1,0 +1,111 @@
+"""fastalign.train.distributed: single-process no-ops, and a real 2-process FSDP2 run (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fastalign.testing import tiny_model
+from fastalign.train.distributed import (
+    DistributedContext,
+    all_reduce_sum,
+    broadcast_object,
+    init_distributed,
+    shard_model,
+    shutdown_distributed,
+)
+from tests.train.fsdp_worker import LR, STEPS, TEXTS, batch_of, build_model
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    for name in _TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_context_properties():
+    main = DistributedContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    other = DistributedContext(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    assert main.is_main and main.enabled
+    assert not other.is_main
+
+
+def test_single_process_is_a_no_op(no_torchrun):
+    ctx = init_distributed()
+    assert (ctx.rank, ctx.world_size, ctx.local_rank) == (0, 1, 0)
+    assert ctx.is_main and not ctx.enabled
+    assert ctx.device == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert not dist.is_initialized()
+
+    model = tiny_model("llama")
+    assert shard_model(model, mixed_precision=True) is model
+    assert all(type(param) is torch.nn.Parameter for param in model.parameters())
+
+    assert all_reduce_sum(7, ctx).item() == 7
+    assert all_reduce_sum(2.5, ctx).item() == 2.5
+    value = torch.tensor([1.0, 2.0])
+    torch.testing.assert_close(all_reduce_sum(value, ctx), value.to(ctx.device))
+    assert broadcast_object({"a": 1}, ctx) == {"a": 1}
+    shutdown_distributed()  # nothing was created: nothing to destroy
+
+
+def _reference(tie_word_embeddings: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same steps in one process on the whole batch: the loss is the mean over all label tokens."""
+    model = build_model(tie_word_embeddings)
+    initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    batch = batch_of(TEXTS)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    updates = {name: param.detach() - initial[name] for name, param in model.named_parameters()}
+    return losses, updates
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_two_process_fsdp_matches_single_process(tmp_path, tie_word_embeddings):
+    out = tmp_path / "result.json"
+    env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(WORKER), str(out), str(tie_word_embeddings),
+    ]  # fmt: skip
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    result = json.loads(out.read_text())
+
+    # the halves hold different numbers of label tokens: per-rank means would not give the global mean
+    first, second = result["local_tokens"]
+    assert first != second
+    assert result["tied"] is tie_word_embeddings
+    assert result["broadcast"] == {"from": 0}
+
+    losses, updates = _reference(tie_word_embeddings)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+    assert result["updates"].keys() == updates.keys()
+    for name, update in updates.items():
+        torch.testing.assert_close(
+            torch.tensor(result["updates"][name]),
+            update,
+            rtol=1e-4,
+            atol=1e-7,
+            msg=lambda text, name=name: f"{name}: {text}",
+        )

@@ -1,0 +1,189 @@
+"""The engine and SFT end to end on a tiny model: learning, exact accumulation, resume, atomic saves."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import fastalign.train.checkpoint as checkpoint_module
+from fastalign.data import tokenize_sft_dataset
+from fastalign.testing import tiny_model, tiny_sft_rows, tiny_tokenizer
+from fastalign.train.batches import MicroBatches
+from fastalign.train.callbacks import EarlyStopping
+from fastalign.train.checkpoint import list_checkpoints
+from fastalign.train.config import TrainConfig
+from fastalign.train.distributed import DistributedContext
+from fastalign.train.engine import Callback, Engine, NonFiniteLossError, Schedule
+from fastalign.train.objectives import SFTObjective
+from fastalign.train.sft import run_sft
+
+SINGLE = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def write_rows(path, count=64, seed=0):
+    path.write_text("\n".join(json.dumps(row) for row in tiny_sft_rows(count, seed)) + "\n")
+    return path
+
+
+def config(tmp_path, **overrides) -> TrainConfig:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    defaults = dict(
+        dataset_name=str(write_rows(tmp_path / "train.jsonl")), output_dir=str(tmp_path / "run"),
+        max_steps=4, per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1, seed=0,
+        max_length=64, warmup_ratio=0.0, loss_curve_png=False,
+    )  # fmt: skip
+    return TrainConfig(**{**defaults, **overrides})
+
+
+def logged(output_dir) -> list[dict]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def train_losses(output_dir) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in logged(output_dir) if "loss" in record}
+
+
+@pytest.mark.slow
+def test_loss_falls_and_the_model_is_saved(tmp_path):
+    cfg = config(
+        tmp_path, dataset_name="tiny-sft", max_steps=40, per_device_train_batch_size=8, logging_steps=10,
+        loss_curve_png=True, eval_split_ratio=0.05, eval_steps=20,
+    )  # fmt: skip
+    out = run_sft(cfg)
+    records = logged(out)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert all(
+        {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second"} <= set(r)
+        for r in records
+        if "loss" in r
+    )
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(evals) == 3 and evals[-1] < evals[0]
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert (out / "fastalign_config.yaml").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.model_type == "llama" and (out / "model.safetensors").is_file()
+
+
+def _engine(examples, batch_size, accumulation, steps, seed=0):
+    model = tiny_model("llama")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # Adam would blur gradient differences
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    batches = MicroBatches(
+        examples, batch_size=batch_size, accumulation=accumulation, pad_token_id=0, seed=seed
+    )
+    return Engine(
+        model, SFTObjective(), optimizer, scheduler, batches, Schedule(max_steps=steps, logging_steps=1),
+        SINGLE, output_dir="unused",
+    )  # fmt: skip
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """4 micro-batches of 1 uneven-length example = 1 batch of 4: the loss is the token mean of the
+    whole accumulated batch, not a mean of per-micro-batch means."""
+    examples = tokenize_sft_dataset(
+        [*tiny_sft_rows(32), {"prompt": "x", "completion": " y" * 30}], tiny_tokenizer()
+    )
+    big, small = _engine(examples, 4, 1, 3), _engine(examples, 1, 4, 3)
+    for _ in range(3):
+        a, b = big.train_step(), small.train_step()
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+    for (name, p), q in zip(big.model.named_parameters(), small.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Crash(Callback):
+    """Simulates a kill after ``at`` steps (an exception out of the loop, no cleanup)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, engine, metrics):
+        if engine.state.step == self.at:
+            raise KeyboardInterrupt("killed")
+
+
+def test_kill_and_resume_gives_the_same_losses(tmp_path):
+    reference = run_sft(config(tmp_path / "a", max_steps=6, save_steps=2, lr_scheduler_type="cosine"))
+    cfg = config(tmp_path / "b", max_steps=6, save_steps=2, lr_scheduler_type="cosine")
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg, callbacks=[_Crash(at=5)])
+    assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["checkpoint-2", "checkpoint-4"]
+    cfg.resume_from_checkpoint = "latest"
+    resumed = run_sft(cfg)
+    expected, got = train_losses(reference), train_losses(resumed)
+    for step in (5, 6):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, expected, got)
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    cfg = config(tmp_path, max_steps=4, save_steps=2)
+    real_save = checkpoint_module.dcp.save
+    calls = []
+
+    def failing_save(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full (injected)")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.dcp, "save", failing_save)
+    with pytest.raises(OSError, match="injected"):
+        run_sft(cfg)
+    root = tmp_path / "run"
+    assert [p.name for p in list_checkpoints(root)] == ["checkpoint-2"]
+    assert (root / ".tmp-checkpoint-4").exists()  # the half-written one, never picked
+    monkeypatch.setattr(checkpoint_module.dcp, "save", real_save)
+    cfg.resume_from_checkpoint = "latest"
+    run_sft(cfg)
+    assert [p.name for p in list_checkpoints(root)] == ["checkpoint-2", "checkpoint-4"]
+    assert not (root / ".tmp-checkpoint-4").exists()
+    assert max(train_losses(root)) == 4
+
+
+def test_save_total_limit_keeps_the_last_checkpoints(tmp_path):
+    out = run_sft(config(tmp_path, max_steps=4, save_steps=1, save_total_limit=2))
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
+    class NanObjective(SFTObjective):
+        def compute_loss(self, model, batch, num_items_in_batch):
+            loss, metrics = super().compute_loss(model, batch, num_items_in_batch)
+            return loss * float("nan"), metrics
+
+    engine = _engine(tokenize_sft_dataset(tiny_sft_rows(16), tiny_tokenizer()), 4, 1, 2)
+    engine.objective = NanObjective()
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    with pytest.raises(NonFiniteLossError, match=r"step 1: loss nan.*no checkpoint"):
+        engine.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters(), strict=True))
+
+
+def test_lora_adapter_is_saved_in_peft_format(tmp_path):
+    import peft
+
+    out = run_sft(config(tmp_path, use_peft=True, lora_r=4, lora_alpha=8, max_steps=2))
+    assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
+    loaded = peft.PeftModel.from_pretrained(tiny_model("llama"), out)
+    assert any("lora_A" in name for name, _ in loaded.named_parameters())
+
+
+def test_early_stopping_callback_ends_the_run(tmp_path):
+    stopper = EarlyStopping(patience=1, min_delta=100.0)  # no evaluation can improve by 100
+    cfg = config(tmp_path, max_steps=50, eval_split_ratio=0.25, eval_steps=1)
+    out = run_sft(cfg, callbacks=[stopper])
+    assert max(train_losses(out)) == 2  # first evaluation sets the best, the second stops
+
+
+def test_a_data_set_too_small_for_one_step_is_a_clear_error(tmp_path):
+    cfg = config(tmp_path, dataset_name=str(write_rows(tmp_path / "few.jsonl", count=3)))
+    with pytest.raises(ValueError, match=r"3 examples, fewer than one step needs.*= 4"):
+        run_sft(cfg)

@@ -1,0 +1,213 @@
+"""Activation checkpointing and offloading change memory, never the loss or the gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import peft
+import pytest
+import torch
+from torch import nn
+
+import fastalign
+from fastalign.patching import patched_pieces
+from fastalign.testing import tiny_model, tiny_tokenizer
+from fastalign.train.memory import (
+    ActivationOffloader,
+    decoder_layers,
+    enable_activation_checkpointing,
+    enable_activation_offloading,
+)
+
+
+def padded_batch() -> dict[str, torch.Tensor]:
+    """Two rows of different lengths, right-padded; labels -100 on padding."""
+    batch = tiny_tokenizer()(
+        ["What is 3 plus 4? The answer is 7.", "the model learns"], padding=True, return_tensors="pt"
+    )
+    return {**batch, "labels": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)}
+
+
+def train_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    model.train()
+    torch.manual_seed(0)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def assert_same_step(reference: nn.Module, model: nn.Module) -> None:
+    """One forward/backward of each: equal losses, and equal gradients for every parameter."""
+    batch = padded_batch()
+    torch.testing.assert_close(train_step(model, batch), train_step(reference, batch), rtol=1e-5, atol=1e-6)
+    with_grad = 0
+    for (name, expected), (_, got) in zip(
+        reference.named_parameters(), model.named_parameters(), strict=True
+    ):
+        assert (got.grad is None) == (expected.grad is None), name
+        if expected.grad is not None:
+            torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
+            with_grad += 1
+    assert with_grad > 0
+
+
+def offload(model: nn.Module, min_bytes: int = 0) -> ActivationOffloader:
+    """Offloading whose CPU path copies like the CUDA one, so its bookkeeping is exercised."""
+    offloader = enable_activation_offloading(model, min_bytes=min_bytes)
+    offloader._force_copy = True
+    return offloader
+
+
+def offloaded_storages(offloader: ActivationOffloader) -> list[int]:
+    """Spy on ``offloader``: the storage addresses of the tensors it offloads, appended as it packs."""
+    seen: list[int] = []
+    pack = offloader._pack
+
+    def spy(tensor):
+        packed = pack(tensor)
+        if packed is not tensor:
+            seen.append(tensor.untyped_storage().data_ptr())
+        return packed
+
+    offloader._pack = spy
+    return seen
+
+
+def lora(model: nn.Module) -> nn.Module:
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_decoder_layers(model_type):
+    model = tiny_model(model_type)
+    assert decoder_layers(model) == list(model.model.layers)
+    assert decoder_layers(lora(model)) == list(model.model.layers)
+
+
+def test_decoder_layers_of_a_module_without_any_name_it():
+    with pytest.raises(ValueError, match="Sequential"):
+        decoder_layers(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_checkpointing_recomputes_with_the_same_gradients(model_type):
+    reference = tiny_model(model_type)
+    model = copy.deepcopy(reference)
+    enable_activation_checkpointing(model)
+    assert model.config.use_cache is False
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    mlp, mlp_calls = model.model.layers[0].mlp, []
+    forward = mlp.forward
+
+    def counted(*args, **kwargs):
+        mlp_calls.append(1)
+        return forward(*args, **kwargs)
+
+    mlp.forward = counted  # (the recomputation runs no module hooks, so count the calls themselves)
+    assert_same_step(reference, model)
+    assert len(mlp_calls) == 2  # forward, then the recomputation in backward
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_offloading_gives_the_same_gradients(model_type):
+    reference = tiny_model(model_type)
+    model = copy.deepcopy(reference)
+    offloader = offload(model)
+    storages = offloaded_storages(offloader)
+    assert_same_step(reference, model)
+    assert offloader.offloaded_tensors > 0 and offloader.offloaded_bytes > 0
+    assert offloader.restored_tensors == offloader.offloaded_tensors  # each came back exactly once
+    assert offloader.prefetched_tensors > 0  # layer 0's, fetched when layer 1's backward began
+    assert offloader.skipped_parameters > 0  # the weights were seen ...
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert parameter_storages.isdisjoint(storages)  # ... and none of them (nor a view) was offloaded
+    assert not offloader._groups  # nothing left waiting to come back
+
+
+def test_checkpointing_and_offloading_together():
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    enable_activation_checkpointing(model)
+    offloader = offload(model)
+    assert_same_step(reference, model)
+    # a checkpointed layer saves only its input hidden states, so that is all that is offloaded
+    assert offloader.offloaded_tensors == len(decoder_layers(model))
+    assert offloader.restored_tensors == offloader.offloaded_tensors
+    unchecked = tiny_model("llama")
+    without_checkpointing = offload(unchecked)
+    train_step(unchecked, padded_batch())
+    assert offloader.offloaded_bytes < without_checkpointing.offloaded_bytes
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["offload", "checkpoint+offload"])
+def test_patched_models(checkpointing):
+    """The fused loss head runs after the layers: it is never offloaded, and the gradients agree."""
+    reference = fastalign.patch_model(tiny_model("qwen2"))
+    model = copy.deepcopy(reference)
+    assert patched_pieces(model)["loss"] == 1
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    offloader = offload(model)
+    assert_same_step(reference, model)
+    assert offloader.offloaded_tensors > 0
+    assert offloader.restored_tensors == offloader.offloaded_tensors
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["offload", "checkpoint+offload"])
+def test_lora_model(checkpointing):
+    reference = lora(tiny_model("llama"))
+    model = copy.deepcopy(reference)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    offloader = offload(model)
+    storages = offloaded_storages(offloader)
+    assert_same_step(reference, model)
+    assert offloader.offloaded_tensors > 0
+    assert offloader.skipped_parameters > 0
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()}.isdisjoint(storages)
+    assert any(p.grad is not None for name, p in model.named_parameters() if "lora_" in name)
+
+
+def test_remove_restores_the_model():
+    model = tiny_model("llama")
+    layers = decoder_layers(model)
+    offloader = offload(model)
+    assert all(layer._forward_pre_hooks and layer._forward_hooks for layer in layers)
+    offloader.remove()
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+    train_step(model, padded_batch())
+    assert offloader.offloaded_tensors == offloader.skipped_parameters == 0
+
+
+def test_tensors_under_min_bytes_stay():
+    model = tiny_model("llama")
+    offloader = offload(model, min_bytes=1 << 30)
+    train_step(model, padded_batch())
+    assert offloader.skipped_small > 0
+    assert offloader.offloaded_tensors == 0
+
+
+def test_cpu_tensors_are_kept_where_they_are():
+    model = tiny_model("llama")
+    offloader = enable_activation_offloading(model, min_bytes=0)
+    train_step(model, padded_batch())
+    assert offloader.kept_on_device > 0
+    assert offloader.offloaded_tensors == 0
+
+
+def test_a_raising_layer_leaves_no_hooks_active():
+    model = tiny_model("llama")
+    offloader = offload(model)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    model.model.layers[1].mlp.forward = fail
+    with pytest.raises(RuntimeError, match="boom"):
+        model(**padded_batch())
+    assert not offloader._contexts
+    packed = offloader.offloaded_tensors
+    x = torch.randn(8, requires_grad=True) * 2
+    (x * x).sum().backward()  # saves x, which the offloader would take if its hooks were still active
+    assert offloader.offloaded_tensors == packed > 0
