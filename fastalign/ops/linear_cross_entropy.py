@@ -23,6 +23,7 @@ everything else, including the matmuls (cuBLAS / CPU BLAS), is shared.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -505,6 +506,29 @@ def _stats_for_user(
     )
 
 
+def _autocast_aware(op):
+    """Inside an autocast region, run the op as ``F.linear`` would run the head there: hidden states,
+    weight and bias cast to the autocast dtype (the casts carry the gradients back to fp32 weights),
+    and autocast off inside, where the chunk loop sets every dtype itself."""
+    signature = inspect.signature(op)
+
+    @functools.wraps(op)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        device_type = bound.arguments["hidden"].device.type
+        if not torch.is_autocast_enabled(device_type):
+            return op(*args, **kwargs)
+        dtype = torch.get_autocast_dtype(device_type)
+        for name in ("hidden", "weight", "bias"):
+            if bound.arguments.get(name) is not None:
+                bound.arguments[name] = bound.arguments[name].to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return op(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
+@_autocast_aware
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -599,6 +623,7 @@ def _mean_scale(
     return 1.0 / divisor.reshape(())
 
 
+@_autocast_aware
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -647,6 +672,7 @@ class TokenObjectiveResult(NamedTuple):
     aux: torch.Tensor  # the objective's auxiliary sums over all chunks
 
 
+@_autocast_aware
 def token_objective(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -417,3 +417,21 @@ def test_token_objective_forms_the_gradient_in_forward(backend):
     with torch.no_grad():
         no_grad = token_objective(hidden, weight, targets, objective, bias, temperature=0.9, backend=backend)
     torch.testing.assert_close(no_grad.loss, result.loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_inside_autocast_the_head_runs_in_the_autocast_dtype(backend):
+    """As F.linear would: bf16 matmuls from fp32 weights, gradients back in fp32."""
+    hidden = torch.randn(37, 24, requires_grad=True)
+    weight = (torch.randn(101, 24) / 5).requires_grad_()
+    targets = torch.randint(0, 101, (37,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, targets, backend=backend)
+        expected = torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(hidden, weight).float(), targets
+        )
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    assert loss.dtype == torch.float32 and grads[1].dtype == torch.float32
+    assert relative_error(loss.detach(), expected.detach()) < 1e-2
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert relative_error(got, want) < 2e-2

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +192,39 @@ def test_a_data_set_too_small_for_one_step_is_a_clear_error(tmp_path):
     cfg = config(tmp_path, dataset_name=str(write_rows(tmp_path / "few.jsonl", count=3)))
     with pytest.raises(ValueError, match=r"3 examples, fewer than one step needs.*= 4"):
         run_sft(cfg)
+
+
+def test_checkpointing_and_offloading_leave_the_losses_unchanged(tmp_path):
+    plain = train_losses(run_sft(config(tmp_path / "plain", max_steps=3)))
+    saver = run_sft(
+        config(tmp_path / "saver", max_steps=3, gradient_checkpointing=True, activation_offloading=True)
+    )
+    for step, loss in plain.items():
+        assert train_losses(saver)[step] == pytest.approx(loss, rel=1e-5)
+
+
+def test_bf16_single_process_trains(tmp_path):
+    losses = train_losses(run_sft(config(tmp_path, max_steps=3, bf16=True)))
+    assert all(math.isfinite(loss) for loss in losses.values()) and len(losses) == 3
+
+
+@pytest.mark.slow
+def test_two_process_fsdp2_run_matches_one_process(tmp_path):
+    """torchrun × 2 (gloo, FSDP2), 2 examples per rank = 1 process with 4: the same losses."""
+    single = train_losses(run_sft(config(tmp_path / "one", max_steps=3, per_device_train_batch_size=4)))
+    cfg = config(tmp_path / "two", max_steps=3, per_device_train_batch_size=2, save_steps=3)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(Path(__file__).with_name("sft_worker.py")), json.dumps(asdict(cfg))],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = train_losses(Path(cfg.output_dir))
+    for step, loss in single.items():
+        assert two[step] == pytest.approx(loss, rel=1e-5), (single, two)
+    assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["checkpoint-3"]
+    assert AutoModelForCausalLM.from_pretrained(cfg.output_dir).config.model_type == "llama"
