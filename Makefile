@@ -8,7 +8,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/fastalign demo
+	$(VENV)/bin/fastalign train sft --config examples/sft_tiny.yaml
 
 lint: setup
 	$(PY) -m ruff check .

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastalign.cli import demo
+from fastalign.cli import demo, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,11 +14,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(commands)
+    train.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra and not getattr(args, "allow_extra", False):
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     return args.run(args)
 
 

@@ -94,8 +94,8 @@ def run_sft(config: TrainConfig, callbacks: list[Callback] | None = None) -> Pat
         if resume_path is not None:
             engine.resume(resume_path)
         engine.train()
-        if eval_examples:
-            engine.evaluate()
+        if eval_examples and not (config.eval_steps and engine.state.step % config.eval_steps == 0):
+            engine.evaluate()  # a final evaluation, unless the last step just had one
         export_model(model, tokenizer, output_dir, ctx)
         return output_dir
     finally:
