@@ -30,11 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-except ImportError:  # torch < 2.6 has FSDP2 only under its composable namespace
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+from fastalign.train.memory import decoder_layers
 
 #: Whether ``init_distributed`` created the default process group (so ``shutdown_distributed`` may end it).
 _created_group = False
@@ -97,18 +95,6 @@ def shutdown_distributed() -> None:
     _created_group = False
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a transformers causal LM (``model.model.layers``), under a peft wrapper too."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(getattr(base, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            "shard_model expects a causal LM with its decoder layers at .model.layers, "
-            f"got {type(base).__name__}"
-        )
-    return layers
-
-
 def shard_model(model: nn.Module, *, mixed_precision: bool, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` with FSDP2 over all ranks (each decoder layer, then the root); returns it.
 
@@ -126,7 +112,7 @@ def shard_model(model: nn.Module, *, mixed_precision: bool, reshard_after_forwar
     }
     if mixed_precision:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(model, **options)
     return model
