@@ -1,11 +1,16 @@
-"""``fastalign train <objective> --config FILE [--key value ...]``."""
+"""``fastalign train <objective> [--config FILE] [--key value ...]``.
+
+Keys are ``TrainConfig`` fields (TRL / ``TrainingArguments`` names); flags override the file, and with no
+file the defaults are the built-in tiny run, so ``fastalign train sft`` works offline as is.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-#: Objectives with a trainer; DPO-family and GRPO come next on the same engine.
+#: Objectives ``fastalign train`` knows; each name maps to its runner in ``_runner``. DPO-family and GRPO
+#: are added here (and there) when their trainers exist on the same engine.
 OBJECTIVES = ("sft",)
 
 
@@ -14,21 +19,32 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "train",
         help="train a model (YAML config + --key value overrides, TRL option names)",
         description="Keys are TrainConfig fields (TRL / TrainingArguments names); flags override the file.",
+        epilog="example: fastalign train sft --config examples/sft_tiny.yaml --max_steps 20",
+        allow_abbrev=False,  # else an override such as --c would be taken for --config
     )
     parser.add_argument("objective", choices=OBJECTIVES)
-    parser.add_argument("--config", help="YAML config (default: the built-in tiny run)")
-    parser.set_defaults(run=run, allow_extra=True)
+    parser.add_argument("--config", metavar="FILE", help="YAML config (default: the built-in tiny run)")
+    parser.set_defaults(run=run, allow_extra=True)  # the extra --key value pairs are the overrides
+
+
+def _runner(objective: str):
+    """The objective's run function, imported only when used (it pulls in torch and the models)."""
+    if objective == "sft":
+        from fastalign.train.sft import run_sft
+
+        return run_sft
+    raise ValueError(f"objective {objective!r} has no trainer yet (known: {', '.join(OBJECTIVES)})")
 
 
 def run(args: argparse.Namespace) -> int:
     from fastalign.train.config import load_config
-    from fastalign.train.sft import run_sft
 
     try:
-        config = load_config(args.config, args.extra)
-        output = run_sft(config)
+        config = load_config(args.config, getattr(args, "extra", ()))
+        output = _runner(args.objective)(config)
     except ValueError as error:  # ConfigError and bad data: one line, no traceback
-        print(f"error: {error}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        print(f"error: {message}", file=sys.stderr)
         return 2
     print(f"saved to {output}")
     return 0

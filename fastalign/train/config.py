@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -71,110 +73,212 @@ class TrainConfig:
     loss_curve_png: bool = True  # write <output_dir>/loss_curve.png at the end (needs matplotlib)
 
 
-def save_config(config: TrainConfig, path: str | Path) -> None:
-    """The resolved config as YAML, written atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(asdict(config), sort_keys=False))
-    os.replace(tmp, path)
-
-
 class ConfigError(ValueError):
-    """A config problem, said in one line that names the key (and the file)."""
+    """A config problem, said in one line that names the key (and the file), so a CLI can print it as is."""
 
 
-_CHOICES = {"lr_scheduler_type": ("constant", "linear", "cosine")}
-_POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-             "max_length", "logging_steps", "save_total_limit", "learning_rate")  # fmt: skip
+#: Learning-rate schedules that ``run_sft`` builds (each after its warmup).
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+#: Where metrics can be reported besides ``metrics.jsonl``.
+REPORT_TO = ("tensorboard", "wandb")
+
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_NULL = ("none", "null")
+_ON_THE_COMMAND_LINE = "on the command line"
+_POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+             "max_length", "logging_steps", "learning_rate")  # fmt: skip
+#: (key, test, what the test asks): checks of single values after coercion.
+_VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    *((key, lambda value: value > 0, "positive") for key in _POSITIVE),
+    ("save_total_limit", lambda value: value >= 1, "at least 1"),
+    ("warmup_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
+    ("eval_split_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
+    ("lr_scheduler_type", lambda value: value in LR_SCHEDULERS, f"one of {', '.join(LR_SCHEDULERS)}"),
+    ("report_to", lambda value: set(value) <= set(REPORT_TO), f"a list of {', '.join(REPORT_TO)}"),
+)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Defaults, then the YAML mapping at ``path``, then ``--key value`` / ``--key=value`` overrides."""
-    values: dict[str, tuple[object, str]] = {}  # key → (raw value, where it came from)
+    """Defaults, then the YAML mapping at ``path``, then ``--key value`` / ``--key=value`` overrides.
+
+    Keys and types come from the ``TrainConfig`` fields, so a new field is configurable with no other change;
+    every problem is a one-line ``ConfigError`` naming the key and where it was set.
+    """
+    values: dict[str, tuple[object, str | None]] = {}  # key → (raw value, file it came from; None: a flag)
     if path is not None:
-        where = f"in {path}"
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
-            raise ConfigError(f"cannot read config {path}: {str(error).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config {path} must be a mapping of keys to values, got {type(data).__name__}")
-        values |= {str(key): (value, where) for key, value in data.items()}
-    values |= {key: (value, "on the command line") for key, value in _parse_flags(overrides)}
+        values |= {key: (value, str(path)) for key, value in _read_yaml(Path(path)).items()}
+    values |= {key: (value, None) for key, value in _parse_flags(overrides)}
+
     hints = typing.get_type_hints(TrainConfig)
-    known = [f.name for f in dataclasses.fields(TrainConfig)]
-    kwargs = {}
-    for key, (raw, where) in values.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+    kinds = {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.init}
+    kwargs: dict[str, object] = {}
+    where: dict[str, str] = {}
+    for key, (raw, source) in values.items():
+        where[key] = _ON_THE_COMMAND_LINE if source is None else f"in {source}"
+        if key not in kinds:
+            close = difflib.get_close_matches(key, list(kinds), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown config key {key!r} ({where}){hint}")
-        kwargs[key] = _coerce(key, raw, hints[key], where)
+            raise ConfigError(f"unknown config key {key!r} ({where[key]}){hint}")
+        try:
+            kwargs[key] = _coerce(raw, kinds[key], from_flag=source is None)
+        except _Mismatch:
+            raise ConfigError(
+                f"config key {key!r} ({where[key]}) must be {_describe(kinds[key])}, "
+                f"got {raw!r} ({type(raw).__name__})"
+            ) from None
     config = TrainConfig(**kwargs)
-    _check(config)
+    _check(config, where)
     return config
 
 
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    """The resolved config as YAML that ``load_config`` reads back equal, written atomically.
+
+    Atomic (a temporary file in the same directory, renamed into place) so that a crash or a concurrent
+    reader never sees half a file next to a checkpoint.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share one
+    try:
+        tmp.write_text(yaml.safe_dump(asdict(config), sort_keys=False), encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _read_yaml(path: Path) -> dict[str, object]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise ConfigError(f"cannot read config {path}: {reason}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"invalid YAML in config {path}{at}: {problem}") from None
+    if data is None:  # an empty file (or only comments): the defaults
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of keys to values, got {type(data).__name__}")
+    return {str(key): value for key, value in data.items()}
+
+
 def _parse_flags(flags: Sequence[str]) -> list[tuple[str, str]]:
+    """``["--max-steps", "5", "--bf16=true"]`` as ``[("max_steps", "5"), ("bf16", "true")]``."""
     pairs, items = [], list(flags)
     while items:
         flag = items.pop(0)
-        if not flag.startswith("--"):
-            raise ConfigError(f"expected an option like --learning_rate 1e-4, got {flag!r}")
         key, sep, value = flag[2:].partition("=")
+        if not flag.startswith("--") or not key:
+            raise ConfigError(
+                f"expected an option like --learning_rate 1e-4 ({_ON_THE_COMMAND_LINE}), got {flag!r}"
+            )
         if not sep:
-            if not items:
-                raise ConfigError(f"option --{key} needs a value")
+            if not items or items[0].startswith("--"):
+                raise ConfigError(f"option --{key} needs a value ({_ON_THE_COMMAND_LINE})")
             value = items.pop(0)
         pairs.append((key.replace("-", "_"), value))
     return pairs
 
 
-def _coerce(key: str, raw: object, kind: object, where: str) -> object:
-    """``raw`` (from YAML, or a string from a flag) as the field's type, or a ConfigError."""
-    args = typing.get_args(kind)
-    if (typing.get_origin(kind) in (typing.Union, types.UnionType)) and type(None) in args:
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+class _Mismatch(Exception):
+    """A value that is not of the field's type (``load_config`` words the error)."""
+
+
+def _coerce(raw: object, kind: Any, *, from_flag: bool) -> object:
+    """``raw`` as a value of type ``kind``: YAML values as typed, flag values (always text) parsed."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (raw is None or (from_flag and str(raw).lower() in _NULL)):
             return None
-        kind = next(arg for arg in args if arg is not type(None))
-    if kind is bool and isinstance(raw, str) and raw.lower() in _TRUE + _FALSE:
-        return raw.lower() in _TRUE
-    try:
-        if kind is bool and isinstance(raw, bool):
+        for arg in (arg for arg in args if arg is not type(None)):
+            try:
+                return _coerce(raw, arg, from_flag=from_flag)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin is list:
+        (item_kind,) = args or (str,)
+        if isinstance(raw, str):  # "q_proj, v_proj" (a flag, or YAML written the same way)
+            return [
+                _coerce(item.strip(), item_kind, from_flag=True) for item in raw.split(",") if item.strip()
+            ]
+        if isinstance(raw, list):
+            return [_coerce(item, item_kind, from_flag=from_flag) for item in raw]
+        raise _Mismatch
+    if isinstance(raw, bool):  # before int: bool is an int subclass, and True is no number
+        if kind is bool:
             return raw
-        if kind is int and not isinstance(raw, bool):
-            number = float(raw) if isinstance(raw, str) else raw
-            if isinstance(number, (int, float)) and float(number).is_integer():
-                return int(number)
-        if kind is float and not isinstance(raw, bool) and isinstance(raw, (int, float, str)):
-            return float(raw)
-        if kind is str and isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
-            return str(raw)
-        if typing.get_origin(kind) is list:
-            items = raw.split(",") if isinstance(raw, str) else raw
-            if isinstance(items, list) and all(isinstance(item, str) for item in items):
-                return [item.strip() for item in items if item.strip()]
-    except ValueError:
-        pass
-    expected = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
-        kind, "a list of strings"
-    )
-    raise ConfigError(f"config key {key!r} ({where}) must be {expected}, got {raw!r} ({type(raw).__name__})")
+        raise _Mismatch
+    if kind is bool:
+        if from_flag and isinstance(raw, str) and raw.lower() in _TRUE + _FALSE:
+            return raw.lower() in _TRUE
+        raise _Mismatch
+    if kind is int:
+        return _as_int(raw)
+    if kind is float:
+        try:
+            number = float(raw) if isinstance(raw, (int, float, str)) else math.nan
+        except ValueError:
+            raise _Mismatch from None
+        if math.isnan(number):
+            raise _Mismatch
+        return number
+    if kind is str:
+        if isinstance(raw, str):  # no str(raw): YAML ``output_dir: 1.10`` would come out as "1.1"
+            return raw
+        raise _Mismatch
+    raise TypeError(f"TrainConfig field type {kind!r} has no coercion; add one to fastalign.train.config")
 
 
-def _check(config: TrainConfig) -> None:
-    for key in _POSITIVE:
-        if getattr(config, key) <= 0:
-            raise ConfigError(f"config key {key!r} must be positive, got {getattr(config, key)!r}")
-    for key, choices in _CHOICES.items():
-        if getattr(config, key) not in choices:
-            raise ConfigError(f"config key {key!r} must be one of {choices}, got {getattr(config, key)!r}")
-    for key in ("warmup_ratio", "eval_split_ratio"):
-        if not 0 <= getattr(config, key) < 1:
-            raise ConfigError(f"config key {key!r} must be in [0, 1), got {getattr(config, key)!r}")
-    unknown_sinks = set(config.report_to) - {"tensorboard", "wandb"}
-    if unknown_sinks:
-        raise ConfigError(f"'report_to' accepts tensorboard and wandb, got {sorted(unknown_sinks)}")
+def _as_int(raw: object) -> int:
+    """An int, never silently truncated: 1.5 and "1.5" fail, 1000.0 and "1e3" (YAML 1.1 text) are 1000."""
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, str):
+        try:
+            return int(raw.strip())
+        except ValueError:
+            pass
+        try:
+            raw = float(raw)
+        except ValueError:
+            raise _Mismatch from None
+    if isinstance(raw, float) and math.isfinite(raw) and raw.is_integer():
+        return int(raw)
+    raise _Mismatch
+
+
+_WORDS = {bool: ("a boolean", "booleans"), int: ("an integer", "integers"),
+          float: ("a number", "numbers"), str: ("a string", "strings")}  # fmt: skip
+
+
+def _describe(kind: Any, plural: bool = False) -> str:
+    """A field type in words, for error messages: ``str | None`` → "a string or null"."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        words = [_describe(arg) for arg in args if arg is not type(None)]
+        return " or ".join(words + (["null"] if type(None) in args else []))
+    if origin is list:
+        return f"a list of {_describe(args[0] if args else str, plural=True)}"
+    singular, many = _WORDS.get(kind, (str(kind), str(kind)))
+    return many if plural else singular
+
+
+def _check(config: TrainConfig, where: dict[str, str]) -> None:
+    """Values that have the right type but cannot work, named with where they were set."""
+    for key, test, wanted in _VALUE_CHECKS:
+        value = getattr(config, key)
+        if not test(value):
+            at = f" ({where[key]})" if key in where else ""
+            raise ConfigError(f"config key {key!r}{at} must be {wanted}, got {value!r}")
     if config.max_steps <= 0 and config.num_train_epochs <= 0:
-        raise ConfigError("set max_steps or num_train_epochs to a positive value")
+        got = ", ".join(
+            f"{key}={getattr(config, key)!r}" + (f" {where[key]}" if key in where else "")
+            for key in ("max_steps", "num_train_epochs")
+        )
+        raise ConfigError(f"config key 'max_steps' or 'num_train_epochs' must be positive, got {got}")
