@@ -514,10 +514,10 @@ def _autocast_aware(op):
 
     @functools.wraps(op)
     def wrapper(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        device_type = bound.arguments["hidden"].device.type
+        device_type = (args[0] if args else kwargs["hidden"]).device.type
         if not torch.is_autocast_enabled(device_type):
             return op(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
         dtype = torch.get_autocast_dtype(device_type)
         for name in ("hidden", "weight", "bias"):
             if bound.arguments.get(name) is not None:

@@ -43,7 +43,6 @@ class MicroBatches:
         packing_length: int | None = None,
         rank: int = 0,
         world_size: int = 1,
-        shuffle: bool = True,
     ):
         if not examples:
             raise ValueError("the training set is empty")
@@ -55,7 +54,8 @@ class MicroBatches:
         )
         self.batch_size, self.accumulation = batch_size, accumulation
         self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle = seed, shuffle
+        self.seed = seed
+        self._epoch_order: tuple[int, list[int]] = (-1, [])  # (epoch, its order): one shuffle an epoch
         self.collate: Callable[[Sequence[TokenizedExample]], dict] = (
             PackedCollator() if packing_length else PaddingCollator(pad_token_id)
         )
@@ -70,20 +70,19 @@ class MicroBatches:
             )
 
     def _order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.units)))
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(len(self.units), generator=generator).tolist()
+        if self._epoch_order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._epoch_order = (epoch, torch.randperm(len(self.units), generator=generator).tolist())
+        return self._epoch_order[1]
 
     def step_batches(self, position: BatchPosition) -> list[dict]:
         """This rank's micro-batches of the step at ``position``."""
         order = self._order(position.epoch)
-        per_micro = self.batch_size
         first = position.step_in_epoch * self.accumulation * self.world_size
         batches = []
         for k in range(self.accumulation):
             micro = first + k * self.world_size + self.rank
-            units = order[micro * per_micro : (micro + 1) * per_micro]
+            units = order[micro * self.batch_size : (micro + 1) * self.batch_size]
             batches.append(self.collate([self.examples[i] for u in units for i in self.units[u]]))
         return batches
 

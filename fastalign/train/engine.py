@@ -166,7 +166,7 @@ class Engine:
             "seconds": time.perf_counter() - start,
         }  # fmt: skip
         for key in ("loss", "tokens", "seconds"):
-            self._window[key] = self._window.get(key, 0.0) + metrics[key]
+            self._window[key] += metrics[key]
         self._window["steps"] += 1
         self._window["grad_norm"], self._window["learning_rate"] = grad_norm, learning_rate
         return metrics
