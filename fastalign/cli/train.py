@@ -9,31 +9,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-#: Objectives ``fastalign train`` knows; each name maps to its runner in ``_runner``. DPO-family and GRPO
-#: are added here (and there) when their trainers exist on the same engine.
-OBJECTIVES = ("sft",)
-
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "train",
         help="train a model (YAML config + --key value overrides, TRL option names)",
         description="Keys are TrainConfig fields (TRL / TrainingArguments names); flags override the file.",
-        epilog="example: fastalign train sft --config examples/sft_tiny.yaml --max_steps 20",
+        epilog="examples: fastalign train sft --config examples/sft_tiny.yaml --max_steps 20; "
+        "fastalign train dpo --config examples/dpo_tiny.yaml",
         allow_abbrev=False,  # else an override such as --c would be taken for --config
     )
+    from fastalign.train.config import OBJECTIVES
+
     parser.add_argument("objective", choices=OBJECTIVES)
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: the built-in tiny run)")
     parser.set_defaults(run=run, allow_extra=True)  # the extra --key value pairs are the overrides
-
-
-def _runner(objective: str):
-    """The objective's run function, imported only when used (it pulls in torch and the models)."""
-    if objective == "sft":
-        from fastalign.train.sft import run_sft
-
-        return run_sft
-    raise ValueError(f"objective {objective!r} has no trainer yet (known: {', '.join(OBJECTIVES)})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, getattr(args, "extra", ()))
-        output = _runner(args.objective)(config)
+        from fastalign.train.run import run_training  # imported only when used: it pulls in the models
+
+        output = run_training(config, args.objective)
     except ValueError as error:  # ConfigError and bad data: one line, no traceback
         message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
         print(f"error: {message}", file=sys.stderr)

@@ -25,10 +25,12 @@ class FusedCausalLMOutput(CausalLMOutputWithPast):
 
     token_logprobs: [B, S] log p(logprob_targets) (0 where the target is -100), when asked for.
     entropy: [B, S] entropy of the next-token distribution, with ``return_entropy=True``.
+    head_output: what ``head_fn`` returned, when one was given.
     """
 
     token_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    head_output: object | None = None
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -59,6 +61,7 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
         temperature: float = 1.0,
         return_entropy: bool = False,
         return_logits: bool | None = None,
+        head_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], object] | None = None,
         **kwargs,
     ):
         """Causal-LM forward with the fused head (see ``fastalign.patch_model``).
@@ -68,9 +71,13 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
         logprob_targets: [B, S] token ids whose per-position log-probs (at ``temperature``) come back
             as ``output.token_logprobs``, for DPO/GRPO-style trainers (already aligned: position t
             scores logprob_targets[:, t]; -100 skips a position).
+        head_fn: ``head_fn(hidden [B, S, D], lm_head.weight, lm_head.bias)`` runs on the final hidden
+            states inside this forward (so under FSDP2 the head weight is unsharded), and its result
+            comes back as ``output.head_output``: how a loss module that takes hidden states
+            (``fastalign.losses``) trains a patched model.
         """
         shifted = kwargs.pop("shift_labels", None)
-        if labels is None and shifted is None and logprob_targets is None:
+        if labels is None and shifted is None and logprob_targets is None and head_fn is None:
             return type(self).forward(
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -108,6 +115,15 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
             )  # fmt: skip
             logprobs, entropy = result if return_entropy else (result, None)
 
+        head_output = None
+        if head_fn is not None:
+            if softcap is not None:
+                raise ValueError(
+                    f"head_fn does not apply final_logit_softcapping ({softcap}) of "
+                    f"{self.config.model_type}: use logprob_targets, which does"
+                )
+            head_output = head_fn(hidden, head.weight, head.bias)
+
         logits = None
         if return_logits if return_logits is not None else return_logits_default:
             logits = head(hidden)
@@ -121,6 +137,7 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
             attentions=outputs.attentions,
             token_logprobs=logprobs,
             entropy=entropy,
+            head_output=head_output,
         )
 
     return forward

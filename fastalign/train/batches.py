@@ -15,7 +15,6 @@ import torch
 
 from fastalign.data.collate import PackedCollator, PaddingCollator
 from fastalign.data.packing import pack_best_fit_decreasing
-from fastalign.data.sft import TokenizedExample
 
 
 @dataclass
@@ -34,7 +33,7 @@ class MicroBatches:
 
     def __init__(
         self,
-        examples: Sequence[TokenizedExample],
+        examples: Sequence,
         *,
         batch_size: int,
         accumulation: int,
@@ -43,7 +42,10 @@ class MicroBatches:
         packing_length: int | None = None,
         rank: int = 0,
         world_size: int = 1,
+        collate: Callable[[Sequence], dict] | None = None,
     ):
+        """``examples``: ``TokenizedExample``s (SFT, padded or packed), or any examples with the
+        ``collate`` that batches them (preference pairs, prompts)."""
         if not examples:
             raise ValueError("the training set is empty")
         self.examples = list(examples)
@@ -56,7 +58,7 @@ class MicroBatches:
         self.rank, self.world_size = rank, world_size
         self.seed = seed
         self._epoch_order: tuple[int, list[int]] = (-1, [])  # (epoch, its order): one shuffle an epoch
-        self.collate: Callable[[Sequence[TokenizedExample]], dict] = (
+        self.collate: Callable[[Sequence], dict] = collate or (
             PackedCollator() if packing_length else PaddingCollator(pad_token_id)
         )
         per_step = batch_size * accumulation * world_size
@@ -98,15 +100,16 @@ FILLER_KEY = "fastalign_filler"
 
 
 def evaluation_batches(
-    examples: Sequence[TokenizedExample],
+    examples: Sequence,
     batch_size: int,
     pad_token_id: int,
     rank: int = 0,
     world_size: int = 1,
+    collate: Callable[[Sequence], dict] | None = None,
 ) -> list[dict]:
     """Every held-out example once: padded micro-batches dealt to the ranks in turn, every rank
     getting the same number (short ranks repeat a batch marked with ``FILLER_KEY``)."""
-    collate = PaddingCollator(pad_token_id)
+    collate = collate or PaddingCollator(pad_token_id)
     batches = [collate(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
     mine = batches[rank::world_size]
     fillers = -(-len(batches) // world_size) - len(mine)

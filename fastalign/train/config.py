@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from fastalign.ops.grpo import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
+
 
 @dataclass
 class TrainConfig:
@@ -23,7 +25,8 @@ class TrainConfig:
 
     # model and data
     model_name_or_path: str = "tiny-llama"  # a local directory (config + tokenizer) or a built-in tiny name
-    dataset_name: str = "tiny-sft"  # a local JSONL/JSON/Parquet file or directory, or a built-in name
+    dataset_name: str | None = None  # a local JSONL/JSON/Parquet file or directory, or a built-in name;
+    # None: the objective's built-in tiny data set (tiny-sft, tiny-preference, tiny-kto, tiny-prompts)
     eval_dataset_name: str | None = None
     eval_split_ratio: float = 0.0  # held-out fraction of dataset_name when no eval_dataset_name
     output_dir: str = "outputs/run"
@@ -63,6 +66,40 @@ class TrainConfig:
     lora_dropout: float = 0.05
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
+    # preference training: dpo, orpo, simpo, cpo (TRL's DPOConfig / CPOConfig / ORPOConfig) and kto
+    beta: float | None = None  # None: the objective's TRL default (0.1; grpo 0.0; simpo 2.0)
+    loss_type: list[str] | None = None  # None: sigmoid (dpo, cpo), dapo (grpo); dpo takes several
+    loss_weights: list[float] | None = None  # one per dpo loss_type (a weighted sum)
+    label_smoothing: float = 0.0
+    max_prompt_length: int | None = 512  # None: no limit; longer prompts fail unless truncation
+    ref_model_name_or_path: str | None = None  # None: the policy's initial weights (or LoRA disabled)
+    precompute_ref_log_probs: bool = False  # reference log-probs once before training, then no reference
+    sync_ref_model: bool = False  # TR-DPO: the reference follows the policy every ref_model_sync_steps
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
+    cpo_alpha: float = 1.0  # cpo: weight of the chosen NLL
+    simpo_gamma: float = 0.5  # simpo: target reward margin
+    desirable_weight: float = 1.0  # kto
+    undesirable_weight: float = 1.0  # kto
+
+    # grpo / rloo (TRL's GRPOConfig / RLOOConfig)
+    reward_funcs: list[str] = field(default_factory=list)  # import paths "module:function" or built-ins
+    reward_weights: list[float] | None = None
+    num_generations: int = 8  # completions per prompt; per_device_train_batch_size counts completions
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    scale_rewards: str = "group"  # group, batch, none
+    advantage_estimator: str = "grpo"  # grpo, rloo
+    num_iterations: int = 1  # optimizer steps on each generation batch
+    steps_per_generation: int | None = None  # micro-batches per generation; None: gradient_accumulation_steps
+    importance_sampling_level: str = "token"  # token, sequence
+    mask_truncated_completions: bool = False
+    use_vllm: bool = False  # generate with vLLM (colocated) instead of model.generate; needs vllm
+
     # logging, evaluation, checkpoints
     logging_steps: int = 10
     eval_steps: int = 0  # 0: no evaluation during training
@@ -77,6 +114,8 @@ class ConfigError(ValueError):
     """A config problem, said in one line that names the key (and the file), so a CLI can print it as is."""
 
 
+#: What ``fastalign train`` trains: each objective has its recipe in ``fastalign.train.recipes``.
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "cpo", "kto", "grpo", "rloo")
 #: Learning-rate schedules that ``run_sft`` builds (each after its warmup).
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 #: Where metrics can be reported besides ``metrics.jsonl``.
@@ -94,6 +133,24 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("warmup_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("eval_split_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("lr_scheduler_type", lambda value: value in LR_SCHEDULERS, f"one of {', '.join(LR_SCHEDULERS)}"),
+    ("num_generations", lambda value: value >= 2, "at least 2 (advantages compare completions)"),
+    ("max_completion_length", lambda value: value > 0, "positive"),
+    ("max_prompt_length", lambda value: value is None or value > 0, "positive or null"),
+    ("temperature", lambda value: value > 0, "positive"),
+    ("top_p", lambda value: 0 < value <= 1, "in (0, 1]"),
+    ("num_iterations", lambda value: value >= 1, "at least 1"),
+    ("steps_per_generation", lambda value: value is None or value >= 1, "at least 1 or null"),
+    ("ref_model_sync_steps", lambda value: value >= 1, "at least 1"),
+    ("ref_model_mixup_alpha", lambda value: 0 <= value <= 1, "in [0, 1]"),
+    ("beta", lambda value: value is None or value >= 0, "non-negative or null"),
+    ("label_smoothing", lambda value: 0 <= value < 0.5, "in [0, 0.5)"),
+    ("scale_rewards", lambda value: value in SCALE_REWARDS, f"one of {', '.join(SCALE_REWARDS)}"),
+    (
+        "advantage_estimator",
+        lambda value: value in ADVANTAGE_ESTIMATORS,
+        f"one of {', '.join(ADVANTAGE_ESTIMATORS)}",
+    ),
+    ("importance_sampling_level", lambda value: value in ("token", "sequence"), "one of token, sequence"),
     ("report_to", lambda value: set(value) <= set(REPORT_TO), f"a list of {', '.join(REPORT_TO)}"),
 )
 

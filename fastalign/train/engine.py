@@ -1,9 +1,11 @@
 """The training loop: one optimizer step at a time, whatever the objective.
 
-A step: this rank's micro-batches; the loss-term count of all of them on all ranks (so each
-micro-batch's loss is its share of the accumulated batch's mean: exact gradient accumulation); forward
-and backward of each (gradient sync only on the last under FSDP2); a non-finite check; clipping;
-optimizer and scheduler step. Logging, evaluation and checkpointing are callbacks
+A step: this rank's micro-batches (which an objective may first turn into training batches, e.g. by
+generating completions); the loss-term count of all of them on all ranks (so each micro-batch's loss is
+its share of the accumulated batch's mean: exact gradient accumulation); forward and backward of each
+(gradient sync only on the last under FSDP2); a non-finite check; clipping; optimizer and scheduler
+step. The objective's metrics are summed like its loss, so they too are means over the whole step.
+Logging, evaluation and checkpointing are callbacks
 (``fastalign.train.callbacks``), so users add behaviour without editing the loop.
 """
 
@@ -134,17 +136,26 @@ class Engine:
         """One optimizer step; returns its metrics (global over ranks)."""
         start = time.perf_counter()
         micro_batches = self.batches.step_batches(self.state.position)
+        step_metrics: dict[str, float] = {}
+        prepare = getattr(self.objective, "prepare_step", None)
+        if prepare is not None:
+            with self._autocast():
+                micro_batches, step_metrics = prepare(self.model, micro_batches, self.state.step)
         local_items = sum(self.objective.loss_tokens(batch) for batch in micro_batches)
         num_items = all_reduce_sum(local_items, self.ctx).clamp_min(1)
         loss_sum = torch.zeros((), dtype=torch.float64)
+        objective_sums: dict[str, torch.Tensor] = {}
         for index, batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             self._set_gradient_sync(last)
             with self._autocast():
-                loss, _ = self.objective.compute_loss(self.model, _to(batch, self.ctx.device), num_items)
+                loss, metrics = self.objective.compute_loss(
+                    self.model, _to(batch, self.ctx.device), num_items
+                )
             # FSDP2 averages gradients over ranks; each rank's loss is its share of the global mean.
             (loss * self.ctx.world_size).backward()
             loss_sum += loss.detach().double().cpu()
+            _accumulate(objective_sums, metrics)
         loss_value = float(all_reduce_sum(loss_sum, self.ctx))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable(), self.schedule.max_grad_norm))
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -161,14 +172,17 @@ class Engine:
         self.state.step += 1
         self.state.position = self.batches.advance(self.state.position)
         self.state.tokens_seen += tokens
+        objective_metrics = {**self._global_sums(objective_sums), **step_metrics}
         metrics = {
             "loss": loss_value, "grad_norm": grad_norm, "learning_rate": learning_rate, "tokens": tokens,
-            "seconds": time.perf_counter() - start,
+            "seconds": time.perf_counter() - start, **objective_metrics,
         }  # fmt: skip
         for key in ("loss", "tokens", "seconds"):
             self._window[key] += metrics[key]
         self._window["steps"] += 1
         self._window["grad_norm"], self._window["learning_rate"] = grad_norm, learning_rate
+        for key, value in objective_metrics.items():
+            self._window["objective"][key] = self._window["objective"].get(key, 0.0) + value
         return metrics
 
     @torch.no_grad()
@@ -176,19 +190,22 @@ class Engine:
         """Token-mean objective loss over the held-out batches (all ranks together)."""
         self.model.eval()
         total, items = torch.zeros((), dtype=torch.float64), 0
+        sums: dict[str, torch.Tensor] = {}
         for batch in self.eval_batches:
             batch = dict(batch)
             # Ranks run the same number of forwards (FSDP2 gathers collectively); fillers count 0.
             count = 0 if batch.pop(FILLER_KEY, False) else self.objective.loss_tokens(batch)
             with self._autocast():
-                loss, _ = self.objective.compute_loss(
+                loss, batch_metrics = self.objective.compute_loss(
                     self.model, _to(batch, self.ctx.device), torch.tensor(max(count, 1))
                 )
-            total += loss.double().cpu() * max(count, 1)
+            total += loss.double().cpu() * count
+            _accumulate(sums, {key: value * count for key, value in batch_metrics.items()})
             items += count
         self.model.train()
-        total, items = all_reduce_sum(total, self.ctx), all_reduce_sum(items, self.ctx)
-        metrics = {"step": self.state.step, "eval_loss": float(total / items.clamp_min(1))}
+        total, items = all_reduce_sum(total, self.ctx), all_reduce_sum(items, self.ctx).clamp_min(1)
+        metrics = {"step": self.state.step, "eval_loss": float(total / items)}
+        metrics |= {f"eval_{key}": value / float(items) for key, value in self._global_sums(sums).items()}
         self.state.log_history.append(metrics)
         self._call("on_evaluate", metrics)
         return metrics
@@ -211,12 +228,21 @@ class Engine:
             logs["mfu"] = (
                 logs["tokens_per_second"] * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
             )
+        logs |= {key: value / window["steps"] for key, value in window["objective"].items()}
         self.state.log_history.append(logs)
         self._call("on_log", logs)
         self._reset_window()
 
     def _reset_window(self) -> None:
-        self._window = {"loss": 0.0, "tokens": 0.0, "seconds": 0.0, "steps": 0}
+        self._window = {"loss": 0.0, "tokens": 0.0, "seconds": 0.0, "steps": 0, "objective": {}}
+
+    def _global_sums(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Per-rank metric sums summed over ranks (one collective; every rank has the same keys)."""
+        if not sums:
+            return {}
+        keys = sorted(sums)
+        totals = all_reduce_sum(torch.stack([sums[key].double() for key in keys]), self.ctx)
+        return dict(zip(keys, totals.tolist(), strict=True))
 
     def _call(self, hook: str, *args) -> None:
         for callback in self.callbacks:
@@ -244,6 +270,12 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
     }
+
+
+def _accumulate(sums: dict[str, torch.Tensor], metrics: dict) -> None:
+    for key, value in metrics.items():
+        value = torch.as_tensor(value).detach().double().cpu()
+        sums[key] = sums[key] + value if key in sums else value
 
 
 def _token_count(batch: dict) -> int:

@@ -1,6 +1,7 @@
-"""``fastalign train sft``: config file + overrides reach ``run_sft``, errors are one line and exit 2.
+"""``fastalign train <objective>``: config file + overrides reach ``run_training``, errors are one line
+and exit 2.
 
-Most tests replace ``fastalign.train.sft`` with a fake module, so they check the command, not training; one
+Most tests replace ``fastalign.train.run`` with a fake module, so they check the command, not training; one
 slow test does a real tiny run end to end.
 """
 
@@ -18,19 +19,21 @@ from fastalign.train.config import TrainConfig
 
 @pytest.fixture
 def fake_sft(monkeypatch, tmp_path):
-    """A stand-in ``fastalign.train.sft`` whose ``run_sft`` records its configs (and can be made to fail)."""
-    module = types.ModuleType("fastalign.train.sft")
-    module.calls = []
+    """A stand-in ``fastalign.train.run`` whose ``run_training`` records its configs (and can be made to
+    fail); ``objectives`` records what it was asked to train."""
+    module = types.ModuleType("fastalign.train.run")
+    module.calls, module.objectives = [], []
     module.error = None
 
-    def run_sft(config):
+    def run_training(config, objective):
         module.calls.append(config)
+        module.objectives.append(objective)
         if module.error is not None:
             raise module.error
         return tmp_path / "out"
 
-    module.run_sft = run_sft
-    monkeypatch.setitem(sys.modules, "fastalign.train.sft", module)
+    module.run_training = run_training
+    monkeypatch.setitem(sys.modules, "fastalign.train.run", module)
     return module
 
 
@@ -106,8 +109,8 @@ def test_a_value_error_from_training_is_one_line(capsys, fake_sft):
 
 def test_an_unknown_objective_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["train", "dpo"])
-    assert exit_.value.code == 2 and "invalid choice: 'dpo'" in capsys.readouterr().err
+        main(["train", "ppo"])
+    assert exit_.value.code == 2 and "invalid choice: 'ppo'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

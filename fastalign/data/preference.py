@@ -1,0 +1,356 @@
+"""TRL's preference, unpaired (KTO) and prompt-only formats → token ids → micro-batches.
+
+- preference (DPO, ORPO, SimPO, CPO): ``prompt``, ``chosen`` and ``rejected``; or only ``chosen`` and
+  ``rejected`` (implicit prompt: their shared beginning, as TRL's ``extract_prompt`` finds it);
+- unpaired (KTO): ``prompt``, ``completion`` and a bool ``label`` (True: desirable);
+- prompt-only (GRPO): ``prompt``, and any other columns the reward functions read (e.g. ``answer``).
+
+A row's text fields are all strings (standard) or all lists of messages (conversational). Prompts and
+completions are kept apart because the losses score completions only. Standard completions end with
+EOS so the model learns to stop; conversational prompts are rendered with the generation prompt, and a
+conversational completion is what the full conversation's rendering adds to the prompt's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fastalign.data.collate import PaddingCollator
+from fastalign.data.formats import check_messages
+from fastalign.data.sft import TokenizedExample, _render
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    prompt_ids: list[int]
+    chosen_ids: list[int]  # the chosen completion's tokens only
+    rejected_ids: list[int]
+    ref_chosen_logp: float | None = None  # set when reference log-probs are precomputed
+    ref_rejected_logp: float | None = None
+
+
+@dataclass(frozen=True)
+class KTOExample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    label: bool  # True: a desirable completion
+    # KTO's mismatched completion for the KL estimate: fixed per example (the previous row's completion,
+    # as TRL pairs them over the data set) so that precomputed reference log-probs stay valid however
+    # the examples are later batched. None: the previous example of the micro-batch's.
+    kl_completion_ids: list[int] | None = None
+    ref_logp: float | None = None
+    ref_kl_logp: float | None = None
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    prompt_ids: list[int]
+    prompt: str | list[dict]  # as in the dataset, for the reward functions
+    columns: dict[str, object]  # every other column of the row, for the reward functions
+
+
+def _nonempty(rows: Iterable[dict]) -> list[dict]:
+    rows = list(rows)
+    if not rows:
+        raise ValueError("the dataset is empty")
+    return rows
+
+
+def _is_conversational(row: dict, index: int, fields: tuple[str, ...]) -> bool:
+    """Whether the fields are all messages (True) or all text (False); a ValueError otherwise."""
+    for field in fields:
+        value = row.get(field)
+        if value is None:
+            raise ValueError(f"row {index}: missing {field!r}")
+        if not isinstance(value, (str, list)):
+            raise ValueError(
+                f"row {index}: {field!r} must be text or a list of messages, got {type(value).__name__}"
+            )
+    messages = [field for field in fields if isinstance(row[field], list)]
+    if messages and len(messages) < len(fields):
+        text = [field for field in fields if field not in messages]
+        raise ValueError(f"row {index}: mixed formats: {messages} are messages but {text} text")
+    for field in messages:
+        check_messages(row[field], index, field)
+    return bool(messages)
+
+
+def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int], index: int, field: str) -> list[int]:
+    if not ids:
+        raise ValueError(f"row {index}: {field!r} is empty")
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) -> list[int]:
+    if isinstance(prompt, str):
+        return _text_ids(tokenizer, prompt)
+    return list(_render(tokenizer, prompt, add_generation_prompt=True)["input_ids"])
+
+
+def _completion_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict],
+    prompt_ids: list[int],
+    completion: str | list[dict],
+    index: int,
+    field: str,
+) -> list[int]:
+    if isinstance(completion, str):
+        return _with_eos(tokenizer, _text_ids(tokenizer, completion), index, field)
+    ids = list(_render(tokenizer, prompt + completion)["input_ids"])
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError(
+            f"row {index}: the chat template does not render the prompt as a prefix of the prompt + "
+            f"{field!r} conversation, so the completion tokens cannot be found"
+        )
+    return ids[len(prompt_ids) :]
+
+
+def _shared_length(a: Sequence, b: Sequence) -> int:
+    length = 0
+    while length < min(len(a), len(b)) and a[length] == b[length]:
+        length += 1
+    return length
+
+
+def _fit(
+    prompt_ids: list[int],
+    completions: dict[str, list[int]],
+    index: int,
+    max_length: int | None,
+    max_prompt_length: int | None,
+    truncation: bool,
+) -> tuple[list[int], dict[str, list[int]]]:
+    """TRL's truncation: a prompt keeps its end (next to the completion), a completion its start."""
+    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        if not truncation:
+            raise ValueError(
+                f"row {index}: the prompt has {len(prompt_ids)} tokens, over "
+                f"max_prompt_length={max_prompt_length} (truncation is off)"
+            )
+        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :]
+    if max_length is None:
+        return prompt_ids, completions
+    room = max_length - len(prompt_ids)
+    fitted = {}
+    for field, ids in completions.items():
+        if len(ids) > room and not truncation:
+            raise ValueError(
+                f"row {index}: prompt + {field!r} has {len(prompt_ids) + len(ids)} tokens, over "
+                f"max_length={max_length} (truncation is off)"
+            )
+        if room <= 0:
+            raise ValueError(
+                f"row {index}: no {field!r} tokens fit in max_length={max_length} after the "
+                f"{len(prompt_ids)}-token prompt"
+            )
+        fitted[field] = ids[:room]
+    return prompt_ids, fitted
+
+
+def _tokenize_preference_row(
+    row: dict, index: int, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[int], dict[str, list[int]]]:
+    explicit = row.get("prompt") is not None
+    fields = ("prompt", "chosen", "rejected") if explicit else ("chosen", "rejected")
+    conversational = _is_conversational(row, index, fields)
+    chosen, rejected = row["chosen"], row["rejected"]
+    if explicit:
+        prompt = row["prompt"]
+    elif conversational:
+        # TRL's extract_prompt: the shared leading messages; the completions start at the first
+        # message that differs, which must be an assistant turn in both (what the prompt asks for).
+        shared = _shared_length(chosen, rejected)
+        if shared == 0 or any(
+            shared == len(messages) or messages[shared]["role"] != "assistant"
+            for messages in (chosen, rejected)
+        ):
+            raise ValueError(
+                f"row {index}: 'chosen' and 'rejected' must share their first messages (the prompt), "
+                f"then both go on with a different assistant turn; they first differ at message {shared}"
+            )
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    else:
+        # Split at the shared token ids, not characters: prompt + completion is then exactly the whole
+        # text's tokens (and, as with TRL's extract_prompt, a space attached to the first differing
+        # word, as in byte-level BPE, goes to the completions).
+        chosen_ids, rejected_ids = _text_ids(tokenizer, chosen), _text_ids(tokenizer, rejected)
+        shared = _shared_length(chosen_ids, rejected_ids)
+        return chosen_ids[:shared], {
+            "chosen": _with_eos(tokenizer, chosen_ids[shared:], index, "chosen"),
+            "rejected": _with_eos(tokenizer, rejected_ids[shared:], index, "rejected"),
+        }
+    prompt_ids = _prompt_ids(tokenizer, prompt)
+    return prompt_ids, {
+        field: _completion_ids(tokenizer, prompt, prompt_ids, completion, index, field)
+        for field, completion in (("chosen", chosen), ("rejected", rejected))
+    }
+
+
+def tokenize_preference_dataset(
+    rows: Iterable[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    truncation: bool = False,
+) -> list[PreferenceExample]:
+    """Every row of a preference dataset, explicit or implicit prompt, standard or conversational.
+
+    ``max_length`` bounds prompt + chosen and prompt + rejected; a longer row is an error unless
+    ``truncation``, which keeps the prompt's last ``max_prompt_length`` tokens and cuts completions."""
+    examples = []
+    for index, row in enumerate(_nonempty(rows)):
+        prompt_ids, completions = _fit(
+            *_tokenize_preference_row(row, index, tokenizer),
+            index,
+            max_length,
+            max_prompt_length,
+            truncation,
+        )
+        examples.append(PreferenceExample(prompt_ids, completions["chosen"], completions["rejected"]))
+    return examples
+
+
+def tokenize_kto_dataset(
+    rows: Iterable[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    truncation: bool = False,
+) -> list[KTOExample]:
+    """Every row of an unpaired preference dataset; lengths as ``tokenize_preference_dataset``."""
+    examples = []
+    for index, row in enumerate(_nonempty(rows)):
+        _is_conversational(row, index, ("prompt", "completion"))
+        label = row.get("label")
+        if label is None:
+            raise ValueError(f"row {index}: missing 'label'")
+        if not isinstance(label, bool):  # "false" is truthy: only a bool surely says which side
+            raise ValueError(f"row {index}: 'label' must be a bool (True: desirable), got {label!r}")
+        prompt_ids = _prompt_ids(tokenizer, row["prompt"])
+        completion_ids = _completion_ids(
+            tokenizer, row["prompt"], prompt_ids, row["completion"], index, "completion"
+        )
+        prompt_ids, completions = _fit(
+            prompt_ids, {"completion": completion_ids}, index, max_length, max_prompt_length, truncation
+        )
+        examples.append(KTOExample(prompt_ids, completions["completion"], label))
+    room = [None if max_length is None else max(1, max_length - len(e.prompt_ids)) for e in examples]
+    return [
+        dataclasses.replace(example, kl_completion_ids=examples[index - 1].completion_ids[: room[index]])
+        for index, example in enumerate(examples)
+    ]
+
+
+def tokenize_prompt_dataset(
+    rows: Iterable[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_prompt_length: int | None = None,
+    truncation: bool = False,
+) -> list[PromptExample]:
+    """Every row of a prompt-only dataset; a prompt over ``max_prompt_length`` is an error unless
+    ``truncation``, which keeps its last tokens."""
+    examples = []
+    for index, row in enumerate(_nonempty(rows)):
+        _is_conversational(row, index, ("prompt",))
+        prompt_ids = _prompt_ids(tokenizer, row["prompt"])
+        if not prompt_ids:
+            raise ValueError(f"row {index}: 'prompt' is empty")
+        prompt_ids, _ = _fit(prompt_ids, {}, index, None, max_prompt_length, truncation)
+        columns = {name: value for name, value in row.items() if name != "prompt"}
+        examples.append(PromptExample(prompt_ids, row["prompt"], columns))
+    return examples
+
+
+def _sequence(prompt_ids: list[int], completion_ids: list[int]) -> TokenizedExample:
+    return TokenizedExample(prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids))
+
+
+def _add_reference(batch: dict, examples: Sequence, keys: dict[str, str]) -> None:
+    """Reference log-probs under ``batch[key]`` from each example's ``attribute``, when all have one
+    (a micro-batch where only some have one is a bug upstream, not a reason to drop them silently)."""
+    for key, attribute in keys.items():
+        values = [getattr(example, attribute) for example in examples]
+        if all(value is None for value in values):
+            continue
+        if any(value is None for value in values):
+            raise ValueError(f"{attribute} is set on some examples of the micro-batch but not all")
+        batch[key] = torch.tensor(values, dtype=torch.float32)
+
+
+class PreferenceCollator:
+    """P pairs → 2P right-padded rows: prompt + chosen in rows 0..P-1, prompt + rejected in P..2P-1,
+    labels only on completion tokens; plus ``ref_chosen_logps``/``ref_rejected_logps`` [P] if known."""
+
+    def __init__(self, pad_token_id: int):
+        self.padding = PaddingCollator(pad_token_id)
+
+    def __call__(self, examples: Sequence[PreferenceExample]) -> dict[str, torch.Tensor]:
+        batch = self.padding(
+            [_sequence(example.prompt_ids, example.chosen_ids) for example in examples]
+            + [_sequence(example.prompt_ids, example.rejected_ids) for example in examples]
+        )
+        _add_reference(
+            batch,
+            examples,
+            {"ref_chosen_logps": "ref_chosen_logp", "ref_rejected_logps": "ref_rejected_logp"},
+        )
+        return batch
+
+
+class KTOCollator:
+    """N examples → right-padded prompt + completion rows and ``kto_labels``, and the KL batch (``kl_``
+    keys) of mismatched pairs that estimates KTO's reference point: row i is prompt i + its
+    ``kl_completion_ids`` (else completion i - 1 (mod N), TRL's rotation); plus
+    ``ref_logps``/``ref_kl_logps`` [N] if known."""
+
+    def __init__(self, pad_token_id: int):
+        self.padding = PaddingCollator(pad_token_id)
+
+    def __call__(self, examples: Sequence[KTOExample]) -> dict[str, torch.Tensor]:
+        batch = self.padding([_sequence(example.prompt_ids, example.completion_ids) for example in examples])
+        mismatched = self.padding(
+            [
+                _sequence(
+                    example.prompt_ids,
+                    example.kl_completion_ids
+                    if example.kl_completion_ids is not None
+                    else examples[row - 1].completion_ids,
+                )
+                for row, example in enumerate(examples)
+            ]
+        )
+        batch.update({f"kl_{key}": value for key, value in mismatched.items()})
+        batch["kto_labels"] = torch.tensor([example.label for example in examples], dtype=torch.bool)
+        _add_reference(batch, examples, {"ref_logps": "ref_logp", "ref_kl_logps": "ref_kl_logp"})
+        return batch
+
+
+class PromptCollator:
+    """Prompts left-padded for generation (every row's next token lands in the same column), with the
+    examples themselves so the rollout can hand prompts and columns to the reward functions."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples: Sequence[PromptExample]) -> dict:
+        width = max(len(example.prompt_ids) for example in examples)
+        input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+        for row, example in enumerate(examples):
+            start = width - len(example.prompt_ids)
+            input_ids[row, start:] = torch.tensor(example.prompt_ids)
+            attention_mask[row, start:] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "examples": list(examples)}

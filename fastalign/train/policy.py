@@ -1,0 +1,55 @@
+"""The model a run trains, and its frozen reference: patched, with LoRA and the activation-memory
+savers when asked for, on the device, sharded with FSDP2 under ``torchrun``."""
+
+from __future__ import annotations
+
+import torch
+
+import fastalign
+from fastalign.train import memory
+from fastalign.train.config import TrainConfig
+from fastalign.train.distributed import DistributedContext, shard_model
+from fastalign.train.loading import load_model_and_tokenizer
+
+
+def prepare_policy(
+    model: torch.nn.Module, config: TrainConfig, ctx: DistributedContext, *, needs_fused_head: bool
+) -> torch.nn.Module:
+    """Patched (every fused kernel with ``use_liger_kernel``; else only the fused loss head when the
+    objective's loss needs it, i.e. all but SFT), LoRA, activation checkpointing/offloading, on the
+    device, sharded."""
+    _patch(model, config, needs_fused_head)
+    if config.use_peft:
+        model = _add_lora(model, config)
+    if config.gradient_checkpointing:
+        memory.enable_activation_checkpointing(model)
+    if config.activation_offloading:
+        memory.enable_activation_offloading(model)
+    model.to(ctx.device)
+    return shard_model(model, mixed_precision=config.bf16)
+
+
+def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:
+    """A reference model: patched and sharded as the policy, frozen, in eval mode."""
+    model, _ = load_model_and_tokenizer(name_or_path)
+    _patch(model, config, needs_fused_head=True)
+    model.requires_grad_(False).eval().to(ctx.device)
+    return shard_model(model, mixed_precision=config.bf16)
+
+
+def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool) -> None:
+    if config.use_liger_kernel:
+        fastalign.patch_model(model)
+    elif needs_fused_head:
+        fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False)
+
+
+def _add_lora(model, config: TrainConfig):
+    import peft
+
+    targets = config.lora_target_modules
+    lora = peft.LoraConfig(
+        r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
+    )  # fmt: skip
+    return peft.get_peft_model(model, lora)

@@ -1,0 +1,146 @@
+"""The reference policy of DPO-family, KTO and GRPO training, three ways, and TR-DPO's reference sync.
+
+- ``FrozenReference``: a separate frozen model (sharded like the policy under FSDP2).
+- ``AdapterDisabledReference``: the policy itself with its LoRA adapters switched off — the base
+  model *is* the reference, so LoRA training keeps no second copy in memory.
+- Precomputed (``precompute_reference``): the reference's sequence log-probs computed once over the
+  data set before training and carried by the examples, so no reference is held during training.
+
+Every log-prob goes through the patched model's fused head (``logprob_targets``): no logits are built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastalign.patching.causal_lm import shift_labels
+from fastalign.train.distributed import DistributedContext
+from fastalign.train.engine import Callback, Engine
+
+
+def token_logprobs_of(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, S] log p(targets[:, t]) at each position t from a patched model (0 where the target is -100)."""
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        logprob_targets=targets, temperature=temperature,
+    )  # fmt: skip
+    return out.token_logprobs
+
+
+def sequence_logprobs_of(model: nn.Module, input_ids, attention_mask, labels) -> torch.Tensor:
+    """[B] Σ log p of each row's label tokens (``labels`` unshifted, -100 where not a target)."""
+    return token_logprobs_of(model, input_ids, attention_mask, shift_labels(labels)).sum(-1)
+
+
+class Reference:
+    """The reference policy's log-probs, without gradient."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def _context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def token_logprobs(
+        self, input_ids, attention_mask, targets, temperature: float = 1.0, position_ids=None
+    ) -> torch.Tensor:
+        with self._context():
+            return token_logprobs_of(
+                self.model, input_ids, attention_mask, targets, temperature, position_ids
+            )
+
+    @torch.no_grad()
+    def sequence_logprobs(self, input_ids, attention_mask, labels) -> torch.Tensor:
+        return self.token_logprobs(input_ids, attention_mask, shift_labels(labels)).sum(-1)
+
+
+class FrozenReference(Reference):
+    """A separate copy of the initial policy (or ``ref_model_name_or_path``), frozen, in eval mode."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model.eval().requires_grad_(False))
+
+
+class AdapterDisabledReference(Reference):
+    """The LoRA policy with its adapters disabled: the frozen base model, no second copy."""
+
+    def __init__(self, policy: nn.Module):
+        if not hasattr(policy, "disable_adapter"):
+            raise ValueError("the adapter-disabled reference needs a peft (LoRA) policy: set use_peft")
+        super().__init__(policy)
+
+    def _context(self) -> contextlib.AbstractContextManager:
+        return self.model.disable_adapter()
+
+
+#: Rows whose reference log-probs ``precompute_reference`` computes: name → (input_ids, attention_mask,
+#: labels), each [len(examples), T], row i belonging to example i.
+SequenceInputs = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def precompute_reference(
+    examples: Sequence,
+    reference: Reference,
+    sequences: Callable[[Sequence], SequenceInputs],
+    attach: Callable[[object, dict[str, float]], object],
+    batch_size: int,
+    ctx: DistributedContext,
+) -> list:
+    """``examples`` with the reference's sequence log-probs attached (``attach(example, {name: logp})``).
+
+    Batches are dealt to the ranks in turn, and every rank runs the same number of forwards (FSDP2
+    gathers collectively: a rank with fewer batches repeats one and drops its result); the values are
+    then shared, so every rank holds all of them."""
+    starts = list(range(0, len(examples), batch_size))
+    mine = starts[ctx.rank :: ctx.world_size]
+    values: dict[int, dict[str, float]] = {}
+    for number in range(-(-len(starts) // ctx.world_size)):
+        start = mine[min(number, len(mine) - 1)] if mine else starts[0]
+        chunk = examples[start : start + batch_size]
+        found = {
+            name: reference.sequence_logprobs(*(t.to(ctx.device) for t in tensors)).float().cpu()
+            for name, tensors in sequences(chunk).items()
+        }
+        if number < len(mine):
+            for offset in range(len(chunk)):
+                values[start + offset] = {name: float(logps[offset]) for name, logps in found.items()}
+    if ctx.enabled:
+        gathered: list[dict[int, dict[str, float]]] = [{} for _ in range(ctx.world_size)]
+        dist.all_gather_object(gathered, values)
+        values = {index: value for part in gathered for index, value in part.items()}
+    return [attach(example, values[index]) for index, example in enumerate(examples)]
+
+
+class SyncReference(Callback):
+    """TR-DPO: every ``steps`` optimizer steps the reference becomes α·policy + (1 − α)·reference.
+
+    Both models have the same architecture and sharding, so each rank mixes its own shards."""
+
+    def __init__(self, policy: nn.Module, reference: nn.Module, alpha: float, steps: int):
+        names = [name for name, _ in policy.named_parameters()]
+        if names != [name for name, _ in reference.named_parameters()]:
+            raise ValueError(
+                "sync_ref_model needs a reference with the policy's parameters (full fine-tuning, the same "
+                "architecture); with use_peft the reference is the adapter-disabled policy and cannot sync"
+            )
+        self.pairs = list(zip(policy.parameters(), reference.parameters(), strict=True))
+        self.alpha, self.steps = alpha, steps
+
+    @torch.no_grad()
+    def on_step_end(self, engine: Engine, metrics: dict) -> None:
+        if engine.state.step % self.steps == 0:
+            for param, ref_param in self.pairs:
+                ref_param.lerp_(param.to(ref_param.dtype), self.alpha)

@@ -1,0 +1,121 @@
+"""``fastalign train <objective>``: one runner for every objective, from a ``TrainConfig``, one process or
+many (``torchrun``).
+
+Reads top to bottom: set up processes and seed; load model and tokenizer; patch, LoRA, memory savers,
+sharding; the objective's recipe tokenizes the data and builds the objective (with its reference);
+batches; optimizer and schedule; resume; train; export. What differs between SFT, the preference
+objectives and GRPO lives in ``fastalign.train.recipes``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import get_scheduler
+
+from fastalign.train.batches import evaluation_batches
+from fastalign.train.callbacks import (
+    JsonlMetrics,
+    LossCurve,
+    ProgressBar,
+    TensorBoardMetrics,
+    WandbMetrics,
+)
+from fastalign.train.checkpoint import resolve_resume_path
+from fastalign.train.config import TrainConfig, save_config
+from fastalign.train.distributed import init_distributed, shutdown_distributed
+from fastalign.train.engine import Callback, Engine, Schedule
+from fastalign.train.export import export_model
+from fastalign.train.loading import load_dataset_rows, load_model_and_tokenizer
+from fastalign.train.metrics import peak_flops, training_flops_per_token
+from fastalign.train.policy import prepare_policy
+from fastalign.train.recipes import Recipe, make_recipe
+
+
+def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] | None = None) -> Path:
+    """Train ``objective`` ('sft', 'dpo', 'orpo', 'simpo', 'cpo', 'kto', 'grpo', 'rloo'), save the final
+    model (or adapter) in ``config.output_dir``, and return that path."""
+    ctx = init_distributed()
+    try:
+        _seed_everything(config.seed)
+        model, tokenizer = load_model_and_tokenizer(config.model_name_or_path)
+        recipe = make_recipe(objective, config, tokenizer, ctx)  # checks the config before any work
+        model = prepare_policy(model, config, ctx, needs_fused_head=recipe.needs_fused_head)
+
+        train_examples, eval_examples = _tokenized_splits(config, recipe)
+        objective_, train_examples, eval_examples, recipe_callbacks = recipe.build_objective(
+            model, train_examples, eval_examples
+        )
+        batches = recipe.batches(train_examples)
+        max_steps = (
+            config.max_steps
+            if config.max_steps > 0
+            else max(1, int(config.num_train_epochs * batches.steps_per_epoch))
+        )
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+            weight_decay=config.weight_decay, fused=ctx.device.type == "cuda",
+        )  # fmt: skip
+        warmup = config.warmup_steps or round(config.warmup_ratio * max_steps)
+        scheduler = get_scheduler(
+            config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps
+        )
+        output_dir = Path(config.output_dir)
+        engine = Engine(
+            model, objective_, optimizer, scheduler, batches,
+            Schedule(max_steps, config.max_grad_norm, config.logging_steps, config.eval_steps,
+                     config.save_steps, config.save_total_limit),
+            ctx, output_dir=output_dir,
+            eval_batches=evaluation_batches(
+                eval_examples, config.per_device_eval_batch_size, tokenizer.pad_token_id, ctx.rank,
+                ctx.world_size, collate=recipe.collate,
+            ),
+            callbacks=_callbacks(config, output_dir) + recipe_callbacks + list(callbacks or []),
+            flops_per_token=training_flops_per_token(model, config.max_length),
+            peak_flops=peak_flops(ctx.device),
+            autocast_dtype=torch.bfloat16 if config.bf16 and not ctx.enabled else None,
+        )  # fmt: skip
+        if ctx.is_main:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            save_config(config, output_dir / "fastalign_config.yaml")
+        resume_path = resolve_resume_path(config.resume_from_checkpoint, output_dir)
+        if resume_path is not None:
+            engine.resume(resume_path)
+        engine.train()
+        if eval_examples and not (config.eval_steps and engine.state.step % config.eval_steps == 0):
+            engine.evaluate()  # a final evaluation, unless the last step just had one
+        export_model(model, tokenizer, output_dir, ctx)
+        return output_dir
+    finally:
+        shutdown_distributed()
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _tokenized_splits(config: TrainConfig, recipe: Recipe) -> tuple[list, list]:
+    examples = recipe.tokenize(load_dataset_rows(config.dataset_name or recipe.default_dataset))
+    if config.eval_dataset_name:
+        return examples, recipe.tokenize(load_dataset_rows(config.eval_dataset_name))
+    if config.eval_split_ratio > 0:
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
+        held_out = max(1, round(config.eval_split_ratio * len(examples)))
+        return [examples[i] for i in order[held_out:]], [examples[i] for i in order[:held_out]]
+    return examples, []
+
+
+def _callbacks(config: TrainConfig, output_dir: Path) -> list[Callback]:
+    callbacks: list[Callback] = [JsonlMetrics(output_dir / "metrics.jsonl"), ProgressBar()]
+    if "tensorboard" in config.report_to:
+        callbacks.append(TensorBoardMetrics(output_dir / "runs"))
+    if "wandb" in config.report_to:
+        callbacks.append(WandbMetrics(asdict(config)))
+    if config.loss_curve_png:
+        callbacks.append(LossCurve(output_dir / "loss_curve.png"))
+    return callbacks
