@@ -3,11 +3,23 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import datasets
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
 
 
 def load_rows(source: str | Path | list[dict]) -> datasets.Dataset:
@@ -26,7 +38,8 @@ def load_rows(source: str | Path | list[dict]) -> datasets.Dataset:
     if not suffixes <= set(_BUILDERS) or len({_BUILDERS[s] for s in suffixes}) > 1:
         raise ValueError(f"dataset files must all be JSONL/JSON or all Parquet, got {sorted(suffixes)}")
     builder = _BUILDERS[files[0].suffix]
-    rows = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+    with _quiet_progress():  # local files load in a blink; the bars would only bury a one-line error
+        rows = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
     if len(rows) == 0:
         raise ValueError(f"the dataset {str(source)!r} is empty")
     return rows

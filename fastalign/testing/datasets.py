@@ -29,14 +29,14 @@ def tiny_sft_rows(count: int = 1024, seed: int = 0) -> list[dict]:
     ]
 
 
+#: Rejected completions of the preference data: evasions a tiny model tells apart from an answer at once.
+_EVASIONS = (" I do not know.", " Please ask someone else.", " That is a hard question.")
+
+
 def tiny_preference_rows(count: int = 512, seed: int = 0) -> list[dict]:
-    """Preference rows: the right answer is chosen, a wrong one (off by 1 to 9) rejected."""
+    """Preference rows: the answer is chosen, an evasion rejected."""
     return [
-        {
-            "prompt": prompt,
-            "chosen": f" The answer is {answer}.",
-            "rejected": f" The answer is {answer + rng.choice([-1, 1]) * rng.randrange(1, 10)}.",
-        }
+        {"prompt": prompt, "chosen": f" The answer is {answer}.", "rejected": rng.choice(_EVASIONS)}
         for prompt, answer, rng in _questions(count, seed)
     ]
 

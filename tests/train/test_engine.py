@@ -219,7 +219,7 @@ def test_two_process_fsdp2_run_matches_one_process(tmp_path):
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(Path(__file__).with_name("sft_worker.py")), json.dumps(asdict(cfg))],
+         str(Path(__file__).with_name("train_worker.py")), json.dumps([["sft", asdict(cfg)]])],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

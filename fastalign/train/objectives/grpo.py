@@ -40,7 +40,10 @@ class GenerationBatches:
     One generation is ``steps_per_generation`` micro-batches of prompts (per rank); it serves
     ``steps_per_generation / gradient_accumulation_steps`` optimizer steps, each on its own slice, and
     the whole is repeated ``num_iterations`` times. Every step gets the generation's micro-batches, each
-    marked with ``ROLLOUT_KEY`` = (generation, slice, slices)."""
+    marked with ``ROLLOUT_KEY`` = (generation, slice, slices, sampling seed). The seed is a function of
+    the run's seed, the generation and the micro-batch's number among all ranks' micro-batches, so the
+    same prompts are sampled the same way however many processes share them, and a resumed run
+    regenerates exactly what the interrupted one had."""
 
     def __init__(self, prompts: MicroBatches, accumulation: int, num_iterations: int):
         if prompts.accumulation % accumulation:
@@ -49,6 +52,7 @@ class GenerationBatches:
                 f"gradient_accumulation_steps ({accumulation})"
             )
         self.prompts = prompts
+        self.rank, self.world_size = prompts.rank, prompts.world_size
         self.slices = prompts.accumulation // accumulation
         self.steps_per_generation_batch = self.slices * num_iterations
         self.steps_per_epoch = prompts.steps_per_epoch * self.steps_per_generation_batch
@@ -56,8 +60,12 @@ class GenerationBatches:
     def step_batches(self, position: BatchPosition) -> list[dict]:
         generation, step = divmod(position.step_in_epoch, self.steps_per_generation_batch)
         batches = self.prompts.step_batches(BatchPosition(position.epoch, generation))
-        tag = ((position.epoch, generation), step % self.slices, self.slices)
-        return [{**batch, ROLLOUT_KEY: tag} for batch in batches]
+        first = (position.epoch * self.prompts.steps_per_epoch + generation) * len(batches) * self.world_size
+        return [
+            {**batch, ROLLOUT_KEY: ((position.epoch, generation), step % self.slices, self.slices,
+                                    self.prompts.seed * 1_000_003 + first + k * self.world_size + self.rank)}
+            for k, batch in enumerate(batches)
+        ]  # fmt: skip
 
     def advance(self, position: BatchPosition) -> BatchPosition:
         step = position.step_in_epoch + 1
@@ -103,7 +111,7 @@ class GRPOObjective:
         return int(mask.sum()) if self._per_token() else mask.shape[0]
 
     def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
-        generation, part, slices = micro_batches[0][ROLLOUT_KEY]
+        generation, part, slices, _ = micro_batches[0][ROLLOUT_KEY]
         if generation != self._generation:
             self._batches, self._metrics = self._rollout(model, micro_batches)
             self._generation = generation
@@ -136,10 +144,13 @@ class GRPOObjective:
     def _rollout(self, model, prompt_batches: list[dict]) -> tuple[list[dict], dict[str, float]]:
         """Generate, score and build the training micro-batches of one generation batch."""
         start = time.perf_counter()
-        completions = [
-            generate_completions(model, batch, self.settings.sampling, self.tokenizer, self.ctx)
-            for batch in prompt_batches
-        ]
+        completions = []
+        for batch in prompt_batches:
+            with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
+                torch.manual_seed(batch[ROLLOUT_KEY][3])
+                completions.append(
+                    generate_completions(model, batch, self.settings.sampling, self.tokenizer, self.ctx)
+                )
         generated = time.perf_counter()
         group = self.settings.sampling.num_generations
         examples = [e for batch in prompt_batches for e in batch["examples"] for _ in range(group)]
