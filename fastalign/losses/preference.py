@@ -172,9 +172,14 @@ class PreferenceLoss(nn.Module):
         ref_bias: torch.Tensor | None = None,
         ref_chosen_logps: torch.Tensor | None = None,
         ref_rejected_logps: torch.Tensor | None = None,
+        nll_tokens: float | torch.Tensor | None = None,
     ) -> PreferenceLossOutput:
         """hidden [2P, T, D]: the P chosen sequences, then the P rejected ones, each position's state
-        predicting ``targets`` [2P, T] there; ``loss_mask`` [2P, T] marks the completion tokens."""
+        predicting ``targets`` [2P, T] there; ``loss_mask`` [2P, T] marks the completion tokens.
+
+        nll_tokens: what the chosen NLL (CPO, ORPO, 'sft') divides its sum by; default this batch's
+        chosen-token count. A trainer that splits a batch passes the whole batch's count (scaled by the
+        weight it gives this part), so the NLL is the whole batch's token mean."""
         if hidden.shape[0] % 2:
             raise ValueError(
                 "hidden holds chosen then rejected sequences: its batch size "
@@ -190,7 +195,7 @@ class PreferenceLoss(nn.Module):
             seq[pairs:],
             lengths[:pairs],
             lengths[pairs:],
-            -tokens[:pairs].sum() / lengths[:pairs].sum(),
+            -tokens[:pairs].sum() / (lengths[:pairs].sum() if nll_tokens is None else nll_tokens),
         )
         if self.objective == "dpo":
             refs = self._reference(

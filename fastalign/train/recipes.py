@@ -154,11 +154,11 @@ class PreferenceRecipe(Recipe):
 
     def build_objective(self, model, train: list, evaluation: list) -> Built:
         if self.loss.reference_free:
-            return PreferenceObjective(self.loss), train, evaluation, []
+            return PreferenceObjective(self.loss, self.ctx), train, evaluation, []
         reference, (train, evaluation), callbacks = self._with_reference(
             model, (train, evaluation), self._sequences, _attach
         )
-        return PreferenceObjective(self.loss, reference), train, evaluation, callbacks
+        return PreferenceObjective(self.loss, self.ctx, reference), train, evaluation, callbacks
 
     def _sequences(self, chunk: Sequence) -> SequenceInputs:
         batch, pairs = self.collate(chunk), len(chunk)

@@ -68,7 +68,10 @@ def test_every_objective_trains_alike_in_one_and_two_processes(tmp_path):
     metrics, for every objective (GRPO samples the same completions: its seeds follow the prompts)."""
     halves = []
     for objective in OBJECTIVE_OPTIONS:
-        single = config(tmp_path / f"{objective}-1", objective)
+        # GRPO samples each prompt micro-batch as a whole: one process accumulates the ranks' micro-batches
+        sampled = objective in ("grpo", "rloo")
+        whole = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4} if sampled else {}
+        single = config(tmp_path / f"{objective}-1", objective, **whole)
         run_training(single, objective)
         halves.append(
             (objective, config(tmp_path / f"{objective}-2", objective, per_device_train_batch_size=4))
