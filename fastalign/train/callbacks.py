@@ -34,8 +34,18 @@ class JsonlMetrics(Callback):
         self._write(engine, metrics)
 
 
+#: The objectives' headline metrics, shown beside the loss when a run logs them: (key, label, format).
+HEADLINE_METRICS = (
+    ("rewards/accuracies", "acc", "{:.2f}"),
+    ("rewards/margins", "margin", "{:.3f}"),
+    ("reward", "reward", "{:.3f}"),
+    ("kl", "kl", "{:.4f}"),
+)
+
+
 class ProgressBar(Callback):
-    """A tqdm bar over the steps with the latest loss, tokens/s and memory."""
+    """A tqdm bar over the steps with the latest loss, the objective's headline metrics (DPO's reward
+    accuracy, GRPO's mean reward, ...), tokens/s and memory."""
 
     def on_train_begin(self, engine: Engine) -> None:
         from tqdm.auto import tqdm
@@ -49,7 +59,9 @@ class ProgressBar(Callback):
         self.bar.update(1)
 
     def on_log(self, engine: Engine, logs: dict) -> None:
-        shown = {"loss": f"{logs['loss']:.4f}", "tok/s": f"{logs['tokens_per_second']:,.0f}"}
+        shown = {"loss": f"{logs['loss']:.4f}"}
+        shown |= {label: form.format(logs[key]) for key, label, form in HEADLINE_METRICS if key in logs}
+        shown["tok/s"] = f"{logs['tokens_per_second']:,.0f}"
         if "mfu" in logs:
             shown["mfu"] = f"{logs['mfu']:.1%}"
         shown["mem"] = f"{logs['peak_memory_gib']:.2f}GiB"
