@@ -222,6 +222,7 @@ class Engine:
             "grad_norm": window["grad_norm"],
             "learning_rate": window["learning_rate"],
             "tokens_per_second": window["tokens"] / seconds,
+            "step_seconds": seconds / window["steps"],
             "peak_memory_gib": round(peak_memory_gib(self.ctx.device), 3),
         }  # fmt: skip
         if self.flops_per_token and self.peak_flops:

@@ -20,7 +20,7 @@ from fastalign.cli.main import main
 from fastalign.data.preference import PreferenceCollator, tokenize_preference_dataset
 from fastalign.testing import tiny_model, tiny_preference_rows, tiny_tokenizer
 from fastalign.train.config import TrainConfig
-from fastalign.train.engine import Engine
+from fastalign.train.engine import Callback, Engine
 from fastalign.train.reference import AdapterDisabledReference, FrozenReference, SyncReference
 from fastalign.train.run import run_training
 
@@ -223,3 +223,29 @@ def test_a_prompt_longer_than_the_limit_is_named(tmp_path, capsys):
 def test_grpo_batch_size_must_hold_whole_groups(tmp_path, capsys):
     err = run_cli(tmp_path, capsys, "grpo", "--reward_funcs", DIGITS, "--per_device_train_batch_size", "6")
     assert "per_device_train_batch_size" in err and "num_generations" in err
+
+
+class _Crash(Callback):
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, engine, metrics):
+        if engine.state.step == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.slow
+def test_grpo_kill_and_resume_regenerates_the_same_completions(tmp_path):
+    """Sampling seeds follow the data position, so a resumed GRPO run continues exactly."""
+    options = dict(max_steps=4, save_steps=2, num_iterations=2, learning_rate=1e-2)
+    run_training(config(tmp_path / "a", "grpo", **options), "grpo")
+    cfg = config(tmp_path / "b", "grpo", **options)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg, "grpo", callbacks=[_Crash(at=3)])
+    cfg.resume_from_checkpoint = "latest"
+    run_training(cfg, "grpo")
+    expected = {row["step"]: row for row in logged(tmp_path / "a")}
+    got = {row["step"]: row for row in logged(tmp_path / "b")}
+    for step in (3, 4):
+        assert got[step]["reward"] == expected[step]["reward"]
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7)

@@ -7,6 +7,10 @@ on), so ``steps_per_generation`` micro-batches share one generation and ``num_it
 passes reuse it. When a generation serves more than one optimizer step, the log-probs at sampling
 time are kept as the old policy's (the importance ratio's denominator); otherwise the ratio is 1 and
 they are not computed (as TRL).
+
+Sampling is seeded by the data position (``GenerationBatches``), so a run resumed from a checkpoint
+at a generation boundary continues exactly; one resumed in the middle of a generation's
+``num_iterations`` passes samples that generation again with the newer policy.
 """
 
 from __future__ import annotations
