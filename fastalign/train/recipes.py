@@ -82,6 +82,13 @@ class Recipe:
     def build_objective(self, model, train: list, evaluation: list) -> Built:
         return SFTObjective(), train, evaluation, []
 
+    def _lengths(self) -> dict:
+        config = self.config
+        return dict(
+            max_length=config.max_length, max_prompt_length=config.max_prompt_length,
+            truncation=config.truncation,
+        )  # fmt: skip
+
     # --- the reference policy, for the objectives that have one ---------------------------------
     def _reference(self, model) -> tuple[Reference, torch.nn.Module | None]:
         """LoRA without ``ref_model_name_or_path``: the adapter-disabled policy. Otherwise a frozen
@@ -95,7 +102,7 @@ class Recipe:
         return FrozenReference(frozen), frozen
 
     def _with_reference(
-        self, model, examples: tuple[list, list], sequences, attach
+        self, model, examples: tuple[list, list], sequences: Callable[[Sequence], SequenceInputs]
     ) -> tuple[Reference | None, tuple[list, list], list[Callback]]:
         """The reference for training (None once precomputed into the examples) and TR-DPO's sync."""
         config = self.config
@@ -107,7 +114,7 @@ class Recipe:
                 )
             size = config.per_device_eval_batch_size
             examples = tuple(
-                precompute_reference(part, reference, sequences, attach, size, self.ctx) for part in examples
+                precompute_reference(part, reference, sequences, _attach, size, self.ctx) for part in examples
             )
             return None, examples, []
         callbacks: list[Callback] = []
@@ -146,17 +153,13 @@ class PreferenceRecipe(Recipe):
             raise ConfigError(f"config for {name}: {error}") from None
 
     def tokenize(self, rows: list[dict]) -> list:
-        config = self.config
-        return tokenize_preference_dataset(
-            rows, self.tokenizer, max_length=config.max_length, max_prompt_length=config.max_prompt_length,
-            truncation=config.truncation,
-        )  # fmt: skip
+        return tokenize_preference_dataset(rows, self.tokenizer, **self._lengths())
 
     def build_objective(self, model, train: list, evaluation: list) -> Built:
         if self.loss.reference_free:
             return PreferenceObjective(self.loss, self.ctx), train, evaluation, []
         reference, (train, evaluation), callbacks = self._with_reference(
-            model, (train, evaluation), self._sequences, _attach
+            model, (train, evaluation), self._sequences
         )
         return PreferenceObjective(self.loss, self.ctx, reference), train, evaluation, callbacks
 
@@ -184,15 +187,11 @@ class KTORecipe(Recipe):
         )  # fmt: skip
 
     def tokenize(self, rows: list[dict]) -> list:
-        config = self.config
-        return tokenize_kto_dataset(
-            rows, self.tokenizer, max_length=config.max_length, max_prompt_length=config.max_prompt_length,
-            truncation=config.truncation,
-        )  # fmt: skip
+        return tokenize_kto_dataset(rows, self.tokenizer, **self._lengths())
 
     def build_objective(self, model, train: list, evaluation: list) -> Built:
         reference, (train, evaluation), callbacks = self._with_reference(
-            model, (train, evaluation), self._sequences, _attach
+            model, (train, evaluation), self._sequences
         )
         return KTOObjective(self.loss, reference, self.ctx), train, evaluation, callbacks
 
