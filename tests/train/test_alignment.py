@@ -162,14 +162,64 @@ def test_tr_dpo_sync_mixes_the_reference_toward_the_policy():
 
 
 @pytest.mark.slow
-def test_grpo_reuses_a_generation_with_old_log_probs(tmp_path):
-    """num_iterations=2: the second step trains on the first step's completions (same rewards) with
-    importance ratios against the log-probs kept at sampling time."""
-    cfg = config(tmp_path, "grpo", max_steps=4, num_iterations=2, learning_rate=1e-2)
+@pytest.mark.parametrize(
+    "reuse",
+    [{"num_iterations": 2}, {"steps_per_generation": 2}],
+    ids=["num_iterations", "steps_per_generation"],
+)
+def test_grpo_reuses_a_generation_with_old_log_probs(tmp_path, reuse):
+    """Two optimizer steps per generation: both log the same generation's rewards, and train with
+    importance ratios against the log-probs kept at sampling time (num_iterations: the same completions
+    twice; steps_per_generation: each step on its own half of them)."""
+    cfg = config(tmp_path, "grpo", max_steps=4, learning_rate=1e-2, **reuse)
     run_training(cfg, "grpo")
     rows = logged(tmp_path)
     assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] == rows[3]["reward"]
+    assert rows[1]["reward"] != rows[2]["reward"]  # a new generation every second step
     assert all("clip_ratio/region_mean" in row for row in rows)
+
+
+def test_masking_truncated_completions_leaves_nothing_to_learn(tmp_path):
+    """Two-token completions never reach EOS: every completion is truncated, so every token is masked."""
+    cfg = config(tmp_path, "grpo", max_steps=1, max_completion_length=2, mask_truncated_completions=True)
+    run_training(cfg, "grpo")
+    (row,) = logged(tmp_path)
+    assert row["completions/clipped_ratio"] == 1.0
+    assert row["loss"] == 0.0 and row["grad_norm"] == 0.0
+
+
+def assistant_reply_length(prompts, completions, completion_ids, **columns):
+    """Conversational GRPO: prompts and completions are message lists, as in TRL."""
+    assert all(isinstance(p, list) and p[-1]["role"] == "user" for p in prompts)
+    assert all(c[0]["role"] == "assistant" for c in completions)
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def test_grpo_on_conversational_prompts(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}]} for i in range(8)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = config(
+        tmp_path / "out", "grpo", max_steps=1, dataset_name=str(data),
+        reward_funcs=[f"{__name__}:assistant_reply_length"],
+    )  # fmt: skip
+    run_training(cfg, "grpo")
+    assert logged(tmp_path / "out")[0]["rewards/assistant_reply_length/mean"] > 0
+
+
+@pytest.mark.slow
+def test_tr_dpo_run_with_a_separate_reference_model(tmp_path):
+    """sync_ref_model on a saved reference model (ref_model_name_or_path): trains and syncs every step."""
+    reference_dir = tmp_path / "reference"
+    tiny_model("llama", seed=1).save_pretrained(reference_dir)
+    tiny_tokenizer().save_pretrained(reference_dir)
+    cfg = config(
+        tmp_path / "out", "dpo", max_steps=3, ref_model_name_or_path=str(reference_dir), sync_ref_model=True,
+        ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
+    )  # fmt: skip
+    run_training(cfg, "dpo")
+    rows = logged(tmp_path / "out")
+    assert len(rows) == 3 and rows[0]["rewards/margins"] != 0.0  # policy ≠ this reference from the start
 
 
 def run_cli(tmp_path, capsys, objective: str, *flags: str) -> str:
