@@ -7,18 +7,32 @@ from fastalign.ops.linear_cross_entropy import (
     token_logprobs,
     token_objective,
 )
+from fastalign.ops.nf4 import (
+    FourBitState,
+    NestedAbsmax,
+    dequantize_4bit,
+    linear_4bit,
+    quantize_4bit,
+    state_from_bitsandbytes,
+)
 from fastalign.ops.rms_norm import rms_norm
 from fastalign.ops.rope import apply_rotary_pos_emb
 from fastalign.ops.swiglu import geglu, swiglu
 
 __all__ = [
+    "FourBitState",
     "LinearCrossEntropyStats",
+    "NestedAbsmax",
     "apply_rotary_pos_emb",
     "combine_rewards",
+    "dequantize_4bit",
     "geglu",
     "group_advantages",
+    "linear_4bit",
     "linear_cross_entropy",
+    "quantize_4bit",
     "rms_norm",
+    "state_from_bitsandbytes",
     "swiglu",
     "token_logprobs",
     "token_objective",

@@ -66,6 +66,10 @@ class TrainConfig:
     lora_dropout: float = 0.05
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
+    # 4-bit base weights (QLoRA: needs use_peft), bitsandbytes' layout and names
+    quantization: str | None = None  # nf4 or fp4: the decoder layers' linear layers in 4 bits
+    bnb_4bit_use_double_quant: bool = True  # quantize the per-block scales too
+
     # preference training: dpo, orpo, simpo, cpo (TRL's DPOConfig / CPOConfig / ORPOConfig) and kto
     beta: float | None = None  # None: the objective's TRL default (0.1; grpo 0.0; simpo 2.0)
     loss_type: list[str] | None = None  # None: sigmoid (dpo, cpo), dapo (grpo); dpo takes several
@@ -133,6 +137,8 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("warmup_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("eval_split_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("lr_scheduler_type", lambda value: value in LR_SCHEDULERS, f"one of {', '.join(LR_SCHEDULERS)}"),
+    ("lora_r", lambda value: value > 0, "positive"),
+    ("quantization", lambda value: value in (None, "nf4", "fp4"), "nf4, fp4 or null"),
     ("num_generations", lambda value: value >= 2, "at least 2 (advantages compare completions)"),
     ("max_completion_length", lambda value: value > 0, "positive"),
     ("max_prompt_length", lambda value: value is None or value > 0, "positive or null"),
@@ -333,6 +339,12 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
         if not test(value):
             at = f" ({where[key]})" if key in where else ""
             raise ConfigError(f"config key {key!r}{at} must be {wanted}, got {value!r}")
+    if config.quantization and not config.use_peft:
+        at = f" ({where['quantization']})" if "quantization" in where else ""
+        raise ConfigError(
+            f"config key 'quantization'{at} freezes the base weights in 4 bits: it needs use_peft: true "
+            "(QLoRA trains LoRA adapters on them)"
+        )
     if config.max_steps <= 0 and config.num_train_epochs <= 0:
         got = ", ".join(
             f"{key}={getattr(config, key)!r}" + (f" {where[key]}" if key in where else "")

@@ -26,3 +26,32 @@ def export_model(model: torch.nn.Module, tokenizer, output_dir: str | Path, ctx:
     unpatch_model(model)  # a saved model is a plain transformers model
     model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
+
+
+def merge_adapter(run_dir: str | Path, output_dir: str | Path | None = None) -> Path:
+    """A bf16 model with the LoRA adapter of the run in ``run_dir`` merged into its base weights, saved
+    in ``output_dir`` (default ``<run_dir>/merged``) for ``from_pretrained``.
+
+    The base is rebuilt as the run trained it (read from ``fastalign_config.yaml``): with QLoRA, the
+    4-bit weights, dequantized — the weights the adapter was trained against — then merged, so the
+    merged model gives the adapter-on outputs within bf16 rounding."""
+    import peft
+
+    from fastalign.quant import dequantize_model
+    from fastalign.train.config import load_config
+    from fastalign.train.loading import load_model_and_tokenizer
+    from fastalign.train.policy import quant_options
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "adapter_config.json").is_file():
+        raise ValueError(f"{run_dir} holds no LoRA adapter (adapter_config.json): nothing to merge")
+    config = load_config(run_dir / "fastalign_config.yaml")
+    base, tokenizer = load_model_and_tokenizer(config.model_name_or_path, quant_options(config))
+    model = peft.PeftModel.from_pretrained(base, run_dir)
+    dequantize_model(model, torch.bfloat16).to(torch.bfloat16)
+    merged = model.merge_and_unload()
+    merged.config.use_cache = True
+    output_dir = Path(output_dir) if output_dir is not None else run_dir / "merged"
+    merged.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir

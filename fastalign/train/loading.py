@@ -7,16 +7,25 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from fastalign.quant import QuantOptions, load_4bit_model, quantize_model
 from fastalign.testing import BUILTIN_DATASETS, TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
 
 #: Built-in model names: ``tiny-<family>``, random weights, the offline tokenizer (no download).
 BUILTIN_MODELS = tuple(f"tiny-{family}" for family in TINY_MODEL_TYPES)
 
 
-def load_model_and_tokenizer(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """fp32 weights (mixed precision is the engine's business), ``use_cache`` off for training."""
+def load_model_and_tokenizer(
+    name_or_path: str, quantization: QuantOptions | None = None, device: torch.device | str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """fp32 weights (mixed precision is the engine's business), ``use_cache`` off for training.
+
+    With ``quantization`` the decoder layers' linear layers are 4-bit: a local checkpoint is loaded
+    layer by layer straight onto ``device`` (``fastalign.quant.load_4bit_model``), so neither host nor
+    device ever holds the full-precision model."""
     if name_or_path in BUILTIN_MODELS:
         model, tokenizer = tiny_model(name_or_path.removeprefix("tiny-")), tiny_tokenizer()
+        if quantization is not None:
+            quantize_model(model.to(device), quantization)
     else:
         path = Path(name_or_path)
         if not (path / "config.json").is_file():
@@ -25,7 +34,10 @@ def load_model_and_tokenizer(name_or_path: str) -> tuple[PreTrainedModel, PreTra
                 f"config.json) nor a built-in model ({', '.join(BUILTIN_MODELS)}); nothing is downloaded"
             )
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if quantization is not None:
+            model = load_4bit_model(path, quantization, device=device, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False

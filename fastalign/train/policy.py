@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 import fastalign
+from fastalign.quant import QuantOptions
 from fastalign.train import memory
-from fastalign.train.config import TrainConfig
+from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext, shard_model
 from fastalign.train.loading import load_model_and_tokenizer
 
@@ -29,9 +30,16 @@ def prepare_policy(
     return shard_model(model, mixed_precision=config.bf16)
 
 
+def quant_options(config: TrainConfig) -> QuantOptions | None:
+    """The 4-bit quantization the config asks for, if any."""
+    if not config.quantization:
+        return None
+    return QuantOptions(quant_type=config.quantization, double_quant=config.bnb_4bit_use_double_quant)
+
+
 def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:
-    """A reference model: patched and sharded as the policy, frozen, in eval mode."""
-    model, _ = load_model_and_tokenizer(name_or_path)
+    """A reference model: quantized, patched and sharded as the policy, frozen, in eval mode."""
+    model, _ = load_model_and_tokenizer(name_or_path, quant_options(config), ctx.device)
     _patch(model, config, needs_fused_head=True)
     model.requires_grad_(False).eval().to(ctx.device)
     return shard_model(model, mixed_precision=config.bf16)
@@ -52,4 +60,7 @@ def _add_lora(model, config: TrainConfig):
         r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
     )  # fmt: skip
-    return peft.get_peft_model(model, lora)
+    try:
+        return peft.get_peft_model(model, lora)
+    except ValueError as error:  # e.g. target modules not found: name the config key
+        raise ConfigError(f"config key 'lora_target_modules' ({', '.join(targets)}): {error}") from None

@@ -31,7 +31,7 @@ from fastalign.train.engine import Callback, Engine, Schedule
 from fastalign.train.export import export_model
 from fastalign.train.loading import load_dataset_rows, load_model_and_tokenizer
 from fastalign.train.metrics import peak_flops, training_flops_per_token
-from fastalign.train.policy import prepare_policy
+from fastalign.train.policy import prepare_policy, quant_options
 from fastalign.train.recipes import Recipe, make_recipe
 
 
@@ -41,7 +41,9 @@ def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] 
     ctx = init_distributed()
     try:
         _seed_everything(config.seed)
-        model, tokenizer = load_model_and_tokenizer(config.model_name_or_path)
+        model, tokenizer = load_model_and_tokenizer(
+            config.model_name_or_path, quant_options(config), ctx.device
+        )
         recipe = make_recipe(objective, config, tokenizer, ctx)  # checks the config before any work
         model = prepare_policy(model, config, ctx, needs_fused_head=recipe.needs_fused_head)
 
