@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastalign.cli import demo, train
+from fastalign.cli import demo, merge, plan, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(commands)
     train.add_parser(commands)
+    plan.add_parser(commands)
+    merge.add_parser(commands)
     return parser
 
 

@@ -3,7 +3,7 @@
 ``logits = hidden @ weight.T + bias`` is never materialised for all tokens: the tokens are walked in
 chunks of C rows, each chunk's [C, V] logits are built, reduced to per-token statistics (and, when a
 gradient is due, overwritten in place by the gradient w.r.t. those logits), and dropped. Extra memory:
-one logits chunk (``chunk_size``; by default 32 MiB of logits on CPU, 64 MiB on CUDA) plus an fp32
+one logits chunk (``chunk_size``; by default 32 MiB of logits on CPU, 1 GiB on CUDA) plus an fp32
 weight-gradient accumulator when the weight is in a low-precision dtype (the gradient is summed over
 chunks in fp32, never in bf16).
 

@@ -38,6 +38,7 @@ class QuantOptions:
     double_quant: bool = True  # bnb_4bit_use_double_quant: the scales quantized too (~0.37 bit/param saved)
     blocksize: int = 64
     backend: Backend = "auto"
+    dtype: torch.dtype = torch.float32  # what stays unquantized (embeddings, head, norms): frozen in QLoRA
 
     def __post_init__(self):
         if self.quant_type not in QUANT_TYPES:

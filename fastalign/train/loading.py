@@ -21,11 +21,11 @@ def load_model_and_tokenizer(
 
     With ``quantization`` the decoder layers' linear layers are 4-bit: a local checkpoint is loaded
     layer by layer straight onto ``device`` (``fastalign.quant.load_4bit_model``), so neither host nor
-    device ever holds the full-precision model."""
+    device ever holds the full-precision model; the rest (frozen too) is in ``quantization.dtype``."""
     if name_or_path in BUILTIN_MODELS:
         model, tokenizer = tiny_model(name_or_path.removeprefix("tiny-")), tiny_tokenizer()
         if quantization is not None:
-            quantize_model(model.to(device), quantization)
+            quantize_model(model.to(device), quantization).to(quantization.dtype)
     else:
         path = Path(name_or_path)
         if not (path / "config.json").is_file():
@@ -35,7 +35,7 @@ def load_model_and_tokenizer(
             )
         tokenizer = AutoTokenizer.from_pretrained(path)
         if quantization is not None:
-            model = load_4bit_model(path, quantization, device=device, dtype=torch.float32)
+            model = load_4bit_model(path, quantization, device=device, dtype=quantization.dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if tokenizer.pad_token_id is None:

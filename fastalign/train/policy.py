@@ -34,7 +34,10 @@ def quant_options(config: TrainConfig) -> QuantOptions | None:
     """The 4-bit quantization the config asks for, if any."""
     if not config.quantization:
         return None
-    return QuantOptions(quant_type=config.quantization, double_quant=config.bnb_4bit_use_double_quant)
+    return QuantOptions(
+        quant_type=config.quantization, double_quant=config.bnb_4bit_use_double_quant,
+        dtype=torch.bfloat16 if config.bf16 else torch.float32,  # the frozen unquantized rest
+    )  # fmt: skip
 
 
 def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:

@@ -30,6 +30,7 @@ from fastalign.quant import (
 )
 from fastalign.testing import tiny_config, tiny_model, tiny_tokenizer
 from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.engine import Callback
 from fastalign.train.run import run_training
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,12 +57,22 @@ def batch() -> dict:
     )
 
 
+class _TrainedLogits(Callback):
+    """Keeps the trained model's logits on ``batch()`` (eval mode), to compare a reloaded adapter with."""
+
+    def on_train_end(self, engine):
+        engine.model.eval()
+        with torch.no_grad():
+            self.logits = engine.model(**batch()).logits
+
+
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
-    """One QLoRA SFT run shared by the tests that inspect its output."""
+def trained_run(tmp_path_factory) -> tuple[Path, torch.Tensor]:
+    """One QLoRA SFT run shared by the tests that inspect its output, and its final logits."""
     out = tmp_path_factory.mktemp("qlora")
-    run_training(config(out), "sft")
-    return out
+    trained = _TrainedLogits()
+    run_training(config(out), "sft", callbacks=[trained])
+    return out, trained.logits
 
 
 def test_quantized_layers_are_4bit_and_close_to_the_dense_ones():
@@ -81,6 +92,7 @@ def test_quantized_layers_are_4bit_and_close_to_the_dense_ones():
 
 @pytest.mark.slow
 def test_qlora_training_learns_only_the_adapters_on_a_4bit_base(trained_run):
+    trained_run, _ = trained_run
     losses = [row["loss"] for row in logged(trained_run)]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses  # a random base: LoRA alone gets ~5.2
     saved = load_file(trained_run / "adapter_model.safetensors")
@@ -96,8 +108,6 @@ def test_the_base_stays_4bit_and_frozen(tmp_path):
     before, _ = load_model_and_tokenizer("tiny-llama", QuantOptions())
     packed_before = {n: m.weight.clone() for n, m in before.named_modules() if isinstance(m, FourBitLinear)}
     seen = {}
-
-    from fastalign.train.engine import Callback
 
     class Inspect(Callback):
         def on_train_end(self, engine):
@@ -116,14 +126,18 @@ def test_the_base_stays_4bit_and_frozen(tmp_path):
 
 @pytest.mark.slow
 def test_adapter_round_trip_and_merge_give_the_trained_outputs(trained_run, capsys):
+    """The saved adapter on a freshly quantized base gives the trained model's outputs exactly (the
+    quantization is deterministic); merged into bf16 weights, the same within bf16 rounding."""
     from fastalign.train.loading import load_model_and_tokenizer
 
+    trained_run, trained_logits = trained_run
     base, _ = load_model_and_tokenizer("tiny-llama", QuantOptions())
     model = peft.PeftModel.from_pretrained(fastalign.patch_model(base), trained_run).eval()
     fresh, _ = load_model_and_tokenizer("tiny-llama", QuantOptions())
     with torch.no_grad():
         adapter_on = model(**batch()).logits
         without = fresh(**batch()).logits
+    torch.testing.assert_close(adapter_on, trained_logits, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(adapter_on, without, atol=1e-3)  # the adapter learned something
 
     assert main(["merge", str(trained_run)]) == 0

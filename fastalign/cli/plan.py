@@ -1,0 +1,185 @@
+"""``fastalign plan --model NAME|config.json --method full|lora|qlora --gpus N --gpu-memory 24GB ...``.
+
+Prints the memory a training run needs per GPU and in host RAM, term by term, whether it fits, and the
+cheapest flag changes that make it fit (``--json``: the same as one JSON object). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+#: ``plan_memory`` parameter -> the flag that sets it (for error messages).
+_FLAGS = {
+    "config": "--model",
+    "method": "--method",
+    "gpus": "--gpus",
+    "seq_len": "--seq-len",
+    "batch_size": "--batch-size",
+    "lora_r": "--lora-r",
+    "lora_dropout": "--lora-dropout",
+    "gpu_memory_bytes": "--gpu-memory",
+    "device": "--device",
+}
+
+
+class _OptionError(ValueError):
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="memory needed to train a model: per GPU, host RAM, and settings that fit",
+        description="Memory of a training run per GPU and in host RAM, term by term, and the cheapest flag "
+        "changes that fit. Sizes are binary: 24GB = 24 GiB.",
+        epilog="examples: fastalign plan --model llama-3-8b --method lora --gpu-memory 24GB; "
+        "fastalign plan --model path/to/config.json --gpus 8 --json",
+        allow_abbrev=False,
+    )
+    # Values are parsed in run(), so that every bad value is one "error: --flag: ..." line.
+    parser.add_argument(
+        "--model",
+        help="built-in shape name (llama-3-8b, qwen2.5-7b, tiny-llama, ...) or a "
+        "local config.json / model directory",
+    )
+    parser.add_argument("--method", default="full", help="full, lora or qlora (default: full)")
+    parser.add_argument("--gpus", default="1", help="GPUs; more than 1 shards with FSDP2 (default: 1)")
+    parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 24GB (default: 80GB)")
+    parser.add_argument("--seq-len", default="4096", help="tokens per sequence (default: 4096)")
+    parser.add_argument("--batch-size", default="1", help="sequences per GPU and micro-batch (default: 1)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
+    parser.add_argument("--offload-activations", action="store_true", help="offload activations to CPU")
+    parser.add_argument("--lora-r", default="16", help="LoRA rank (default: 16)")
+    parser.add_argument("--lora-dropout", default="0.05", help="LoRA dropout (default: 0.05, as TrainConfig)")
+    parser.add_argument(
+        "--fp32", action="store_true", help="no bf16 mixed precision (TrainConfig bf16=false)"
+    )
+    parser.add_argument(
+        "--materialized-logits",
+        action="store_true",
+        help="the loss head builds [tokens, vocab] logits (SFT without use_liger_kernel)",
+    )
+    parser.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.set_defaults(run=run)
+
+
+def _positive_int(flag: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise _OptionError(flag, f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise _OptionError(flag, f"must be a positive integer, got {text!r}")
+    return value
+
+
+def plan_from_args(args: argparse.Namespace):
+    """The ``MemoryPlan`` of parsed arguments; errors as ``ValueError('--flag: message')``."""
+    from fastalign.plan import PlanError, parse_memory, plan_memory
+
+    if not args.model:
+        raise _OptionError("--model", "required: a built-in shape name or a config.json path")
+    try:
+        dropout = float(args.lora_dropout)
+    except ValueError:
+        raise _OptionError(
+            "--lora-dropout", f"expected a number in [0, 1), got {args.lora_dropout!r}"
+        ) from None
+    try:
+        return plan_memory(
+            args.model,
+            method=args.method,
+            gpus=_positive_int("--gpus", args.gpus),
+            seq_len=_positive_int("--seq-len", args.seq_len),
+            batch_size=_positive_int("--batch-size", args.batch_size),
+            checkpointing=args.checkpointing,
+            offload_activations=args.offload_activations,
+            lora_r=_positive_int("--lora-r", args.lora_r),
+            lora_dropout=dropout,
+            gpu_memory_bytes=parse_memory(args.gpu_memory),
+            bf16=not args.fp32,
+            device=args.device,
+            fused_loss_head=not args.materialized_logits,
+        )
+    except PlanError as error:
+        raise _OptionError(_FLAGS.get(error.option, error.option), str(error)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_args(args)
+    except ValueError as error:
+        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print_plan(plan)
+    return 0
+
+
+def print_plan(plan) -> None:
+    """The plan as a table, then totals, fit, suggestions and notes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from fastalign.plan import format_bytes
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(width=160, highlight=False)  # logs and pipes: no wrapping of the table
+    flags = [
+        flag
+        for flag, on in (("checkpointing", plan.checkpointing), ("offloading", plan.offload_activations))
+        if on
+    ]
+    title = (
+        f"{plan.model}: {plan.method}, {plan.gpus} GPU{'s' if plan.gpus > 1 else ''} × "
+        f"{format_bytes(plan.gpu_memory_bytes)}, {plan.batch_size} × {plan.seq_len} tokens, "
+        f"{'bf16' if plan.bf16 else 'fp32'}{''.join(', ' + flag for flag in flags)}"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("term")
+    table.add_column("per GPU", justify="right")
+    table.add_column("host", justify="right")
+    table.add_column("sharded", justify="center")
+    table.add_column("how")
+    for term in plan.terms:
+        table.add_row(
+            term.label,
+            format_bytes(term.gpu_bytes),
+            format_bytes(term.host_bytes),
+            "yes" if term.sharded else "",
+            term.how,
+        )
+    table.add_section()
+    table.add_row(
+        "[bold]total[/]",
+        f"[bold]{format_bytes(plan.total_per_gpu)}[/]",
+        f"[bold]{format_bytes(plan.host_per_process)}[/]",
+        "",
+        f"host: per process, max(load, offload); {format_bytes(plan.host_total)} for {plan.gpus} "
+        f"process{'es' if plan.gpus > 1 else ''}",
+    )
+    console.print(table)
+    verdict = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
+    console.print(
+        f"{format_bytes(plan.total_per_gpu)} of {format_bytes(plan.gpu_memory_bytes)} per GPU: {verdict}"
+    )
+    console.print(
+        f"params {plan.params:,}, trainable {plan.trainable_params:,}; activations "
+        f"{plan.layer_activation_bytes_per_token:,} B/token/layer; loss head with materialized logits: "
+        f"{format_bytes(plan.loss_head_materialized)}, fused: {format_bytes(plan.loss_head_fused)}"
+    )
+    if not plan.fits and plan.suggestions:
+        console.print(
+            f"to fit: {' '.join(plan.suggestions)} ({format_bytes(plan.suggested_total_per_gpu)} per GPU)",
+            soft_wrap=True,
+        )
+    for note in plan.notes:
+        console.print(f"note: {note}", soft_wrap=True)

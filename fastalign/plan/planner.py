@@ -1,0 +1,615 @@
+"""How much GPU and host memory a fastalign training run needs, term by term, and what to change to fit.
+
+Everything is derived from the model's shapes and from what the engine actually keeps (read from
+``fastalign/train``), per GPU, in bytes. Notation: P parameters, L decoder layers, h hidden size,
+i intermediate size, q = heads·head_dim, kv = kv_heads·head_dim, V vocabulary, T = batch_size·seq_len
+tokens per GPU, N GPUs, r the LoRA rank.
+
+What the engine keeps (``fastalign.train.loading`` / ``policy`` / ``run`` / ``distributed``):
+
+* **Weights.** Models are loaded in fp32 and stay fp32 — full fine-tuning *and* the frozen base of
+  LoRA: 4·P. There is no separate fp32 master copy: the fp32 parameters are the master weights.
+  Single process + bf16: ``torch.autocast`` over the fp32 weights. FSDP2 (N > 1): fp32 *sharded*
+  parameters, bf16 compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+  QLoRA: decoder-layer linear weights in NF4, 4 bits + absmax overhead (blocksize 64: fp32 absmax is
+  32/64 = 0.5 bit/param; double quantization stores it in 8 bits plus one fp32 per 256 blocks:
+  8/64 + 32/(64·256) = 0.127 bit/param); embeddings, ``lm_head`` and norms stay bf16 (bitsandbytes
+  skips the head); adapters fp32.
+* **LoRA** on every linear layer of the decoder layers (peft's 'all-linear'): r·(in + out) per layer,
+  fp32, trained with AdamW.
+* **Gradients** fp32 for the trainable parameters (4 B each); **AdamW** keeps fp32 m and v (8 B each).
+* **Sharding** (N > 1, FSDP2 per layer + root): weights, LoRA parameters, gradients and optimizer state
+  are divided by N. Not sharded: activations (data parallel: every GPU has its own T tokens), the loss
+  head, the working copies below, the CUDA context.
+* **Working copies** (``weight_copies``). Single-process bf16, full: autocast caches a bf16 copy of every
+  trainable weight it casts for the whole forward (2 B × the layers' linear weights) plus the head's
+  bf16 cast. LoRA: the bf16 casts of the frozen weights are saved for backward (all layers; one layer
+  under checkpointing) plus the adapters' cached casts. QLoRA: one linear weight dequantized to bf16
+  at a time, plus the adapters' casts. FSDP2: the root unit (embeddings, final norm, head) stays gathered
+  in bf16 through forward and backward; up to two layer units are gathered at a time (computing +
+  prefetching), each with, for trainable weights, its unsharded bf16 gradient and the fp32 copy that
+  is reduce-scattered.
+
+Activations saved by one Llama-style decoder layer, per token (SDPA / flash attention: no [s, s]
+scores; native grouped-query attention: k and v of width kv). ``a`` is the compute dtype's bytes
+(2 in bf16), ``x`` the residual stream's (4 with fp32 weights under autocast, 2 with bf16 weights,
+i.e. FSDP2 or QLoRA), ``c`` = 1 when each linear casts its fp32 input to bf16 itself (autocast over an
+fp32 residual stream), else 0::
+
+    norm (each of 2)  4h + 4              fp32 upcast of its input + 1/rms
+                      + x·h               (trainable norm weight: the normalized input)
+    attention         a·(2q + 2kv) + 4·heads     q, k, v after RoPE, the output; fp32 logsumexp
+    MLP               4·a·i (full)       gate output (SiLU input), SiLU output, up output, down input
+                      3·a·i (LoRA)       (the frozen down_proj does not save its input)
+    linear inputs     full: a·h·(5 if c else 2)   q/k/v and gate/up inputs (o_proj reads the attention
+                                                  output, down_proj the MLP product: counted above)
+                      LoRA: per adapter, its input again as lora_A saves it — the dropout output or
+                      autocast's cast: Σ_in·(a' + m) + 7·r·a', m the dropout mask (1 B bool on CUDA, the
+                      input's dtype on CPU, 0 without dropout); without dropout and casts the adapters
+                      share the layer's tensors: a·(2h + i) + 7·r·a
+
+e.g. bf16 full fine-tuning under FSDP2: 16h + 8 + 2·(2q + 2kv) + 4·heads + 8i bytes/token/layer.
+Tests check this against the tensors autograd saves in a tiny Llama layer, for full/LoRA, fp32,
+autocast and bf16 weights. Once per model: RoPE's cos/sin (2·head_dim·x) and the final norm.
+
+Checkpointing keeps each layer's input (x·h per token) and recomputes one layer at a time in backward:
+L·x·h + S. Offloading moves what the layers save to pinned host memory; the device keeps the copies
+in flight, about two layers' worth (``fastalign.train.memory.ActivationOffloader``): 2·S, or 2·x·h
+with checkpointing, + S recomputed. Host: L·S or L·x·h.
+
+Loss head: fastalign's fused head walks the tokens in chunks of ``DEFAULT_CHUNK_BYTES`` of logits
+(1 GiB on CUDA, 32 MiB on CPU) and forms the gradients during the forward: one chunk + the gradient of
+the hidden states (T·h·a) + 5 fp32 statistics per token + an fp32 accumulator of the head's weight
+gradient (4·V·h) when a trainable head runs in bf16. A materialized head (HF's own loss: SFT without
+``use_liger_kernel``) holds at least the fp32 logits [T, V] and their gradient: 8·T·V.
+
+CUDA context: 0.75 GiB assumed (context, cuBLAS workspace, kernel images: 0.5-1 GiB depending on GPU,
+driver and libraries; invisible to ``torch.cuda.max_memory_allocated``).
+
+Host RAM per process: the pinned buffers of offloaded activations, or the CPU copy of the model at load
+time (fp32, built by ``from_pretrained`` before ``.to(device)``), whichever is larger: loading is over
+before training starts. ``host_total`` is that times N (all ranks).
+
+The total per GPU is the sum of the terms. That is the peak with gradient accumulation (gradients
+persist while the next micro-batch's forward builds its activations and weight copies); with a single
+micro-batch per step it is an upper bound, as the backward frees activations while it allocates
+gradients. Allocator fragmentation (typically a few %) is not included.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+from transformers import PretrainedConfig
+
+from fastalign.plan.shapes import ModelShape, PlanError, resolve_model, shape_from_config
+
+Method = Literal["full", "lora", "qlora"]
+METHODS: tuple[str, ...] = ("full", "lora", "qlora")
+
+GiB = 2**30
+#: CUDA context + cuBLAS workspace + kernel images, per process (0.5-1 GiB in practice).
+CUDA_CONTEXT_BYTES = 3 * GiB // 4
+#: Logits per chunk of the fused loss head (``fastalign.ops.linear_cross_entropy.DEFAULT_CHUNK_BYTES``).
+LOSS_HEAD_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": GiB}
+#: Units of ``--gpu-memory``: binary (JEDEC), as GPU memory is sold: a 24GB card has 24 GiB.
+_UNITS = {"": GiB, "b": 1, "k": 2**10, "m": 2**20, "g": GiB, "t": 2**40}
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt]?)(i?b)?)?\s*$", re.IGNORECASE)
+#: GPU counts the suggestions try, as multiples of the current one.
+_MAX_GPUS = 1024
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of '24GB', '80GiB', '141 GB', '81559MiB', '1.5T', '512' (GiB when no unit).
+
+    Units are binary (JEDEC: 1 GB = 2**30 bytes), as GPU memory is sold.
+    """
+    match = _MEMORY.match(str(text))
+    if not match or (match.group(3) and match.group(3).lower() == "ib" and not match.group(2)):
+        raise PlanError("gpu_memory_bytes", f"cannot parse {text!r} (e.g. 24GB, 80GiB, 81559MiB)")
+    unit = (match.group(2) or "").lower() or ("b" if match.group(3) else "")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise PlanError("gpu_memory_bytes", f"must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: int) -> str:
+    """1 decimal MiB/KiB, 2 decimals GiB: '31.94 GiB', '12.0 MiB', '0 B'."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if n >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n} B"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def _shard(n: int, gpus: int) -> int:
+    return -(-n // gpus)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One row of the plan: bytes per GPU and in host RAM (per process), and how they arise."""
+
+    name: str
+    label: str
+    gpu_bytes: int
+    host_bytes: int
+    sharded: bool
+    how: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Memory of one training configuration, per GPU and per process on the host, in bytes.
+
+    The per-GPU terms add up to ``total_per_gpu``; ``fits`` compares it with ``gpu_memory_bytes``;
+    ``suggestions`` are flag changes (applied together) that make it fit, cheapest first, with the
+    resulting total in ``suggested_total_per_gpu``.
+    """
+
+    model: str
+    method: str
+    gpus: int
+    seq_len: int
+    batch_size: int
+    checkpointing: bool
+    offload_activations: bool
+    lora_r: int
+    lora_dropout: float
+    bf16: bool
+    device: str
+    fused_loss_head: bool
+    double_quant: bool
+    gpu_memory_bytes: int
+    params: int
+    trainable_params: int
+    # per GPU
+    weights: int
+    lora_params: int
+    gradients: int
+    optimizer: int
+    weight_copies: int
+    activations: int
+    loss_head: int
+    cuda_context: int
+    total_per_gpu: int
+    # host, per process
+    activations_host: int
+    model_load_host: int
+    host_per_process: int
+    host_total: int
+    # for reference
+    layer_activation_bytes_per_token: int
+    layer_input_bytes_per_token: int
+    loss_head_fused: int
+    loss_head_materialized: int
+    load_peak_per_gpu: int
+    fits: bool
+    terms: list[Term]
+    suggestions: list[str] = field(default_factory=list)
+    suggested_total_per_gpu: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def training_state_bytes(self) -> int:
+        """What training adds on top of the loaded model: all but weights, adapters and CUDA context."""
+        return self.total_per_gpu - self.weights - self.lora_params - self.cuda_context
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able data (``--json``): every field, terms as a list of objects."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Regime:
+    """Dtypes and code paths of one configuration (see the module docstring)."""
+
+    sharded: bool  # FSDP2
+    autocast: bool  # single-process bf16
+    residual: int  # bytes of the residual stream
+    compute: int  # bytes of bf16/fp32 activations
+    casts: bool  # each linear casts its own fp32 input (autocast over an fp32 residual stream)
+    adapter: int  # bytes of the adapters' dtype during compute
+    mask: int  # bytes per element of a dropout mask
+
+
+def _regime(method: str, gpus: int, bf16: bool, device: str, lora_dropout: float) -> _Regime:
+    sharded, autocast = gpus > 1, bf16 and gpus == 1
+    compute = 2 if bf16 else 4
+    residual = 2 if bf16 and (sharded or method == "qlora") else 4
+    adapter = 2 if sharded and bf16 else 4
+    mask = 0 if lora_dropout == 0 else (1 if device == "cuda" else adapter)
+    return _Regime(sharded, autocast, residual, compute, autocast and residual == 4, adapter, mask)
+
+
+def _layer_activation_bytes(shape: ModelShape, method: str, regime: _Regime, lora_r: int) -> int:
+    """Bytes one decoder layer saves for backward, per token (formula in the module docstring)."""
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    a, x, full = regime.compute, regime.residual, method == "full"
+    norms = shape.norms_per_layer * (4 * h + 4 + (x * h if full else 0))
+    if shape.qk_norm:  # per-head norms of q and k: fp32 upcast, 1/rms, (normalized when trained)
+        norms += (q + kv) * (4 + (a if full else 0)) + 4 * (shape.num_heads + shape.num_kv_heads)
+    attention = a * (2 * q + 2 * kv) + 4 * shape.num_heads
+    linears = shape.linears()
+    norm_fed = [fan_in for name, fan_in, _ in linears if name not in ("o_proj", "down_proj")]
+    if full:
+        mlp = 4 * a * i
+        inputs = a * (sum(norm_fed) if regime.casts else 2 * h)
+    else:
+        mlp = 3 * a * i
+        own_copy = 2 if regime.autocast else regime.adapter
+        if regime.mask == 0 and not regime.autocast and regime.adapter == x:  # adapters share the inputs
+            inputs = a * (2 * h + i) + len(linears) * lora_r * a
+        else:
+            inputs = sum(fan_in for _, fan_in, _ in linears) * (own_copy + regime.mask)
+            inputs += len(linears) * lora_r * own_copy
+    return norms + attention + mlp + inputs
+
+
+def _quantized_bytes(params: int, double_quant: bool) -> int:
+    """NF4: 4 bits per weight + absmax per block of 64 (fp32, or 8-bit + fp32 per 256 blocks)."""
+    blocks = -(-params // 64)
+    absmax = blocks + 4 * -(-blocks // 256) if double_quant else 4 * blocks
+    return -(-params // 2) + absmax
+
+
+def plan_memory(
+    config: PretrainedConfig | ModelShape | str,
+    *,
+    method: Method = "full",
+    gpus: int = 1,
+    seq_len: int = 4096,
+    batch_size: int = 1,
+    checkpointing: bool = False,
+    offload_activations: bool = False,
+    lora_r: int = 16,
+    lora_dropout: float = 0.05,
+    gpu_memory_bytes: int = 80 * GiB,
+    bf16: bool = True,
+    device: Literal["cuda", "cpu"] = "cuda",
+    fused_loss_head: bool = True,
+    double_quant: bool = True,
+    suggest: bool = True,
+) -> MemoryPlan:
+    """Plan the memory of training ``config`` (a HF config, a ``ModelShape``, or a built-in shape name /
+    local config.json path) with ``method`` on ``gpus`` GPUs of ``gpu_memory_bytes`` each.
+
+    ``batch_size`` sequences of ``seq_len`` tokens per GPU and micro-batch. ``bf16``: mixed precision as
+    the engine does it (``TrainConfig.bf16``); ``device='cpu'``: no CUDA context, CPU chunk sizes,
+    offloading is a no-op. ``fused_loss_head=False``: the head builds [tokens, vocab] logits.
+    ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
+    naming the parameter) on bad input.
+    """
+    if isinstance(config, str):
+        label, config = resolve_model(config)
+        shape = shape_from_config(config, label)
+    elif isinstance(config, ModelShape):
+        shape = config
+    else:
+        shape = shape_from_config(config)
+    _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device)
+    n, tokens = gpus, batch_size * seq_len
+    regime = _regime(method, gpus, bf16, device, lora_dropout)
+    h, vocab, layers = shape.hidden_size, shape.vocab_size, shape.num_layers
+    a, x = regime.compute, regime.residual
+    full = method == "full"
+    lora_count = 0 if full else shape.lora_params(lora_r)
+    lora_per_layer = lora_count // layers
+    trainable = shape.params if full else lora_count
+    quantized = layers * shape.layer_linear_params
+    nonlinear_bytes = 2 if bf16 else 4  # QLoRA's embeddings, head, norms, biases
+
+    # --- weights, adapters, gradients, optimizer (sharded) ------------------------------------------------
+    if method == "qlora":
+        bits = bits_per_param(double_quant)
+        weight_bytes = _quantized_bytes(quantized, double_quant) + nonlinear_bytes * (
+            shape.params - quantized
+        )
+        weights_how = (
+            f"NF4 {bits:.3f} bit × {_count(quantized)} linear weights + "
+            f"{'bf16' if bf16 else 'fp32'} × {_count(shape.params - quantized)} others"
+        )
+    else:
+        weight_bytes = 4 * shape.params
+        weights_how = f"fp32, 4 B × {_count(shape.params)} params" + ("" if full else " (frozen base)")
+    shard_how = f" ÷ {n} (FSDP2)" if regime.sharded else ""
+    weights = _shard(weight_bytes, n)
+    lora_params = _shard(4 * lora_count, n)
+    gradients = _shard(4 * trainable, n)
+    optimizer = _shard(8 * trainable, n)
+
+    # --- working copies of weights (not sharded) ----------------------------------------------------------
+    layer_linear = shape.layer_linear_params
+    if regime.sharded:
+        w = 2 if bf16 else 4
+        layer_gathered = (
+            _quantized_bytes(layer_linear, double_quant) + nonlinear_bytes * shape.layer_other_params
+            if method == "qlora"
+            else w * shape.layer_params
+        ) + w * lora_per_layer
+        layer_grads = (w + 4) * (shape.layer_params if full else lora_per_layer)
+        root = (nonlinear_bytes if method == "qlora" else w) * shape.root_params
+        root += (w + 4) * shape.root_params if full else 0
+        dequant = nonlinear_bytes * shape.max_linear_params if method == "qlora" else 0
+        weight_copies = root + 2 * (layer_gathered + layer_grads) + dequant
+        copies_how = f"FSDP2 gathered {'bf16' if bf16 else 'fp32'}: root unit + 2 layers" + (
+            ", their unsharded grads + fp32 reduce buffers" if full else ""
+        )
+        if dequant:
+            copies_how += " + one dequantized linear"
+    elif regime.autocast and method == "full":
+        weight_copies = 2 * layers * layer_linear + 2 * vocab * h
+        copies_how = "autocast's bf16 cache of the layers' linear weights + the head's bf16 cast"
+    elif regime.autocast and method == "lora":
+        saved = layer_linear * (1 if checkpointing else layers)
+        weight_copies = 2 * saved + 2 * lora_count + 2 * vocab * h
+        which = "1 layer" if checkpointing else "all layers"
+        copies_how = (
+            f"bf16 casts of frozen weights saved for backward ({which}) + adapters' casts + head cast"
+        )
+    elif method == "qlora":
+        weight_copies = nonlinear_bytes * shape.max_linear_params + (2 * lora_count if regime.autocast else 0)
+        copies_how = "largest linear dequantized to bf16" + (
+            " + adapters' bf16 casts" if regime.autocast else ""
+        )
+    else:
+        weight_copies, copies_how = 0, "none (fp32 compute)"
+
+    # --- activations ----------------------------------------------------------------------------------------
+    per_layer = _layer_activation_bytes(shape, method, regime, lora_r)
+    layer_input = x * h
+    offload = offload_activations and device == "cuda"
+    kept = layer_input if checkpointing else per_layer
+    in_flight = min(layers, 2) if offload else layers
+    extras = 2 * shape.head_dim * x + 4 * h + 4 + (x * h if full else 0)  # RoPE cos/sin, final norm
+    activations = tokens * (in_flight * kept + (per_layer if checkpointing else 0) + extras)
+    activations_host = tokens * layers * kept if offload else 0
+    saved_what = "layer inputs" if checkpointing else f"{per_layer:,} B/token/layer"
+    act_how = f"{saved_what} × {layers if not offload else in_flight} layers × {tokens:,} tokens"
+    act_how += " + 1 layer recomputed" if checkpointing else ""
+    act_how += f" (offloaded: {layers} layers to host)" if offload else ""
+
+    # --- loss head ------------------------------------------------------------------------------------------
+    rows = LOSS_HEAD_CHUNK_BYTES[device] // (vocab * a)
+    rows = max(1, rows - rows % 16 if rows >= 16 else rows)
+    chunk = min(tokens, rows)
+    head_accumulator = 4 * vocab * h if full and a == 2 else 0
+    workspace = chunk * vocab * 4 if device == "cpu" and a != 4 else 0  # PyTorch path: fp32 exp buffer
+    loss_head_fused = chunk * vocab * a + workspace + tokens * h * a + 20 * tokens + head_accumulator
+    loss_head_materialized = 8 * tokens * vocab
+    loss_head = loss_head_fused if fused_loss_head else loss_head_materialized
+    head_how = (
+        f"fused: {chunk:,}-token chunk of logits + grad of hidden"
+        + (" + fp32 head-grad accumulator" if head_accumulator else "")
+        if fused_loss_head
+        else f"[{tokens:,}, {vocab:,}] fp32 logits + their gradient"
+    )
+
+    cuda_context = CUDA_CONTEXT_BYTES if device == "cuda" else 0
+    total = (
+        weights + lora_params + gradients + optimizer + weight_copies + activations + loss_head + cuda_context
+    )
+
+    # --- host ---------------------------------------------------------------------------------------------
+    if method == "qlora":  # assumed: a loader that streams the bf16 checkpoint and quantizes layer by layer
+        model_load_host = 2 * (shape.layer_params + shape.root_params)
+        load_how = "bf16 checkpoint streamed layer by layer (assumed)"
+    else:
+        model_load_host = 4 * shape.params
+        load_how = "fp32 model built on CPU, then moved to the GPU"
+    host_per_process = max(model_load_host, activations_host)  # loading is over before training starts
+    load_peak = 4 * shape.params + cuda_context if regime.sharded and method != "qlora" else 0
+
+    lora_how = f"fp32, 4 B × {_count(lora_count)} (rank {lora_r}, all linear layers){shard_how}"
+    context_how = "assumed 0.75 GiB (context, cuBLAS workspace, kernels)" if cuda_context else "none on CPU"
+    sharded = regime.sharded
+    terms = [
+        Term("weights", "weights", weights, 0, sharded, weights_how + shard_how),
+        Term("lora_params", "LoRA adapters", lora_params, 0, sharded, lora_how if lora_count else "none"),
+        Term("gradients", "gradients", gradients, 0, sharded, f"fp32, 4 B × {_count(trainable)}" + shard_how),
+        Term("optimizer", "optimizer (AdamW m, v)", optimizer, 0, sharded,
+             f"fp32 m and v, 8 B × {_count(trainable)}; the fp32 params are the master copy" + shard_how),
+        Term("weight_copies", "weight working copies", weight_copies, 0, False, copies_how),
+        Term("activations", "activations", activations, activations_host, False, act_how),
+        Term("loss_head", "loss head", loss_head, 0, False, head_how),
+        Term("cuda_context", "CUDA context", cuda_context, 0, False, context_how),
+        Term("model_load", "model load (host)", 0, model_load_host, False, load_how + ", before training"),
+    ]  # fmt: skip
+    plan = MemoryPlan(
+        model=shape.name,
+        method=method,
+        gpus=gpus,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        checkpointing=checkpointing,
+        offload_activations=offload_activations,
+        lora_r=lora_r,
+        lora_dropout=lora_dropout,
+        bf16=bf16,
+        device=device,
+        fused_loss_head=fused_loss_head,
+        double_quant=double_quant,
+        gpu_memory_bytes=gpu_memory_bytes,
+        params=shape.params,
+        trainable_params=trainable,
+        weights=weights,
+        lora_params=lora_params,
+        gradients=gradients,
+        optimizer=optimizer,
+        weight_copies=weight_copies,
+        activations=activations,
+        loss_head=loss_head,
+        cuda_context=cuda_context,
+        total_per_gpu=total,
+        activations_host=activations_host,
+        model_load_host=model_load_host,
+        host_per_process=host_per_process,
+        host_total=host_per_process * n,
+        layer_activation_bytes_per_token=per_layer,
+        layer_input_bytes_per_token=layer_input,
+        loss_head_fused=loss_head_fused,
+        loss_head_materialized=loss_head_materialized,
+        load_peak_per_gpu=load_peak,
+        fits=total <= gpu_memory_bytes,
+        terms=terms,
+    )
+    notes = _notes(plan, shape, offload)
+    if not suggest or plan.fits:
+        return replace(plan, notes=notes)
+    changes, fitting = _suggest(shape, plan)
+    if not changes:
+        notes.append(
+            f"nothing on the ladder (checkpointing, offloading, LoRA, QLoRA, up to {_MAX_GPUS} GPUs, "
+            "smaller micro-batches) fits: shorten --seq-len"
+        )
+    return replace(plan, suggestions=changes, suggested_total_per_gpu=fitting, notes=notes)
+
+
+def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device) -> None:
+    if method not in METHODS:
+        raise PlanError("method", f"must be one of {', '.join(METHODS)}, got {method!r}")
+    for name, value in (
+        ("gpus", gpus),
+        ("seq_len", seq_len),
+        ("batch_size", batch_size),
+        ("lora_r", lora_r),
+        ("gpu_memory_bytes", gpu_memory_bytes),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(name, f"must be a positive integer, got {value!r}")
+    if not 0 <= lora_dropout < 1:
+        raise PlanError("lora_dropout", f"must be in [0, 1), got {lora_dropout!r}")
+    if device not in LOSS_HEAD_CHUNK_BYTES:
+        raise PlanError("device", f"must be 'cuda' or 'cpu', got {device!r}")
+
+
+def _notes(plan: MemoryPlan, shape: ModelShape, offload: bool) -> list[str]:
+    notes = []
+    if plan.method == "lora":
+        notes.append(
+            f"the frozen base stays fp32 as loaded (fastalign/train/loading.py): {format_bytes(plan.weights)}"
+            " per GPU; bf16 would halve it"
+        )
+    if plan.method != "full" and plan.lora_dropout > 0:
+        no_dropout = plan_memory(shape, **{**_inputs(plan), "lora_dropout": 0.0}, suggest=False)
+        saved = plan.activations - no_dropout.activations
+        if saved > 0:
+            notes.append(
+                f"lora_dropout {plan.lora_dropout:g}: peft saves a dropout copy and mask of every adapter "
+                f"input; --lora-dropout 0 saves {format_bytes(saved)} of activations"
+            )
+    if plan.offload_activations and not offload:
+        notes.append("offloading has no effect on CPU (the tensors are in host memory already)")
+    if plan.load_peak_per_gpu > plan.gpu_memory_bytes:
+        notes.append(
+            f"loading: the engine moves the whole fp32 model to each GPU before sharding it "
+            f"(fastalign/train/policy.py): {format_bytes(plan.load_peak_per_gpu)} per GPU, more than "
+            f"the GPU holds"
+        )
+    if not plan.fused_loss_head:
+        notes.append(
+            f"a fused loss head (use_liger_kernel, or any preference/GRPO objective) would need "
+            f"{format_bytes(plan.loss_head_fused)} instead of {format_bytes(plan.loss_head)}"
+        )
+    return notes
+
+
+def _inputs(plan: MemoryPlan) -> dict:
+    """The ``plan_memory`` keyword arguments a plan was made with."""
+    keys = "method gpus seq_len batch_size checkpointing offload_activations lora_r lora_dropout"
+    keys += " gpu_memory_bytes bf16 device fused_loss_head double_quant"
+    return {key: getattr(plan, key) for key in keys.split()}
+
+
+def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None]:
+    """Flag changes that make ``plan`` fit, and the total per GPU they lead to.
+
+    The ladder, cumulative and cheapest first: checkpointing, offloading, no LoRA dropout, LoRA, QLoRA,
+    then the fewest GPUs (doubling) that fit. Each rung first keeps the micro-batch, then halves it (the
+    global batch stays the same with gradient accumulation). Once something fits, changes it no longer
+    needs are dropped again, the dearest first.
+    """
+    original = _inputs(plan)
+    inputs = dict(original)
+    changed: list[str] = []  # keys of inputs, in the order they were changed
+    batch_sizes = [plan.batch_size]
+    while batch_sizes[-1] > 1:
+        batch_sizes.append(batch_sizes[-1] // 2)
+
+    def attempt(values: dict) -> MemoryPlan:
+        return plan_memory(shape, **values, suggest=False)
+
+    def fitting() -> MemoryPlan | None:
+        for batch_size in batch_sizes:
+            result = attempt({**inputs, "batch_size": batch_size})
+            if result.fits:
+                return result
+        return None
+
+    def change(key: str, value) -> None:
+        inputs[key] = value
+        if key not in changed:
+            changed.append(key)
+
+    rungs: list[tuple[str, object]] = [("checkpointing", True)]
+    rungs += [("offload_activations", True)] if plan.device == "cuda" else []
+    rungs += [("lora_dropout", 0.0)]
+    for method in METHODS[METHODS.index(plan.method) + 1 :]:
+        rungs += [("method", method), ("lora_dropout", 0.0)]
+    result = None
+    for key, value in rungs:
+        if inputs[key] == value or (key == "lora_dropout" and inputs["method"] == "full"):
+            continue
+        change(key, value)
+        if result := fitting():
+            break
+    gpus = plan.gpus
+    while result is None and gpus < _MAX_GPUS:
+        gpus *= 2
+        change("gpus", gpus)
+        result = fitting()
+    if result is None:
+        return [], None
+    change("batch_size", result.batch_size)
+    for key in reversed(changed):  # drop what the fit does not need, the dearest first (GPUs, batch: minimal)
+        if key not in ("gpus", "batch_size") and (trial := attempt({**inputs, key: original[key]})).fits:
+            inputs[key], result = original[key], trial
+            changed.remove(key)
+    flags = {"checkpointing": "--checkpointing", "offload_activations": "--offload-activations"}
+    return [
+        flags.get(key) or f"--{key.replace('_', '-')} {inputs[key]:g}"
+        if isinstance(inputs[key], float)
+        else flags.get(key) or f"--{key.replace('_', '-')} {inputs[key]}"
+        for key in changed
+        if inputs[key] != original[key]
+    ], result.total_per_gpu
+
+
+def bits_per_param(double_quant: bool = True) -> float:
+    """Bits per quantized weight of NF4 with blocksize 64 (4.127 with double quantization, else 4.5)."""
+    return 4 + (8 / 64 + 32 / (64 * 256) if double_quant else 32 / 64)
+
+
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "METHODS",
+    "MemoryPlan",
+    "PlanError",
+    "Term",
+    "bits_per_param",
+    "format_bytes",
+    "parse_memory",
+    "plan_memory",
+]

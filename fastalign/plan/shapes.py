@@ -1,0 +1,290 @@
+"""Model shapes for the memory planner: built-in configs of public models, tiny test models, local
+``config.json`` files, and the ``ModelShape`` the planner's arithmetic reads.
+
+Only shapes matter (no weights): sizes of the embeddings, the decoder layers' linear layers, biases and
+norms. ``ModelShape.params`` equals ``sum(p.numel() for p in model.parameters())`` of the Hugging Face
+model built from the same config (tests check it for every built-in shape on the meta device).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+
+class PlanError(ValueError):
+    """Bad planner input; ``option`` is the ``plan_memory`` parameter at fault (the CLI names its flag)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+_LLAMA3 = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+}
+_QWEN25 = {"model_type": "qwen2", "vocab_size": 152064, "rope_theta": 1000000.0}
+_QWEN25_SMALL = {**_QWEN25, "vocab_size": 151936, "tie_word_embeddings": True}
+
+
+def _llama3(hidden: int, intermediate: int, layers: int, heads: int, **extra) -> dict:
+    return {
+        **_LLAMA3,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+        **extra,
+    }
+
+
+def _qwen25(base: dict, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict:
+    return {
+        **base,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+    }
+
+
+#: Hugging Face config fields of public models (from their config.json files), by planner name.
+BUILTIN_SHAPES: dict[str, dict] = {
+    "llama-3-8b": _llama3(4096, 14336, 32, 32),
+    "llama-3-70b": _llama3(8192, 28672, 80, 64),
+    "llama-3.1-8b": _llama3(4096, 14336, 32, 32),
+    "llama-3.1-70b": _llama3(8192, 28672, 80, 64),
+    "llama-3.1-405b": _llama3(16384, 53248, 126, 128),
+    "llama-3.2-1b": _llama3(2048, 8192, 16, 32, head_dim=64, tie_word_embeddings=True),
+    "llama-3.2-3b": _llama3(3072, 8192, 28, 24, head_dim=128, tie_word_embeddings=True),
+    "qwen2.5-0.5b": _qwen25(_QWEN25_SMALL, 896, 4864, 24, 14, 2),
+    "qwen2.5-1.5b": _qwen25(_QWEN25_SMALL, 1536, 8960, 28, 12, 2),
+    "qwen2.5-3b": _qwen25(_QWEN25_SMALL, 2048, 11008, 36, 16, 2),
+    "qwen2.5-7b": _qwen25(_QWEN25, 3584, 18944, 28, 28, 4),
+    "qwen2.5-14b": _qwen25(_QWEN25, 5120, 13824, 48, 40, 8),
+    "qwen2.5-32b": _qwen25(_QWEN25, 5120, 27648, 64, 40, 8),
+    "qwen2.5-72b": _qwen25(_QWEN25, 8192, 29568, 80, 64, 8),
+    "mistral-7b": {  # Mistral-7B-v0.3 (v0.1: vocab 32000)
+        "model_type": "mistral",
+        "vocab_size": 32768,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+    },
+}
+
+
+def _tiny_names() -> tuple[str, ...]:
+    from fastalign.testing import TINY_MODEL_TYPES
+
+    return tuple(f"tiny-{family}" for family in TINY_MODEL_TYPES)
+
+
+def shape_names() -> tuple[str, ...]:
+    """Every built-in shape name: public models, then the repo's tiny test models."""
+    return (*BUILTIN_SHAPES, *_tiny_names())
+
+
+#: Config attributes that mark a mixture-of-experts model (the planner assumes one dense MLP per layer).
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-style decoder (embeddings, L × [attention, gated MLP, norms], final norm, head).
+
+    ``q_dim = num_heads · head_dim`` and ``kv_dim = num_kv_heads · head_dim`` are the widths of the query
+    and of each of key/value (grouped-query attention).
+    """
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; or attention_bias (then o_proj has one too)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norms_per_layer: int = 2  # Gemma 2/3: 4 (pre/post attention, pre/post MLP)
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k (weights of head_dim)
+    fused_qkv: bool = False  # Phi-3: one qkv_proj and one gate_up_proj
+    fused_gate_up: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linears(self) -> list[tuple[str, int, int]]:
+        """``(name, in_features, out_features)`` of one decoder layer's linear layers (LoRA targets)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        attention = (
+            [("qkv_proj", h, q + 2 * kv)]
+            if self.fused_qkv
+            else [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv)]
+        )
+        mlp = [("gate_up_proj", h, 2 * i)] if self.fused_gate_up else [("gate_proj", h, i), ("up_proj", h, i)]
+        return [*attention, ("o_proj", q, h), *mlp, ("down_proj", i, h)]
+
+    @property
+    def layer_linear_params(self) -> int:
+        """Weights of one layer's linear layers (what 4-bit quantization and LoRA apply to)."""
+        return sum(fan_in * fan_out for _, fan_in, fan_out in self.linears())
+
+    @property
+    def max_linear_params(self) -> int:
+        return max(fan_in * fan_out for _, fan_in, fan_out in self.linears())
+
+    @property
+    def layer_other_params(self) -> int:
+        """One layer's biases and norm weights."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        biases = (q + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * i + h) * self.mlp_bias
+        return biases + self.norms_per_layer * h + 2 * self.head_dim * self.qk_norm
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def head_params(self) -> int:
+        """Parameters of ``lm_head`` of its own: 0 when tied to the embeddings."""
+        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def root_params(self) -> int:
+        """Everything outside the decoder layers: embeddings, final norm, untied head (FSDP's root unit)."""
+        return self.embedding_params + self.hidden_size + self.head_params
+
+    @property
+    def layer_params(self) -> int:
+        return self.layer_linear_params + self.layer_other_params
+
+    @property
+    def params(self) -> int:
+        return self.num_layers * self.layer_params + self.root_params
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA on every linear layer of the decoder layers (peft's 'all-linear': not ``lm_head``)."""
+        return self.num_layers * rank * sum(fan_in + fan_out for _, fan_in, fan_out in self.linears())
+
+
+def shape_from_config(config: PretrainedConfig, name: str | None = None) -> ModelShape:
+    """The ``ModelShape`` of a decoder-only causal LM config (multimodal configs: their text config)."""
+    label = name or getattr(config, "name_or_path", "") or config.model_type
+    for field in _MOE_FIELDS:
+        if getattr(config, field, None):
+            raise PlanError(
+                "config",
+                f"{label} is a mixture-of-experts model ({field}); the planner models dense decoders only",
+            )
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [field for field in needed if not getattr(config, field, None)]
+    if missing:
+        raise PlanError(
+            "config",
+            f"{label} ({config.model_type}) is not a Llama-style decoder: its config "
+            f"has no {', '.join(missing)}",
+        )
+    heads = config.num_attention_heads
+    model_type = config.model_type
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return ModelShape(
+        name=label,
+        model_type=model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        fused_qkv=model_type == "phi3",
+        fused_gate_up=model_type == "phi3",
+    )
+
+
+def builtin_config(name: str) -> PretrainedConfig:
+    """The Hugging Face config of a built-in shape name."""
+    if name in BUILTIN_SHAPES:
+        fields = dict(BUILTIN_SHAPES[name])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if name in _tiny_names():
+        from fastalign.testing import tiny_config
+
+        return tiny_config(name.removeprefix("tiny-"))
+    raise PlanError("config", _unknown_name(name))
+
+
+def _unknown_name(name: str) -> str:
+    names = shape_names()
+    close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}?" if close else f"built-in shapes: {', '.join(names)}"
+    return f"unknown model shape {name!r} and no such file ({hint})"
+
+
+def _is_causal_lm(config: PretrainedConfig) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    architectures = getattr(config, "architectures", None) or []
+    if architectures:
+        return any(arch.endswith(("ForCausalLM", "LMHeadModel")) for arch in architectures)
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    """A local ``config.json`` (or the directory holding one), read offline by ``AutoConfig``."""
+    path = Path(path)
+    directory = path.parent if path.is_file() and path.name == "config.json" else path
+    source = directory if directory.is_dir() else path
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise PlanError("config", f"cannot read a model config from {str(path)!r}: {first}") from error
+    if not _is_causal_lm(config):
+        kind = (getattr(config, "architectures", None) or [config.model_type])[0]
+        raise PlanError("config", f"{str(path)!r} describes {kind}, not a causal LM")
+    return config
+
+
+def resolve_model(model: str) -> tuple[str, PretrainedConfig]:
+    """``(label, config)`` of a built-in shape name or a local config.json path / model directory."""
+    if model in BUILTIN_SHAPES or model in _tiny_names():
+        return model, builtin_config(model)
+    path = Path(model).expanduser()
+    if path.exists():
+        config = load_config(path)
+        return str(path), config
+    if "/" in model or model.endswith(".json"):
+        raise PlanError("config", f"no such file or directory: {model!r}")
+    raise PlanError("config", _unknown_name(model))

@@ -1,0 +1,508 @@
+"""``fastalign plan``: the planner's arithmetic by hand, its activation formula against the tensors autograd
+saves, monotonicity, suggestions that fit, the CLI (table, --json, one-line errors), and one prediction
+against the measured peak memory of real training steps on CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import peft
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from fastalign.cli.main import main
+from fastalign.plan import (
+    BUILTIN_SHAPES,
+    CUDA_CONTEXT_BYTES,
+    PlanError,
+    bits_per_param,
+    builtin_config,
+    format_bytes,
+    parse_memory,
+    plan_memory,
+    shape_from_config,
+    shape_names,
+)
+from fastalign.testing import tiny_config, tiny_model
+
+GiB = 2**30
+
+
+# --------------------------------------------------------------------------------------------------
+# Shapes
+
+
+@pytest.mark.parametrize("name", shape_names())
+def test_shape_parameter_counts_match_the_hf_models(name):
+    config = builtin_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert shape_from_config(config, name).params == sum(p.numel() for p in model.parameters())
+
+
+def test_published_parameter_counts():
+    counts = {name: shape_from_config(builtin_config(name)).params for name in BUILTIN_SHAPES}
+    assert counts["llama-3-8b"] == 8_030_261_248
+    assert counts["llama-3-70b"] == 70_553_706_496
+    assert counts["llama-3.2-1b"] == 1_235_814_400  # tied embeddings
+    assert counts["qwen2.5-7b"] == 7_615_616_512  # q/k/v biases
+    assert {"llama-3-8b", "llama-3-70b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b"} <= set(BUILTIN_SHAPES)
+
+
+# --------------------------------------------------------------------------------------------------
+# Arithmetic by hand
+
+
+def test_llama3_8b_full_fine_tuning_by_formula():
+    h, i, q, kv, layers, vocab, heads = 4096, 14336, 4096, 1024, 32, 128256, 32
+    params = layers * (h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h) + 2 * vocab * h + h
+    assert params == 8_030_261_248
+    plan = plan_memory("llama-3-8b", method="full", gpus=1, seq_len=4096, checkpointing=True)
+    assert plan.weights == 4 * params and plan.gradients == 4 * params  # fp32 params are the master copy
+    assert plan.optimizer == 8 * params and plan.lora_params == 0  # AdamW m and v in fp32
+    assert plan.weight_copies == 2 * layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + 2 * vocab * h
+    assert plan.cuda_context == CUDA_CONTEXT_BYTES
+    # Under autocast the residual stream is fp32 (x = 4) and each of q/k/v/gate/up casts its input:
+    # 2·(8h + 4) + 2·5h + 2·(2q + 2kv) + 4·heads + 8i.
+    per_layer = 2 * (8 * h + 4) + 10 * h + 2 * (2 * q + 2 * kv) + 4 * heads + 8 * i
+    assert plan.layer_activation_bytes_per_token == per_layer
+    tokens = 4096
+    extras = 2 * 128 * 4 + 4 * h + 4 + 4 * h  # RoPE cos/sin, final norm
+    assert plan.activations == tokens * (layers * 4 * h + per_layer + extras)
+    total = sum(term.gpu_bytes for term in plan.terms)
+    assert plan.total_per_gpu == total and plan.fits == (total <= 80 * GiB)
+
+    sharded = plan_memory("llama-3-8b", method="full", gpus=8, seq_len=4096)
+    assert sharded.weights == math.ceil(4 * params / 8) and sharded.optimizer == 8 * params // 8
+    # FSDP2 bf16: bf16 residual stream, one shared input per norm: 16h + 8 + 2·(2q + 2kv) + 4·heads + 8i.
+    assert sharded.layer_activation_bytes_per_token == 16 * h + 8 + 2 * (2 * q + 2 * kv) + 4 * heads + 8 * i
+
+
+def test_qlora_llama3_70b_weights_and_adapters():
+    h, i, q, kv, layers, r = 8192, 28672, 8192, 1024, 80, 16
+    plan = plan_memory("llama-3-70b", method="qlora", gpus=1, seq_len=8192, lora_r=r)
+    quantized = layers * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    absmax = quantized // 64 + 4 * math.ceil(quantized / 64 / 256)  # double quantization
+    assert plan.weights == quantized // 2 + absmax + 2 * (plan.params - quantized)
+    assert 35e9 < plan.weights < 40e9
+    assert bits_per_param(True) == pytest.approx(4.127, abs=1e-3) and bits_per_param(False) == 4.5
+    adapters = layers * r * ((h + q) + 2 * (h + kv) + (q + h) + 3 * (h + i))
+    assert plan.trainable_params == adapters == 207_093_760
+    assert plan.lora_params == plan.gradients == 4 * adapters and plan.optimizer == 8 * adapters
+    single_quant = plan_memory("llama-3-70b", method="qlora", double_quant=False)
+    assert single_quant.weights - plan.weights == pytest.approx(quantized * (0.5 - 0.127) / 8, rel=1e-3)
+
+
+def test_loss_head_fused_vs_materialized():
+    plan = plan_memory("llama-3-8b", method="lora", seq_len=8192)
+    vocab, h = 128256, 4096
+    rows = GiB // (vocab * 2) // 16 * 16  # one 1 GiB chunk of bf16 logits on CUDA
+    assert plan.loss_head == rows * vocab * 2 + 8192 * h * 2 + 20 * 8192  # frozen head: no accumulator
+    assert plan.loss_head_materialized == 8 * 8192 * vocab
+    materialized = plan_memory("llama-3-8b", method="lora", seq_len=8192, fused_loss_head=False)
+    assert materialized.loss_head == plan.loss_head_materialized > plan.loss_head
+
+
+# --------------------------------------------------------------------------------------------------
+# The activation formula against what autograd saves in a decoder layer
+
+_DIMS = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+_TOKENS, _RANK = 40, 8  # 40: no activation is shaped like a weight
+
+
+def _saved_bytes_per_token(model: torch.nn.Module, autocast: bool) -> int:
+    """Bytes layer 1 saves for backward per token: weight casts and what layer 0 saved too (RoPE's
+    cos/sin) are left out; each storage counts once."""
+    layers = next(module for name, module in model.named_modules() if name.endswith("layers"))
+    weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    seen: list[dict[int, int]] = [{}, {}]
+    current = {"index": None}
+
+    def pack(tensor):
+        base = tensor if tensor._base is None else tensor._base
+        parameter = isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+        if current["index"] is not None and not parameter and tuple(base.shape) not in weight_shapes:
+            storage = tensor.untyped_storage()
+            seen[current["index"]][storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def enter(index):
+        def hook(module, args):
+            current["index"] = index
+
+        return hook
+
+    for index in (0, 1):
+        layers[index].register_forward_pre_hook(enter(index))
+        layers[index].register_forward_hook(lambda *_: current.update(index=None))
+    ids = torch.randint(0, _DIMS["vocab_size"], (1, _TOKENS))
+    precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with saved_tensors_hooks(pack, lambda tensor: tensor), precision:
+        model(input_ids=ids, labels=ids)
+    return sum(nbytes for ptr, nbytes in seen[1].items() if ptr not in seen[0]) // _TOKENS
+
+
+# (method, gpus, bf16, lora_dropout): how the engine runs; the tiny model reproduces its dtypes on CPU.
+_REGIMES = [
+    ("full", 1, False, 0.0),  # fp32
+    ("full", 1, True, 0.0),  # single process: autocast over fp32 weights
+    ("full", 2, True, 0.0),  # FSDP2 mixed precision: bf16 weights and activations
+    ("lora", 1, False, 0.0),
+    ("lora", 1, False, 0.05),
+    ("lora", 1, True, 0.0),
+    ("lora", 1, True, 0.05),
+    ("lora", 2, True, 0.0),
+    ("lora", 2, True, 0.05),
+    ("qlora", 1, True, 0.0),  # bf16 base (stands in for NF4: neither saves its input), fp32 adapters
+    ("qlora", 1, True, 0.05),
+]
+
+
+@pytest.mark.parametrize(("method", "gpus", "bf16", "dropout"), _REGIMES)
+def test_layer_activation_formula_matches_saved_tensors(method, gpus, bf16, dropout):
+    bf16_weights = (gpus > 1 and bf16) or method == "qlora"
+    model = tiny_model("llama", dtype=torch.bfloat16 if bf16_weights else torch.float32, **_DIMS)
+    if method != "full":
+        lora = peft.LoraConfig(
+            r=_RANK, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM"
+        )
+        model = peft.get_peft_model(model, lora)  # adapters in fp32, as the engine's
+        if gpus > 1:
+            model = model.to(torch.bfloat16)  # FSDP2 computes the adapters in bf16 too
+    model.train()
+    plan = plan_memory(
+        tiny_config("llama", **_DIMS),
+        method=method,
+        gpus=gpus,
+        bf16=bf16,
+        device="cpu",
+        lora_r=_RANK,
+        lora_dropout=dropout,
+        seq_len=_TOKENS,
+    )
+    assert plan.layer_activation_bytes_per_token == _saved_bytes_per_token(model, autocast=bf16 and gpus == 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Monotonicity
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_checkpointing_offloading_and_gpus_move_memory_the_right_way(method):
+    base = dict(method=method, seq_len=8192, gpu_memory_bytes=80 * GiB)
+    plain = plan_memory("llama-3-8b", **base)
+    checkpointed = plan_memory("llama-3-8b", **base, checkpointing=True)
+    offloaded = plan_memory("llama-3-8b", **base, offload_activations=True)
+    both = plan_memory("llama-3-8b", **base, checkpointing=True, offload_activations=True)
+    assert checkpointed.activations < plain.activations / 4
+    assert offloaded.activations < plain.activations / 4 and plain.activations_host == 0
+    assert offloaded.activations_host == 32 * 8192 * plain.layer_activation_bytes_per_token
+    assert both.activations < checkpointed.activations and both.activations_host < offloaded.activations_host
+    assert both.host_per_process >= both.activations_host
+    for plan in (checkpointed, offloaded, both):  # the other terms do not move
+        assert (plan.weights, plan.gradients, plan.optimizer, plan.loss_head) == (
+            plain.weights,
+            plain.gradients,
+            plain.optimizer,
+            plain.loss_head,
+        )
+
+    previous = plan_memory("llama-3-8b", **base, gpus=2)
+    for gpus in (4, 8, 16):
+        sharded = plan_memory("llama-3-8b", **base, gpus=gpus)
+        for term in ("weights", "lora_params", "gradients", "optimizer"):
+            assert getattr(sharded, term) <= getattr(previous, term)
+        assert sharded.weights < previous.weights and sharded.optimizer < previous.optimizer
+        assert sharded.activations == previous.activations and sharded.loss_head == previous.loss_head
+        assert sharded.total_per_gpu < previous.total_per_gpu
+        assert {t.name for t in sharded.terms if t.sharded} == {
+            "weights",
+            "lora_params",
+            "gradients",
+            "optimizer",
+        }
+        previous = sharded
+    assert plan_memory("llama-3-8b", **base, batch_size=2).activations > plain.activations
+
+
+def test_offloading_is_a_no_op_on_cpu():
+    plan = plan_memory("tiny-llama", device="cpu", seq_len=128, offload_activations=True)
+    assert plan.activations_host == 0 and plan.cuda_context == 0
+    assert plan.activations == plan_memory("tiny-llama", device="cpu", seq_len=128).activations
+    assert any("no effect on CPU" in note for note in plan.notes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Suggestions
+
+
+def _cli_json(capsys, argv: list[str]) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "llama-3-8b", "--gpu-memory", "24GB"],  # full → checkpointing + QLoRA
+        ["--model", "llama-3-70b", "--method", "qlora", "--gpu-memory", "48GB", "--seq-len", "8192"],
+        ["--model", "llama-3-70b", "--method", "qlora", "--gpu-memory", "24GB", "--seq-len", "32768"],  # GPUs
+        [
+            "--model",
+            "llama-3.2-1b",
+            "--method",
+            "lora",
+            "--gpu-memory",
+            "24GB",
+            "--seq-len",
+            "8192",
+            "--batch-size",
+            "64",
+        ],  # smaller micro-batches
+        [
+            "--model",
+            "mistral-7b",
+            "--method",
+            "lora",
+            "--gpus",
+            "2",
+            "--gpu-memory",
+            "40GB",
+            "--seq-len",
+            "16384",
+        ],
+    ],
+)
+def test_suggestions_lead_to_a_plan_that_fits(capsys, argv):
+    plan = _cli_json(capsys, argv)
+    assert not plan["fits"] and plan["suggestions"]
+    suggested = _cli_json(capsys, argv + [part for flag in plan["suggestions"] for part in flag.split()])
+    assert suggested["fits"] and suggested["suggestions"] == []
+    assert suggested["total_per_gpu"] == plan["suggested_total_per_gpu"] <= suggested["gpu_memory_bytes"]
+
+
+def test_the_ladder_order_and_a_plan_that_fits_already():
+    tight = plan_memory("llama-3-70b", method="qlora", gpu_memory_bytes=48 * GiB, seq_len=8192)
+    assert tight.suggestions == ["--checkpointing", "--offload-activations"]
+    full = plan_memory("llama-3-8b", method="full", gpu_memory_bytes=24 * GiB)
+    assert full.suggestions == ["--checkpointing", "--method qlora"]  # the fp32 LoRA base (32 GB) is too big
+    roomy = plan_memory("llama-3.2-1b", method="lora", checkpointing=True, gpu_memory_bytes=80 * GiB)
+    assert roomy.fits and roomy.suggestions == [] and roomy.suggested_total_per_gpu is None
+    hopeless = plan_memory("llama-3-70b", method="qlora", gpu_memory_bytes=16 * GiB, seq_len=2**20)
+    assert hopeless.suggestions == [] and any("shorten --seq-len" in note for note in hopeless.notes)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_table_and_json_show_the_same_numbers(capsys):
+    argv = [
+        "plan",
+        "--model",
+        "llama-3-70b",
+        "--method",
+        "qlora",
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "48GB",
+        "--seq-len",
+        "8192",
+        "--checkpointing",
+        "--offload-activations",
+    ]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    lines = table.splitlines()
+    for term in plan["terms"]:
+        row = next(line for line in lines if f" {term['label']} " in line)
+        assert format_bytes(term["gpu_bytes"]) in row and format_bytes(term["host_bytes"]) in row, row
+    total = next(line for line in lines if " total " in line)
+    assert format_bytes(plan["total_per_gpu"]) in total and format_bytes(plan["host_per_process"]) in total
+    assert plan["total_per_gpu"] == sum(term["gpu_bytes"] for term in plan["terms"])
+    assert plan["fits"] and "fits" in table and plan["gpu_memory_bytes"] == 48 * GiB
+    python = plan_memory(
+        "llama-3-70b",
+        method="qlora",
+        gpu_memory_bytes=48 * GiB,
+        seq_len=8192,
+        checkpointing=True,
+        offload_activations=True,
+    )
+    assert plan == json.loads(json.dumps(python.to_dict()))
+
+
+def test_a_config_json_path_is_read_offline(tmp_path, capsys):
+    tiny_config("llama").save_pretrained(tmp_path / "model")
+    from_file = _cli_json(capsys, ["--model", str(tmp_path / "model" / "config.json"), "--seq-len", "64"])
+    from_dir = _cli_json(capsys, ["--model", str(tmp_path / "model"), "--seq-len", "64"])
+    builtin = _cli_json(capsys, ["--model", "tiny-llama", "--seq-len", "64"])
+    assert from_file["params"] == from_dir["params"] == builtin["params"] == 139_584
+    assert from_file["total_per_gpu"] == builtin["total_per_gpu"]
+
+
+def _not_causal(tmp_path):
+    AutoConfig.for_model(
+        "bert",
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        architectures=["BertForMaskedLM"],
+    ).save_pretrained(tmp_path)
+    return str(tmp_path / "config.json")
+
+
+def _moe(tmp_path):
+    AutoConfig.for_model(
+        "mixtral",
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_local_experts=4,
+    ).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "words"),
+    [
+        (["--model", "llama-3-8"], "--model", "did you mean 'llama-3-8b'"),
+        (["--model", "qwen-2.5-7b"], "--model", "did you mean 'qwen2.5-7b'"),
+        (["--model", "./missing/config.json"], "--model", "no such file"),
+        ([], "--model", "required"),
+        (["--model", "llama-3-8b", "--gpus", "0"], "--gpus", "positive"),
+        (["--model", "llama-3-8b", "--gpus", "two"], "--gpus", "positive integer"),
+        (["--model", "llama-3-8b", "--seq-len", "-1"], "--seq-len", "positive"),
+        (["--model", "llama-3-8b", "--batch-size", "0"], "--batch-size", "positive"),
+        (["--model", "llama-3-8b", "--gpu-memory", "24XB"], "--gpu-memory", "cannot parse '24XB'"),
+        (["--model", "llama-3-8b", "--gpu-memory", "0GB"], "--gpu-memory", "positive"),
+        (["--model", "llama-3-8b", "--method", "dora"], "--method", "full, lora, qlora"),
+        (["--model", "llama-3-8b", "--lora-r", "0"], "--lora-r", "positive"),
+        (["--model", "llama-3-8b", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
+        (["--model", "{not_causal}"], "--model", "BertForMaskedLM, not a causal LM"),
+        (["--model", "{moe}"], "--model", "mixture-of-experts"),
+    ],
+)
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, flag, words):
+    paths = {"{not_causal}": lambda: _not_causal(tmp_path), "{moe}": lambda: _moe(tmp_path)}
+    argv = [paths[arg]() if arg in paths else arg for arg in argv]
+    assert main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag}: ") and words in lines[0], lines
+
+
+def test_parse_memory():
+    assert (
+        parse_memory("24GB")
+        == parse_memory("24 GiB")
+        == parse_memory("24g")
+        == parse_memory("24")
+        == 24 * GiB
+    )
+    assert parse_memory("81559MiB") == 81559 * 2**20 and parse_memory("1.5TB") == int(1.5 * 2**40)
+    assert parse_memory("512B") == 512
+    for bad in ("24XB", "", "GB", "-4GB", "24 G B", "iB"):
+        with pytest.raises(PlanError):
+            parse_memory(bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# Prediction against a measured peak
+
+#: A ~24M-parameter Llama: fp32 weights, gradients and AdamW state (16 B/param, ~380 MB) dominate.
+_MEASURED_SHAPE = dict(
+    vocab_size=8192,
+    hidden_size=384,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=64,
+)
+_MEASURED_TOKENS = 128
+
+_TRAIN_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from fastalign.bench import measure
+    from fastalign.testing import tiny_model
+
+    measure.release_freed_memory_promptly()  # freed blocks go back to the system: RSS follows live tensors
+    torch.set_num_threads(2)
+    shape, tokens = json.loads(sys.argv[1]), int(sys.argv[2])
+    model = tiny_model("llama", **shape).train()  # fp32, SDPA, HF's own loss: the engine on CPU, no bf16
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)  # as the engine on CPU
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
+
+    def train():
+        for _ in range(2):  # the first step creates AdamW's state, the second runs with it
+            model(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    peak = measure.peak_extra_bytes(train, torch.device("cpu"))  # VmHWM rise over the RSS right before
+    print(json.dumps({"peak": peak, "params": sum(p.numel() for p in model.parameters())}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_prediction_matches_the_measured_peak_of_training_on_cpu():
+    """The planner's training-state memory (gradients + AdamW state + activations + loss head: all but
+    the weights, which exist before the measurement starts) against the rise of the peak resident set
+    over two training steps of a ~24M-parameter Llama on CPU in fp32, within 25 %.
+
+    CPU peak RSS is noisier than CUDA's ``max_memory_allocated``, which counts exactly the bytes of live
+    tensors: RSS counts touched pages, including glibc's arenas and caching (reduced, not removed, by a
+    low mmap threshold), page rounding, oneDNN/BLAS scratch buffers, Python objects and autograd
+    temporaries, and the allocator's timing of returns to the OS. The model is sized so that
+    the 12 B/param of gradients and optimizer state (~290 MB) dwarf those tens of MB.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", _TRAIN_SCRIPT, json.dumps(_MEASURED_SHAPE), str(_MEASURED_TOKENS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    if measured["peak"] is None:
+        pytest.skip("this platform cannot reset the peak resident set (/proc/self/clear_refs)")
+    config = tiny_config("llama", **_MEASURED_SHAPE)
+    plan = plan_memory(
+        config,
+        method="full",
+        gpus=1,
+        seq_len=_MEASURED_TOKENS,
+        bf16=False,
+        device="cpu",
+        fused_loss_head=False,
+    )
+    assert plan.params == measured["params"]
+    predicted = plan.training_state_bytes
+    assert predicted == plan.gradients + plan.optimizer + plan.activations + plan.loss_head
+    assert abs(measured["peak"] - predicted) <= 0.25 * predicted, (measured["peak"], predicted)
