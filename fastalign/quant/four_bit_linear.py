@@ -71,6 +71,26 @@ class FourBitLinear(nn.Linear):
         self.backend = backend
         self.compute_dtype = torch.float32  # read by peft: adapters stay fp32 (autocast computes in bf16)
 
+    @classmethod
+    def placeholder(cls, linear: nn.Linear, options: QuantOptions) -> FourBitLinear:
+        """A meta-device stand-in for ``linear`` in 4 bits: its bytes and scales are filled later
+        (``fastalign.quant.fill_4bit_model``), after LoRA wrapping and FSDP2 sharding if any."""
+        meta = torch.device("meta")
+        state = FourBitState(
+            absmax=torch.empty(0, device=meta), code=torch.empty(16, device=meta),
+            shape=(linear.out_features, linear.in_features), dtype=options.dtype,
+            blocksize=options.blocksize, quant_type=options.quant_type,
+        )  # fmt: skip
+        packed = torch.empty(
+            (linear.in_features * linear.out_features + 1) // 2, dtype=torch.uint8, device=meta
+        )
+        bias = (
+            None
+            if linear.bias is None
+            else torch.empty(linear.out_features, dtype=options.dtype, device=meta)
+        )
+        return cls(packed, state, bias, options.backend)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_4bit(x, self.weight, self.quant_state, self.bias, backend=self.backend)
 

@@ -1,29 +1,34 @@
 """4-bit models without ever holding the full-precision model: checkpoints loaded layer by layer, and
 random-weight models of any published shape built directly in 4 bits.
 
-The model is built on the meta device (no memory), then each module is materialized as its tensors
-arrive — read one at a time from the safetensors shards (memory-mapped), or drawn at random — and its
-linear layers are quantized at once, so peak host memory stays near one layer on top of the 4-bit
-model, and device memory near the final 4-bit footprint.
+``empty_4bit_model`` builds the model on the meta device (no memory) with ``FourBitLinear``
+placeholders; ``fill_4bit_model`` then materializes it, one module at a time as its tensors arrive —
+read one at a time from the safetensors shards (memory-mapped), or drawn at random — quantizing each
+linear layer as soon as its weight is there. Peak host memory stays near one shard and one layer, and
+device memory near the final 4-bit footprint.
 
-Under FSDP2 every rank loads the (4-bit, so small) model and ``fully_shard`` then keeps its shard:
-simple, no broadcast protocol, and the full-precision tensors never exist anywhere in full. The
-alternative, rank 0 loading and broadcasting, saves disk reads on a shared file system but holds a
-whole layer's broadcast buffers on every rank; at 4 bits the reads are the smaller cost.
+Between the two, the skeleton can be wrapped with LoRA and sharded with FSDP2 (the trainer does): each
+rank then reads and quantizes every layer but keeps only its own shard of the bytes, so no rank ever
+holds the whole model, even in 4 bits (70B in NF4 is ~37 GB: more than a 24 GB GPU). Rank 0 loading and
+broadcasting would read the disk once instead of N times, but needs a broadcast per tensor and rank 0's
+host memory for each layer; reading is the cheaper side on a local or cached file system.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from fastalign.quant.four_bit_linear import QuantOptions, is_quantized_target, layer_prefixes, quantize_linear
+from fastalign.ops.nf4 import quantize_4bit
+from fastalign.quant.four_bit_linear import FourBitLinear, QuantOptions, is_quantized_target, layer_prefixes
 
 _INDEX = "model.safetensors.index.json"
 
@@ -31,6 +36,17 @@ _INDEX = "model.safetensors.index.json"
 def _empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def empty_4bit_model(config: PretrainedConfig, options: QuantOptions) -> nn.Module:
+    """The causal LM of ``config`` on the meta device, its decoder layers' linear layers already
+    ``FourBitLinear`` placeholders: no memory until ``fill_4bit_model``."""
+    model = _empty_model(config, options.dtype)
+    prefixes = layer_prefixes(model)
+    for name, module in list(model.named_modules()):
+        if is_quantized_target(name, module, prefixes):
+            _replace(model, name, FourBitLinear.placeholder(module, options))
+    return model
 
 
 def _shard_files(path: Path) -> dict[str, Path]:
@@ -53,10 +69,12 @@ def _keys(file: Path) -> list[str]:
         raise ValueError(f"cannot read safetensors file {file}: {error}") from None
 
 
-def _tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor, one at a time, file by file (each file opened once, memory-mapped)."""
+def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint at ``path``, one at a time, file by file (each file opened once,
+    memory-mapped). Errors name a missing shard, a tensor the index promises but the shard lacks, or an
+    unreadable file."""
     by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
+    for name, file in _shard_files(Path(path)).items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
         if not file.is_file():
@@ -74,38 +92,117 @@ def _tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read safetensors file {file}: {error}") from None
 
 
-class _Materializer:
-    """Fills a meta model module by module: a module is built once all its own parameters arrived."""
+def _checkpoint_name(name: str) -> str:
+    """A parameter's name as the checkpoint has it: without peft's wrapper prefix and ``base_layer``."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
 
-    def __init__(self, model: nn.Module, options: QuantOptions, device: torch.device, dtype: torch.dtype):
-        self.model, self.options, self.device, self.dtype = model, options, device, dtype
-        self.layer_prefixes = layer_prefixes(model)
+
+def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` into ``param``, or, for an FSDP2-sharded parameter, only this rank's dim-0 chunk."""
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        chunks = full.chunk(mesh.size(), dim=0)  # FSDP2's Shard(0) layout, torch.chunk's split
+        rank = mesh.get_local_rank()
+        full = chunks[rank] if rank < len(chunks) else full[:0]
+        param = param.to_local()
+    if param.shape != full.shape:
+        raise ValueError(
+            f"a checkpoint tensor has shape {tuple(full.shape)}, the model expects {tuple(param.shape)}"
+        )
+    param.copy_(full)
+
+
+class _Filler:
+    """Fills a materialized skeleton module by module: a module is written once all its own parameters
+    arrived (a layer's weight and bias may come in any order, from different shards)."""
+
+    def __init__(self, model: nn.Module, options: QuantOptions, device: torch.device):
+        self.options, self.device = options, device
+        self.modules: dict[str, nn.Module] = {}
+        self.expected: dict[str, set[str]] = {}
+        for name, _ in model.named_parameters():
+            if "lora_" in name:
+                continue
+            module_name, _, attribute = _checkpoint_name(name).rpartition(".")
+            self.modules[module_name] = model.get_submodule(name.rpartition(".")[0])
+            self.expected.setdefault(module_name, set()).add(attribute)
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.filled: set[str] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         module_name, _, attribute = name.rpartition(".")
-        module = self.model.get_submodule(module_name)
-        expected = {key for key, value in module.named_parameters(recurse=False) if value is not None}
-        if attribute not in expected:
+        if attribute not in self.expected.get(module_name, ()):
             return  # a tensor the model does not use (a stale rotary buffer): ignored, as transformers does
         received = self.pending.setdefault(module_name, {})
         received[attribute] = tensor
-        if set(received) == expected:
-            self.build(module_name, module, self.pending.pop(module_name))
+        if set(received) == self.expected[module_name]:
+            self.write(self.modules[module_name], self.pending.pop(module_name))
+            self.filled.add(module_name)
 
-    def build(self, module_name: str, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        if is_quantized_target(module_name, module, self.layer_prefixes):
-            dense = nn.Linear(module.in_features, module.out_features, bias="bias" in tensors, device="meta")
-            dense.weight = nn.Parameter(tensors["weight"].to(self.device, self.dtype), requires_grad=False)
-            if "bias" in tensors:
-                dense.bias = nn.Parameter(tensors["bias"].to(self.device, self.dtype))
-            _replace(self.model, module_name, quantize_linear(dense, self.options))
-            return
+    def write(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        dtype = self.options.dtype
+        if isinstance(module, FourBitLinear):
+            weight = tensors.pop("weight").to(self.device, dtype)
+            packed, module.quant_state = quantize_4bit(
+                weight, quant_type=self.options.quant_type, blocksize=self.options.blocksize,
+                double_quant=self.options.double_quant,
+            )  # fmt: skip
+            _assign(module.weight, packed)
         for attribute, tensor in tensors.items():
-            # a copy: a view would keep its whole memory-mapped shard resident for the model's lifetime
-            dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
-            value = tensor.to(self.device, dtype, copy=True)
-            setattr(module, attribute, nn.Parameter(value, requires_grad=value.is_floating_point()))
+            target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+            _assign(getattr(module, attribute), tensor.to(self.device, target_dtype))
+
+    def missing(self) -> list[str]:
+        return [f"{name}.{attribute}" for name in self.expected if name not in self.filled
+                for attribute in sorted(self.expected[name])]  # fmt: skip
+
+
+def _init_lora(model: nn.Module, seed: int) -> None:
+    """peft's default LoRA initialization (A: Kaiming-uniform with a = √5, B: zeros), drawn whole on the
+    CPU from ``seed`` whatever the sharding, so every process count starts from the same adapters."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if "lora_A" in name:
+            bound = 1.0 / math.sqrt(param.shape[1])
+            full = (torch.rand(param.shape, generator=generator) * 2 - 1) * bound
+        elif "lora_B" in name:
+            full = torch.zeros(param.shape)
+        else:
+            continue
+        _assign(param, full.to(param.device, param.dtype))
+
+
+@torch.no_grad()
+def fill_4bit_model(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    options: QuantOptions,
+    config: PretrainedConfig,
+    *,
+    device: torch.device | str,
+    source: str,
+    seed: int = 0,
+) -> nn.Module:
+    """Materialize a model from ``empty_4bit_model`` — as it is, or wrapped by peft and sharded by FSDP2
+    since — on ``device`` from ``tensors`` (name, full tensor) in checkpoint naming; LoRA adapters get
+    their initialization from ``seed``. Errors name the first tensor ``source`` lacks."""
+    device = torch.device(device)
+    model.to_empty(device=device)
+    filler = _Filler(model, options, device)
+    for name, tensor in tensors:
+        filler.add(name, tensor)
+    if getattr(config, "tie_word_embeddings", False):  # the head is the embedding: filled under its name
+        filler.filled |= {name for name in filler.expected if name.endswith("lm_head")}
+    missing = filler.missing()
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{source} is missing tensor {missing[0]}{more}")
+    _init_lora(model, seed)
+    for name, module in list(model.named_modules()):  # buffers computed at construction: compute again
+        if "Rotary" in type(module).__name__:
+            with torch.device(device):
+                _replace(model, name, type(module)(config=config))
+    return model
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -113,67 +210,43 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), child, module)
 
 
-def _finish(model: nn.Module, config: PretrainedConfig, device: torch.device, source: str) -> nn.Module:
-    """Tie the head to the embeddings if the config says so, rebuild the rotary tables (buffers computed
-    at construction, absent from checkpoints), and name any tensor still missing."""
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    for name, module in list(model.named_modules()):
-        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
-            if "Rotary" not in type(module).__name__:
-                raise ValueError(f"{source}: module {name} has buffers that no checkpoint tensor fills")
-            with torch.device(device):  # rebuilt as transformers builds it, computed on the device
-                _replace(model, name, type(module)(config=config))
-    missing = [name for name, param in model.named_parameters() if param.is_meta]
-    if missing:
-        raise ValueError(
-            f"{source} is missing tensor {missing[0]}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-        )
-    return model
-
-
 def load_4bit_model(
-    path: str | Path,
-    options: QuantOptions,
-    *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    path: str | Path, options: QuantOptions, *, device: torch.device | str = "cpu", seed: int = 0
 ) -> nn.Module:
     """The causal LM saved at ``path`` (config.json + safetensors, one file or sharded) with its
-    decoder layers' linear layers in 4 bits, loaded layer by layer. Errors name a missing shard, a
-    tensor missing from the checkpoint, or an unreadable (corrupt) safetensors file."""
-    path, device = Path(path), torch.device(device)
+    decoder layers' linear layers in 4 bits, loaded layer by layer (the rest in ``options.dtype``).
+    Errors name a missing shard, a tensor missing from the checkpoint, or an unreadable file."""
     config = AutoConfig.from_pretrained(path)
-    model = _empty_model(config, dtype)
-    materializer = _Materializer(model, options, device, dtype)
-    for name, tensor in _tensors(_shard_files(path)):
-        materializer.add(name, tensor)
-    return _finish(model, config, device, f"checkpoint {path}")
+    return fill_4bit_model(
+        empty_4bit_model(config, options), checkpoint_tensors(path), options, config, device=device,
+        source=f"checkpoint {path}", seed=seed,
+    )  # fmt: skip
 
 
-@torch.no_grad()
-def random_4bit_model(
-    config: PretrainedConfig, options: QuantOptions, *, device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-) -> nn.Module:  # fmt: skip
-    """A random-weight causal LM of ``config``'s shape (e.g. Llama-3-70B's) built directly in 4 bits,
-    one module at a time, for benchmarks without downloads: never more than one layer's weights in
-    full precision."""
-    device = torch.device(device)
-    torch.manual_seed(seed)
-    model = _empty_model(config, dtype)
-    materializer = _Materializer(model, options, device, dtype)
+def _random_tensors(model: nn.Module, config: PretrainedConfig, device: torch.device):
+    """A random tensor for every parameter of ``model`` in checkpoint naming, drawn on ``device``: norms
+    1, biases 0, the rest normal with the config's ``initializer_range``."""
     std = getattr(config, "initializer_range", 0.02)
-    for module_name, module in list(model.named_modules()):
-        tensors = {}
-        for attribute, param in module.named_parameters(recurse=False):
-            if "norm" in type(module).__name__.lower():
-                tensors[attribute] = torch.ones(param.shape, dtype=dtype, device=device)
-            elif attribute == "bias":
-                tensors[attribute] = torch.zeros(param.shape, dtype=dtype, device=device)
-            else:
-                tensors[attribute] = torch.randn(param.shape, dtype=dtype, device=device) * std
-        if tensors:
-            materializer.build(module_name, module, tensors)
-    return _finish(model, config, device, f"random {config.model_type} model")
+    for name, param in model.named_parameters():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        packed = isinstance(owner, FourBitLinear) and name.endswith("weight")
+        shape = (owner.out_features, owner.in_features) if packed else param.shape
+        if "norm" in type(owner).__name__.lower():
+            yield name, torch.ones(shape, device=device)
+        elif name.endswith("bias"):
+            yield name, torch.zeros(shape, device=device)
+        else:
+            yield name, torch.randn(shape, device=device) * std
+
+
+def random_4bit_model(
+    config: PretrainedConfig, options: QuantOptions, *, device: torch.device | str = "cpu", seed: int = 0
+) -> nn.Module:
+    """A random-weight causal LM of ``config``'s shape (e.g. Llama-3-70B's) built directly in 4 bits,
+    one module at a time, for benchmarks without downloads: never more than one layer in full precision."""
+    torch.manual_seed(seed)
+    model = empty_4bit_model(config, options)
+    return fill_4bit_model(
+        model, _random_tensors(model, config, torch.device(device)), options, config, device=device,
+        source=f"random {config.model_type} model", seed=seed,
+    )  # fmt: skip

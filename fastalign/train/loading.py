@@ -5,9 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from fastalign.quant import QuantOptions, load_4bit_model, quantize_model
+from fastalign.quant import (
+    QuantOptions,
+    checkpoint_tensors,
+    empty_4bit_model,
+    fill_4bit_model,
+    load_4bit_model,
+    quantize_model,
+)
 from fastalign.testing import BUILTIN_DATASETS, TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
 
 #: Built-in model names: ``tiny-<family>``, random weights, the offline tokenizer (no download).
@@ -15,13 +28,19 @@ BUILTIN_MODELS = tuple(f"tiny-{family}" for family in TINY_MODEL_TYPES)
 
 
 def load_model_and_tokenizer(
-    name_or_path: str, quantization: QuantOptions | None = None, device: torch.device | str = "cpu"
+    name_or_path: str,
+    quantization: QuantOptions | None = None,
+    device: torch.device | str = "cpu",
+    *,
+    materialize: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """fp32 weights (mixed precision is the engine's business), ``use_cache`` off for training.
 
     With ``quantization`` the decoder layers' linear layers are 4-bit: a local checkpoint is loaded
     layer by layer straight onto ``device`` (``fastalign.quant.load_4bit_model``), so neither host nor
-    device ever holds the full-precision model; the rest (frozen too) is in ``quantization.dtype``."""
+    device ever holds the full-precision model; the rest (frozen too) is in ``quantization.dtype``.
+    ``materialize=False`` returns it as a meta-device skeleton instead, for ``materialize_4bit_model``
+    to fill after LoRA and sharding (each rank then holds only its shard)."""
     if name_or_path in BUILTIN_MODELS:
         model, tokenizer = tiny_model(name_or_path.removeprefix("tiny-")), tiny_tokenizer()
         if quantization is not None:
@@ -34,14 +53,31 @@ def load_model_and_tokenizer(
                 f"config.json) nor a built-in model ({', '.join(BUILTIN_MODELS)}); nothing is downloaded"
             )
         tokenizer = AutoTokenizer.from_pretrained(path)
-        if quantization is not None:
-            model = load_4bit_model(path, quantization, device=device, dtype=quantization.dtype)
+        if quantization is not None and not materialize:
+            model = empty_4bit_model(AutoConfig.from_pretrained(path), quantization)
+        elif quantization is not None:
+            model = load_4bit_model(path, quantization, device=device)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False
     return model, tokenizer
+
+
+def materialize_4bit_model(
+    model: torch.nn.Module, name_or_path: str, quantization: QuantOptions, device: torch.device, seed: int
+) -> torch.nn.Module:
+    """Fill a skeleton from ``load_model_and_tokenizer(..., materialize=False)`` (maybe LoRA-wrapped and
+    sharded since) from its checkpoint: every rank quantizes each layer and keeps its own shard. A
+    model that is already materialized is returned as it is."""
+    if not any(param.is_meta for param in model.parameters()):
+        return model
+    config = AutoConfig.from_pretrained(name_or_path)
+    return fill_4bit_model(
+        model, checkpoint_tensors(name_or_path), quantization, config, device=device,
+        source=f"checkpoint {name_or_path}", seed=seed,
+    )  # fmt: skip
 
 
 def load_dataset_rows(name_or_path: str) -> list[dict]:

@@ -10,7 +10,7 @@ from fastalign.quant import QuantOptions
 from fastalign.train import memory
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext, shard_model
-from fastalign.train.loading import load_model_and_tokenizer
+from fastalign.train.loading import load_model_and_tokenizer, materialize_4bit_model
 
 
 def prepare_policy(
@@ -18,7 +18,8 @@ def prepare_policy(
 ) -> torch.nn.Module:
     """Patched (every fused kernel with ``use_liger_kernel``; else only the fused loss head when the
     objective's loss needs it, i.e. all but SFT), LoRA, activation checkpointing/offloading, on the
-    device, sharded."""
+    device, sharded. A 4-bit skeleton (``load_model_and_tokenizer(..., materialize=False)``) is filled
+    from its checkpoint last, once sharded, so that each rank only ever holds its shard of it."""
     _patch(model, config, needs_fused_head)
     if config.use_peft:
         model = _add_lora(model, config)
@@ -26,8 +27,14 @@ def prepare_policy(
         memory.enable_activation_checkpointing(model)
     if config.activation_offloading:
         memory.enable_activation_offloading(model)
-    model.to(ctx.device)
-    return shard_model(model, mixed_precision=config.bf16)
+    skeleton = any(param.is_meta for param in model.parameters())
+    if not skeleton:
+        model.to(ctx.device)
+    model = shard_model(model, mixed_precision=config.bf16)
+    if skeleton:
+        quant = quant_options(config)
+        materialize_4bit_model(model, config.model_name_or_path, quant, ctx.device, config.seed)
+    return model
 
 
 def quant_options(config: TrainConfig) -> QuantOptions | None:

@@ -42,7 +42,7 @@ def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] 
     try:
         _seed_everything(config.seed)
         model, tokenizer = load_model_and_tokenizer(
-            config.model_name_or_path, quant_options(config), ctx.device
+            config.model_name_or_path, quant_options(config), ctx.device, materialize=False
         )
         recipe = make_recipe(objective, config, tokenizer, ctx)  # checks the config before any work
         model = prepare_policy(model, config, ctx, needs_fused_head=recipe.needs_fused_head)

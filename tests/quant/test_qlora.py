@@ -171,10 +171,19 @@ def test_two_process_fsdp2_keeps_the_weights_4bit(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_qlora_matches_one_process(tmp_path):
-    single = config(tmp_path / "one", max_steps=3)
+@pytest.mark.parametrize("source", ["built-in", "checkpoint"])
+def test_two_process_qlora_matches_one_process(tmp_path, source):
+    """The same losses on 1 and 2 processes: from the built-in tiny model (quantized whole, then
+    sharded) and from a saved checkpoint (a meta skeleton wrapped, sharded, then filled layer by
+    layer: each rank quantizes every layer and keeps only its shard)."""
+    model = "tiny-llama"
+    if source == "checkpoint":
+        model = str(tmp_path / "checkpoint")
+        tiny_model("llama").save_pretrained(model)
+        tiny_tokenizer().save_pretrained(model)
+    single = config(tmp_path / "one", max_steps=3, model_name_or_path=model)
     run_training(single, "sft")
-    two = config(tmp_path / "two", max_steps=3, per_device_train_batch_size=4)
+    two = config(tmp_path / "two", max_steps=3, per_device_train_batch_size=4, model_name_or_path=model)
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_KEYS} | {"PYTHONPATH": str(REPO_ROOT)}
     worker = REPO_ROOT / "tests" / "train" / "train_worker.py"
     proc = subprocess.run(
@@ -246,7 +255,7 @@ def test_loaded_4bit_model_equals_quantizing_the_loaded_model(sharded_checkpoint
 
 def test_random_4bit_model_of_a_published_shape_is_built_in_4bits():
     config = tiny_config("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=3, vocab_size=512)
-    model = random_4bit_model(config, QuantOptions(), dtype=torch.float32)
+    model = random_4bit_model(config, QuantOptions())
     layers = [m for m in model.modules() if isinstance(m, FourBitLinear)]
     assert len(layers) == 3 * 7 and not any(p.is_meta for p in model.parameters())
     with torch.no_grad():
