@@ -279,7 +279,7 @@ class _Linear4bitFunction(torch.autograd.Function):
             if ctx.needs_input_grad[3]:
                 d_A = d_xa.t() @ x.reshape(-1, in_features).to(lora_A.dtype)
             if ctx.needs_input_grad[4]:
-                d_B = scaling * (dy_lora.t() @ xa)
+                d_B = scaling * (dy_lora.t() @ xa.to(lora_B.dtype))  # xa is bf16 under autocast
         if dx is not None:
             dx = dx.view(*dy.shape[:-1], in_features)
         return dx, None, d_bias, d_A, d_B, None, None, None

@@ -57,6 +57,13 @@ def _map_state(state, fn):
     return dataclasses.replace(state, **changes)
 
 
+def _same_dtype(fn, tensor: torch.Tensor) -> torch.Tensor:
+    """``fn(tensor)`` (a move or ``to_empty``), but never a dtype change: a cast to bf16 and back would
+    round the scales, and the weights would no longer be bitsandbytes' bits."""
+    moved = fn(tensor)
+    return moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
+
+
 class FourBitLinear(nn.Linear):
     """y = x · dequantize(W)ᵀ + b with W frozen in 4 bits; see the module docstring."""
 
@@ -101,7 +108,7 @@ class FourBitLinear(nn.Linear):
     def _apply(self, fn, recurse=True):
         # .to(device) moves the scales with the bytes; .to(dtype) leaves them (and the bytes) as they are
         super()._apply(fn, recurse)
-        self.quant_state = _map_state(self.quant_state, lambda t: fn(t).to(t.dtype))
+        self.quant_state = _map_state(self.quant_state, lambda t: _same_dtype(fn, t))
         return self
 
     def extra_repr(self) -> str:

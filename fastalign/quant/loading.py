@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -34,7 +35,9 @@ _INDEX = "model.safetensors.index.json"
 
 
 def _empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    with torch.device("meta"):
+    """Parameters on the meta device; buffers (rotary tables, embedding scales: computed, not loaded)
+    real, as the model's constructor computes them."""
+    with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
@@ -162,6 +165,11 @@ def _init_lora(model: nn.Module, seed: int) -> None:
     CPU from ``seed`` whatever the sharding, so every process count starts from the same adapters."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if "lora_" in name and not ("lora_A" in name or "lora_B" in name):
+            raise ValueError(
+                f"{name}: only LoRA's A and B matrices of linear layers are initialized on a 4-bit model "
+                "loaded layer by layer (no embedding adapters or DoRA): check lora_target_modules"
+            )
         if "lora_A" in name:
             bound = 1.0 / math.sqrt(param.shape[1])
             full = (torch.rand(param.shape, generator=generator) * 2 - 1) * bound
@@ -187,7 +195,10 @@ def fill_4bit_model(
     since — on ``device`` from ``tensors`` (name, full tensor) in checkpoint naming; LoRA adapters get
     their initialization from ``seed``. Errors name the first tensor ``source`` lacks."""
     device = torch.device(device)
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # to_empty wipes them
     model.to_empty(device=device)
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name])
     filler = _Filler(model, options, device)
     for name, tensor in tensors:
         filler.add(name, tensor)
@@ -198,10 +209,6 @@ def fill_4bit_model(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{source} is missing tensor {missing[0]}{more}")
     _init_lora(model, seed)
-    for name, module in list(model.named_modules()):  # buffers computed at construction: compute again
-        if "Rotary" in type(module).__name__:
-            with torch.device(device):
-                _replace(model, name, type(module)(config=config))
     return model
 
 

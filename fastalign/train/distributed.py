@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from fastalign.train.memory import decoder_layers
 
@@ -115,6 +115,10 @@ def shard_model(model: nn.Module, *, mixed_precision: bool, reshard_after_forwar
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(model, **options)
+    if hasattr(model, "generate"):
+        # generate() (GRPO's rollout) may reach the inner model without the root's forward, e.g. through
+        # peft's wrapper: this makes it run the root's unshard/reshard around the whole call
+        register_fsdp_forward_method(model, "generate")
     return model
 
 

@@ -27,13 +27,17 @@ def prepare_policy(
         memory.enable_activation_checkpointing(model)
     if config.activation_offloading:
         memory.enable_activation_offloading(model)
+    return _place(model, config.model_name_or_path, config, ctx)
+
+
+def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: DistributedContext):
+    """On the device and sharded; a 4-bit skeleton is filled from its checkpoint only once sharded."""
     skeleton = any(param.is_meta for param in model.parameters())
     if not skeleton:
         model.to(ctx.device)
     model = shard_model(model, mixed_precision=config.bf16)
     if skeleton:
-        quant = quant_options(config)
-        materialize_4bit_model(model, config.model_name_or_path, quant, ctx.device, config.seed)
+        materialize_4bit_model(model, name_or_path, quant_options(config), ctx.device, config.seed)
     return model
 
 
@@ -49,10 +53,10 @@ def quant_options(config: TrainConfig) -> QuantOptions | None:
 
 def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:
     """A reference model: quantized, patched and sharded as the policy, frozen, in eval mode."""
-    model, _ = load_model_and_tokenizer(name_or_path, quant_options(config), ctx.device)
+    model, _ = load_model_and_tokenizer(name_or_path, quant_options(config), ctx.device, materialize=False)
     _patch(model, config, needs_fused_head=True)
-    model.requires_grad_(False).eval().to(ctx.device)
-    return shard_model(model, mixed_precision=config.bf16)
+    model.requires_grad_(False).eval()
+    return _place(model, name_or_path, config, ctx)
 
 
 def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool) -> None:

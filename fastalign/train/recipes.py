@@ -8,6 +8,7 @@ work, with a one-line ``ConfigError`` naming the key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
@@ -101,6 +102,30 @@ class Recipe:
         )
         return FrozenReference(frozen), frozen
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The engine's single-process bf16 autocast (under FSDP2 the parameters are bf16 already)."""
+        if self.config.bf16 and not self.ctx.enabled:
+            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _check_reference_options(self) -> None:
+        """Reference options that cannot work together, before any model is loaded."""
+        config = self.config
+        if config.precompute_ref_log_probs and config.sync_ref_model:
+            raise ConfigError(
+                "config keys 'precompute_ref_log_probs' and 'sync_ref_model' exclude each other"
+            )
+        if config.sync_ref_model and config.use_peft:
+            raise ConfigError(
+                "config key 'sync_ref_model' mixes the policy's weights into the reference: it needs full "
+                "fine-tuning (use_peft: false), where both models have the same parameters"
+            )
+        if config.sync_ref_model and config.resume_from_checkpoint:
+            raise ConfigError(
+                "config key 'resume_from_checkpoint' with sync_ref_model: the synced reference is not saved "
+                "in checkpoints yet, so a resumed TR-DPO run would not continue exactly"
+            )
+
     def _with_reference(
         self, model, examples: tuple[list, list], sequences: Callable[[Sequence], SequenceInputs]
     ) -> tuple[Reference | None, tuple[list, list], list[Callback]]:
@@ -108,22 +133,15 @@ class Recipe:
         config = self.config
         reference, frozen = self._reference(model)
         if config.precompute_ref_log_probs:
-            if config.sync_ref_model:
-                raise ConfigError(
-                    "config keys 'precompute_ref_log_probs' and 'sync_ref_model' exclude each other"
-                )
             size = config.per_device_eval_batch_size
-            examples = tuple(
-                precompute_reference(part, reference, sequences, _attach, size, self.ctx) for part in examples
-            )
+            with self._autocast():  # the numerics the live reference would have under the engine
+                examples = tuple(
+                    precompute_reference(part, reference, sequences, _attach, size, self.ctx)
+                    for part in examples
+                )
             return None, examples, []
         callbacks: list[Callback] = []
         if config.sync_ref_model:
-            if frozen is None:
-                raise ConfigError(
-                    "config key 'sync_ref_model' needs a separate reference model: with use_peft the "
-                    "reference is the adapter-disabled policy"
-                )
             callbacks.append(
                 SyncReference(model, frozen, config.ref_model_mixup_alpha, config.ref_model_sync_steps)
             )
@@ -142,6 +160,7 @@ class PreferenceRecipe(Recipe):
 
     def __init__(self, name: str, config: TrainConfig, tokenizer, ctx: DistributedContext):
         super().__init__(name, config, tokenizer, ctx)
+        self._check_reference_options()
         self.collate = PreferenceCollator(tokenizer.pad_token_id)
         try:
             self.loss = PreferenceLoss(
@@ -180,6 +199,7 @@ class KTORecipe(Recipe):
 
     def __init__(self, name: str, config: TrainConfig, tokenizer, ctx: DistributedContext):
         super().__init__(name, config, tokenizer, ctx)
+        self._check_reference_options()
         self.collate = KTOCollator(tokenizer.pad_token_id)
         self.loss = KTOLoss(
             beta=self.beta, desirable_weight=config.desirable_weight,
@@ -281,6 +301,12 @@ def _check_grpo(name: str, config: TrainConfig) -> None:
         raise ConfigError(f"config key 'loss_type' for {name} must be one of {', '.join(GRPO_LOSS_TYPES)}")
     if config.eval_dataset_name or config.eval_split_ratio:
         raise ConfigError(f"evaluation (eval_dataset_name, eval_split_ratio) is not available for {name}")
+    steps = config.steps_per_generation
+    if steps is not None and steps % config.gradient_accumulation_steps:
+        raise ConfigError(
+            f"config key 'steps_per_generation' ({steps}) must be a multiple of gradient_accumulation_steps "
+            f"({config.gradient_accumulation_steps}): a generation serves whole optimizer steps"
+        )
     if config.precompute_ref_log_probs:
         raise ConfigError(f"config key 'precompute_ref_log_probs' is for preference training, not {name}")
     if config.use_vllm:

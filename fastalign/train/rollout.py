@@ -92,6 +92,17 @@ def decode_completions(completions: Completions, tokenizer, conversational: bool
     return [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
 
 
+def raise_on_every_rank(error: str | None, ctx: DistributedContext) -> None:
+    """Raise ``error`` (a one-line message) on every rank if any rank has one: a rank that raised alone
+    would leave the others waiting in their next collective until the process group times out."""
+    if ctx.enabled:
+        errors: list[str | None] = [None] * ctx.world_size
+        dist.all_gather_object(errors, error)
+        error = next((found for found in errors if found is not None), None)
+    if error is not None:
+        raise ValueError(error)
+
+
 def _all_gather_rows(local: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
     """Every rank's rows, rank 0 first (every rank has the same number)."""
     if not ctx.enabled:
@@ -122,7 +133,12 @@ def score_completions(
     ctx: DistributedContext,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This rank's advantages [N] and the generation batch's reward metrics (global over ranks)."""
-    local = compute_rewards(scoring.reward_funcs, prompts, completions, completion_ids, columns)
+    local, error = None, None
+    try:
+        local = compute_rewards(scoring.reward_funcs, prompts, completions, completion_ids, columns)
+    except ValueError as failure:  # a reward function that raised or returned nonsense, named
+        error = str(failure)
+    raise_on_every_rank(error, ctx)
     lengths = torch.tensor([float(len(ids)) for ids in completion_ids])
     # rewards of every function, length and truncation: one gather for all of them
     stats = torch.cat([local, lengths[:, None], truncated.float().cpu()[:, None]], dim=1).to(ctx.device)

@@ -33,6 +33,11 @@ OBJECTIVE_OPTIONS = {
     "grpo": {"reward_funcs": [DIGITS], "num_generations": 4, "max_completion_length": 8, "beta": 0.04},
     "rloo": {"reward_funcs": [DIGITS], "num_generations": 4, "max_completion_length": 8},
 }  # fmt: skip
+#: Runs of the 1-vs-2-process test: label → (objective, options); GRPO with LoRA generates through
+#: peft's wrapper, which must still unshard FSDP2's root around generate().
+TWO_PROCESS_RUNS = {name: (name, {}) for name in OBJECTIVE_OPTIONS} | {
+    "grpo-lora": ("grpo", {"use_peft": True, "lora_r": 4, "lora_dropout": 0.0, "learning_rate": 1e-2}),
+}
 
 
 def config(output_dir: Path, objective: str, **overrides) -> TrainConfig:
@@ -67,25 +72,24 @@ def test_every_objective_trains_alike_in_one_and_two_processes(tmp_path):
     """2 ranks × half the batch (gloo, FSDP2) = one process with the whole batch: the same losses and
     metrics, for every objective (GRPO samples the same completions: its seeds follow the prompts)."""
     halves = []
-    for objective in OBJECTIVE_OPTIONS:
+    for label, (objective, options) in TWO_PROCESS_RUNS.items():
         # GRPO samples each prompt micro-batch as a whole: one process accumulates the ranks' micro-batches
         sampled = objective in ("grpo", "rloo")
         whole = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4} if sampled else {}
-        single = config(tmp_path / f"{objective}-1", objective, **whole)
-        run_training(single, objective)
-        halves.append(
-            (objective, config(tmp_path / f"{objective}-2", objective, per_device_train_batch_size=4))
-        )
-    run_two_processes(halves)
-    for objective, two in halves:
-        one_logs, two_logs = logged(tmp_path / f"{objective}-1"), logged(two.output_dir)
-        assert len(one_logs) == len(two_logs) == 2, objective
+        run_training(config(tmp_path / f"{label}-1", objective, **{**options, **whole}), objective)
+        half = config(tmp_path / f"{label}-2", objective, **{**options, "per_device_train_batch_size": 4})
+        halves.append((label, objective, half))
+    run_two_processes([(objective, half) for _, objective, half in halves])
+    for label, _, two in halves:
+        one_logs, two_logs = logged(tmp_path / f"{label}-1"), logged(two.output_dir)
+        assert len(one_logs) == len(two_logs) == 2, label
         for one_row, two_row in zip(one_logs, two_logs, strict=True):
             assert torch.isfinite(torch.tensor(one_row["loss"]))
             for key in ("loss", "rewards/margins", "reward", "kl", "entropy"):
                 if key in one_row:
-                    assert two_row[key] == pytest.approx(one_row[key], rel=1e-4, abs=1e-6), (objective, key)
-        assert (Path(two.output_dir) / "model.safetensors").is_file()
+                    assert two_row[key] == pytest.approx(one_row[key], rel=1e-4, abs=1e-6), (label, key)
+        saved = "adapter_model.safetensors" if two.use_peft else "model.safetensors"
+        assert (Path(two.output_dir) / saved).is_file()
 
 
 @pytest.mark.slow

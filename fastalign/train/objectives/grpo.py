@@ -88,7 +88,12 @@ class GRPOSettings:
 
 
 class GRPOObjective:
-    """Rollout in ``prepare_step``; ``GRPOLoss`` on prompt + completion rows in ``compute_loss``."""
+    """Rollout in ``prepare_step``; ``GRPOLoss`` on prompt + completion rows in ``compute_loss``.
+
+    A loss term is a completion (grpo, dr_grpo) or a completion token (bnpo, dapo, cispo), counted over
+    the whole step on all ranks. So bnpo is the step's token mean, like dapo: TRL's bnpo averages each
+    micro-batch over its own tokens and then the micro-batches, which weighs a token by its batch. The
+    ``timing/*`` metrics are the logging rank's (rank 0's) own."""
 
     def __init__(
         self,
