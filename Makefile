@@ -18,4 +18,4 @@ test: lint
 	$(PY) -m pytest
 
 bench-cpu: setup
-	$(PY) benchmarks/kernels/bench_linear_cross_entropy.py --preset cpu
+	$(VENV)/bin/fastalign bench all --preset cpu

@@ -13,32 +13,37 @@ import os
 import platform
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
-from fastalign.bench.measure import device_name, peak_extra_bytes, time_ms
+from fastalign.bench import measure
+from fastalign.bench.measure import device_name, peak_extra_bytes, time_ms, times_ms
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: How the spreads of ``step_figures`` rows are computed (``record(spread=...)``).
+SPREAD = measure.SPREAD
 
 
-def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 10) -> float:
     """The device's measured matmul ceiling in TFLOP/s: a square product large enough to be compute
-    bound (8192 on CUDA, 2048 on CPU), random data, in the benchmark's dtype."""
+    bound (8192 on CUDA, 2048 on CPU), random data, in the benchmark's dtype. A ceiling is the fastest
+    repeat, not the median: other work on a shared machine only ever slows a repeat down."""
     size = 8192 if device.type == "cuda" else 2048
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    ms, _ = time_ms(lambda: a @ b, device, repeats)
+    ms = min(times_ms(lambda: a @ b, device, repeats))
     return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
-def copy_bandwidth_gbps(device: torch.device, repeats: int = 5) -> float:
-    """The device's measured memory bandwidth in GB/s: a large copy, bytes read plus bytes written."""
+def copy_bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
+    """The device's measured memory bandwidth in GB/s: a large copy, bytes read plus bytes written (the
+    fastest repeat, as for ``matmul_tflops``)."""
     size = 2**30 if device.type == "cuda" else 2**28
     src = torch.empty(size, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    ms, _ = time_ms(lambda: dst.copy_(src), device, repeats)
+    ms = min(times_ms(lambda: dst.copy_(src), device, repeats))
     return 2 * size / (ms * 1e-3) / 1e9
 
 
@@ -83,6 +88,25 @@ def add_floor(row: dict, floor_ms: float) -> dict:
     return row
 
 
+def select_providers(
+    kernel: str, known: Iterable[str], requested: list[str] | None, default: Iterable[str] | None = None
+) -> list[str]:
+    """The requested providers this benchmark has, in the order given (``default``, else every known one,
+    when none are requested). ``fastalign bench --providers`` hands one list to every benchmark, so names
+    a benchmark lacks are passed over; where none is left the run ends here, writing nothing."""
+    known = list(known)
+    if not requested:
+        return list(default if default is not None else known)
+    names = [name for name in requested if name in known]
+    if names and len(names) < len(requested):
+        lacking = [name for name in requested if name not in known]
+        print(f"{kernel}: passing over {lacking} (not its providers)")
+    if not names:
+        print(f"{kernel}: none of the providers {requested} (it has {known}): nothing measured", flush=True)
+        raise SystemExit(0)
+    return names
+
+
 def git_commit() -> str:
     """The checkout's commit (``-dirty`` with local changes); ``FASTALIGN_GIT_COMMIT`` names it where the
     tree was copied without its git directory (a remote benchmark machine)."""
@@ -104,8 +128,27 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _host_memory_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return round(int(f.readline().split()[1]) / 2**20, 1)  # MemTotal, in KiB
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
 def environment(device: torch.device) -> dict:
-    """Device, versions and date recorded with every result file."""
+    """Device, memory, driver, versions, commit and date recorded with every result file."""
     import transformers
 
     try:
@@ -122,6 +165,8 @@ def environment(device: torch.device) -> dict:
         "triton": triton_version,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "host_memory_gib": _host_memory_gib(),
+        "threads": torch.get_num_threads(),
         "git_commit": git_commit(),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -129,18 +174,23 @@ def environment(device: torch.device) -> dict:
         props = torch.cuda.get_device_properties(device)
         env["device_memory_gib"] = round(props.total_memory / 2**30, 1)
         env["cuda"] = torch.version.cuda
+        env["driver"] = _driver_version()
     return env
 
 
 def record(
     *, suite: str, kernel: str, preset: str, floor: str, ceiling: dict, device: torch.device, rows: list,
-    skipped: dict, out_dir: Path = RESULTS_DIR,
+    skipped: dict, out_dir: Path = RESULTS_DIR, spread: str | None = None,
 ) -> Path:  # fmt: skip
-    """Write one run (its rows, the environment, the floor and the measured ceiling) as a JSON file."""
+    """Write one run (its rows, the environment, the floor and the measured ceiling) as a JSON file.
+    ``spread`` says how the rows' ``*_spread`` figures were computed (``measure.SPREAD`` for the rows of
+    ``step_figures``); a run without it used (max − min) / median."""
     result = {
         "suite": suite, "kernel": kernel, "preset": preset, "floor": floor, **ceiling,
         "env": environment(device), "rows": rows, "skipped": skipped,
     }  # fmt: skip
+    if spread:
+        result["spread"] = spread
     path = write_result(result, out_dir)
     print(f"wrote {path}")
     return path

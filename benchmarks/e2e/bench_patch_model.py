@@ -2,6 +2,7 @@
 
     python benchmarks/e2e/bench_patch_model.py --preset gpu   # Llama-3-8B shape, 2 of its 32 layers, bf16
     python benchmarks/e2e/bench_patch_model.py --preset cpu   # a small Llama shape with a 32k vocabulary
+    python benchmarks/e2e/bench_patch_model.py --preset quick # a tiny one, seconds
 
 Random weights built from a config (no download). Each row: forward (with labels) and forward+backward
 median time, tokens/s, and the workspace (peak memory of a step above the weights and their gradients).
@@ -36,9 +37,15 @@ PRESETS = {
     "cpu": {
         "config": dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2,
                        vocab_size=32000, num_hidden_layers=2),
-        "dtype": "float32", "batch": 1, "seq": 2048, "repeats": 3,
+        "dtype": "float32", "batch": 1, "seq": 2048, "repeats": 5,
+    },
+    "quick": {
+        "config": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=2048, num_hidden_layers=2),
+        "dtype": "float32", "batch": 1, "seq": 256, "repeats": 5,
     },
 }  # fmt: skip
+PROVIDERS = ("torch-eager", "fastalign-patched")
 
 
 def _matmul_params(model) -> int:
@@ -68,8 +75,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+    parser.add_argument("--providers", nargs="*", help="subset of providers (default: both)")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args()
+    names = common.select_providers("e2e_patch_model", PROVIDERS, args.providers)
     preset = PRESETS[args.preset]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, preset["dtype"])
@@ -91,7 +100,7 @@ def main() -> None:
         f"batch={batch_size} seq={seq}"
     )
     rows = []
-    for name in ("torch-eager", "fastalign-patched"):
+    for name in names:
         model = original if name == "torch-eager" else patch_model(copy.deepcopy(original))
         row = _measure(name, model, batch, device, preset["repeats"])
         row = common.add_floor(row | {"shape": shape, "dtype": preset["dtype"]}, floor_ms)
@@ -104,6 +113,7 @@ def main() -> None:
         suite="e2e", kernel="e2e_patch_model", preset=args.preset,
         floor="6·P·T + 6·L·S²·D·B FLOPs (forward+backward) at the measured matmul ceiling",
         ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped={}, out_dir=args.out,
+        spread=common.SPREAD,
     )  # fmt: skip
 
 

@@ -43,7 +43,8 @@ def _unavailable(bench: BandwidthBenchmark, name: str, device: torch.device) -> 
     return ""
 
 
-def _measure_row(bench, name, size, dtype, device, repeats) -> dict:
+def steps(bench: BandwidthBenchmark, name: str, size: tuple, dtype: torch.dtype, device: torch.device):
+    """(forward, forward+backward with an upstream gradient of ones) of one provider on fresh inputs."""
     fn = bench.providers[name]
     if name == "torch-compile":
         fn = torch.compile(fn)
@@ -60,6 +61,11 @@ def _measure_row(bench, name, size, dtype, device, repeats) -> dict:
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
 
+    return forward, forward_backward
+
+
+def _measure_row(bench, name, size, dtype, device, repeats) -> dict:
+    forward, forward_backward = steps(bench, name, size, dtype, device)
     row = {"provider": name, "shape": bench.describe(size), "dtype": str(dtype).removeprefix("torch.")}
     return row | common.step_figures(forward, forward_backward, device, repeats)
 
@@ -74,23 +80,24 @@ def run(bench: BandwidthBenchmark, argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    names = args.providers or list(bench.providers)
+    names = common.select_providers(bench.kernel, bench.providers, args.providers)
     skipped = {name: why for name in names if (why := _unavailable(bench, name, device))}
     bandwidth = common.copy_bandwidth_gbps(device)
     rows = []
-    for size in bench.shapes[args.preset]:
-        forward_bytes, backward_bytes = bench.bytes_moved(size, dtype)
-        floor_ms = (forward_bytes + backward_bytes) / (bandwidth * 1e9) * 1e3
-        for name in names:
-            if name in skipped:
-                continue
-            torch._dynamo.reset()
-            row = common.add_floor(_measure_row(bench, name, size, dtype, device, args.repeats), floor_ms)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    with common.keep_rows_on_termination(skipped):
+        for size in bench.shapes[args.preset]:
+            forward_bytes, backward_bytes = bench.bytes_moved(size, dtype)
+            floor_ms = (forward_bytes + backward_bytes) / (bandwidth * 1e9) * 1e3
+            for name in names:
+                if name in skipped:
+                    continue
+                torch._dynamo.reset()
+                row = _measure_row(bench, name, size, dtype, device, args.repeats)
+                rows.append(common.add_floor(row, floor_ms))
+                print(json.dumps(rows[-1]), flush=True)
     return common.record(
         suite="kernels", kernel=bench.kernel, preset=args.preset,
         floor="minimum bytes of forward + backward at the measured copy bandwidth",
         ceiling={"copy_bandwidth_gbps": round(bandwidth, 1)}, device=device, rows=rows, skipped=skipped,
-        out_dir=args.out,
+        out_dir=args.out, spread=common.SPREAD,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """GRPO loss head: fastalign's GRPOLoss vs plain PyTorch as TRL computes it, torch.compile and Liger.
 
     python benchmarks/kernels/bench_grpo.py --preset gpu   # 64 x 1024 and 8 x 16384 tokens, V=151936, D=4096
-    python benchmarks/kernels/bench_grpo.py --preset cpu   # a small head, fp32
+    python benchmarks/kernels/bench_grpo.py --preset cpu   # a small head, fp32 (quick: a tiny one)
 
 Each step: per-token log-probs of the completions from hidden states at temperature 1, the clipped
 token loss with beta=0.04 (old and reference log-probs given), dapo aggregation, backward to the hidden
@@ -29,7 +29,8 @@ PRESETS = {
         "shapes": [(64, 1024, 4096, 151936), (8, 16384, 4096, 151936)],
         "repeats": 0,
     },
-    "cpu": {"dtype": "float32", "shapes": [(8, 256, 256, 32000)], "repeats": 3},
+    "cpu": {"dtype": "float32", "shapes": [(8, 256, 256, 32000)], "repeats": 5},
+    "quick": {"dtype": "float32", "shapes": [(2, 64, 64, 2048)], "repeats": 5},
 }
 BETA, EPSILON, EPSILON_HIGH = 0.04, 0.2, 0.28
 

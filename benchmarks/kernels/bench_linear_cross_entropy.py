@@ -3,6 +3,7 @@
     python benchmarks/kernels/bench_linear_cross_entropy.py --preset cpu      # the CPU figure of the issue
     python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu      # V x N x D sweep, bf16
     python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu-quick
+    python benchmarks/kernels/bench_linear_cross_entropy.py --preset quick    # a tiny head, any device
     python benchmarks/kernels/bench_linear_cross_entropy.py --preset gpu-chunks --providers \
         fastalign-chunk256 fastalign-chunk1024 fastalign-chunk2048 fastalign-chunk4096 fastalign-chunk8192
 
@@ -40,6 +41,7 @@ KERNEL = "linear_cross_entropy"
 PRESETS = {
     # The issue's CPU reference point: N=4096, D=256, V=32000, fp32 on a 2-core machine.
     "cpu": {"dtype": "float32", "shapes": [(4096, 256, 32000)], "repeats": 5},
+    "quick": {"dtype": "float32", "shapes": [(512, 128, 8192)], "repeats": 5},
     "gpu-quick": {"dtype": "bfloat16", "shapes": [(4096, 4096, 128256), (16384, 4096, 128256)], "repeats": 0},
     # The issue's reference (16384, 4096, 128256), then tokens, vocabulary and hidden size varied one at
     # a time (Llama-3-8B/70B, Qwen2.5, Gemma-3 vocabularies).
@@ -124,17 +126,8 @@ def _fixed_chunks(rows: int) -> Loss:
     return lambda h, w, t: linear_cross_entropy(h, w, t, chunk_size=rows)
 
 
-def measure_row(
-    provider: str,
-    n: int,
-    d: int,
-    v: int,
-    dtype: str,
-    device: torch.device,
-    repeats: int,
-    parts=("time", "memory"),
-) -> dict:
-    """One row (or the ``parts`` of it): fwd and fwd+bwd time and spread, peak extra memory of fwd+bwd."""
+def steps(provider: str, n: int, d: int, v: int, dtype: str, device: torch.device):
+    """(forward, forward+backward) of one provider on random inputs, every 7th target ignored."""
     factory, reason = provider_table(device)[provider]
     if reason:
         raise RuntimeError(reason)
@@ -153,6 +146,21 @@ def measure_row(
         hidden.grad = weight.grad = None
         forward().backward()
 
+    return forward, forward_backward
+
+
+def measure_row(
+    provider: str,
+    n: int,
+    d: int,
+    v: int,
+    dtype: str,
+    device: torch.device,
+    repeats: int,
+    parts=("time", "memory"),
+) -> dict:
+    """One row (or the ``parts`` of it): fwd and fwd+bwd time and spread, peak extra memory of fwd+bwd."""
+    forward, forward_backward = steps(provider, n, d, v, dtype, device)
     row = {"provider": provider, "N": n, "D": d, "V": v, "dtype": dtype}
     return row | common.step_figures(forward, forward_backward, device, repeats, parts)
 
@@ -181,10 +189,8 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
     config = PRESETS[preset]
     dtype = config["dtype"]
     table = provider_table(device)
-    names = providers or [name for name in table if not name.startswith("fastalign-chunk")]
-    unknown = set(names) - set(table)
-    if unknown:
-        raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(table)}")
+    default = [name for name in table if not name.startswith("fastalign-chunk")]
+    names = common.select_providers(KERNEL, table, providers, default)
     skipped = {name: table[name][1] for name in names if table[name][1]}
     rows = []
     tflops = common.matmul_tflops(device, getattr(torch, dtype))
@@ -193,7 +199,7 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
     return common.record(
         suite="kernels", kernel=KERNEL, preset=preset, floor="6·N·V·D FLOPs at the measured matmul ceiling",
         ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
-        out_dir=out_dir,
+        out_dir=out_dir, spread=common.SPREAD,
     )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """NF4 4-bit weights: dequantization, and the QLoRA linear layer ``linear_4bit`` forward+backward.
 
     python benchmarks/kernels/bench_nf4.py --preset gpu   # Llama-3-8B and 70B linear shapes, bf16
-    python benchmarks/kernels/bench_nf4.py --preset cpu   # small shapes
+    python benchmarks/kernels/bench_nf4.py --preset cpu   # small shapes (quick: tiny ones)
 
 Weights are NF4 with double quantization, blocksize 64, as QLoRA stores them (bitsandbytes' format).
 
@@ -52,6 +52,7 @@ PRESETS = {
         "linear": [(256, 1024, 2816)],
         "repeats": 5,
     },
+    "quick": {"dtype": "bfloat16", "dequant": [(256, 256)], "linear": [(64, 256, 512)], "repeats": 5},
 }
 CUDA_ONLY = ("fastalign-triton",)
 
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
     parser.add_argument("--only", choices=["dequant", "linear"], help="one of the two row kinds")
+    parser.add_argument("--providers", nargs="*", help="subset of providers (default: all)")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -203,19 +205,23 @@ def main(argv: list[str] | None = None) -> Path:
         measure.release_freed_memory_promptly()
     bandwidth = common.copy_bandwidth_gbps(device)
     tflops = common.matmul_tflops(device, dtype)
-    skipped = {name: "needs CUDA" for name in CUDA_ONLY if device.type != "cuda"}
+    dequant, linear = dequant_providers(), linear_providers()
+    names = common.select_providers("nf4", dict.fromkeys([*dequant, *linear]), args.providers)
+    dequant = {name: fn for name, fn in dequant.items() if name in names}
+    linear = {name: fn for name, fn in linear.items() if name in names}
+    skipped = {name: "needs CUDA" for name in CUDA_ONLY if device.type != "cuda" and name in names}
     rows: list[dict] = []
     with common.keep_rows_on_termination(skipped):
         if args.only in (None, "dequant"):
-            _dequant_rows(preset, dequant_providers(), skipped, rows, bandwidth, device, dtype)
+            _dequant_rows(preset, dequant, skipped, rows, bandwidth, device, dtype)
         if args.only in (None, "linear"):
-            _linear_rows(preset, linear_providers(), skipped, rows, bandwidth, tflops, device, dtype)
+            _linear_rows(preset, linear, skipped, rows, bandwidth, tflops, device, dtype)
     return common.record(
         suite="kernels", kernel="nf4", preset=args.preset,
         floor="dequant rows: n/2 + 2n + n/64 bytes at the copy bandwidth (no backward: fwd+bwd = fwd); "
         "linear rows: max(4·N·in·out + 6·N·r·(in+out) FLOPs at the matmul peak, two dequantizations' bytes)",
         ceiling={"matmul_tflops": round(tflops, 3), "copy_bandwidth_gbps": round(bandwidth, 1)},
-        device=device, rows=rows, skipped=skipped, out_dir=args.out,
+        device=device, rows=rows, skipped=skipped, out_dir=args.out, spread=common.SPREAD,
     )  # fmt: skip
 
 

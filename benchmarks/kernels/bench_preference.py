@@ -1,7 +1,7 @@
 """DPO loss head: fastalign's PreferenceLoss vs plain PyTorch as TRL computes it, torch.compile, Liger.
 
     python benchmarks/kernels/bench_preference.py --preset gpu   # B=8 pairs, T=2048, V=128256, D=4096, bf16
-    python benchmarks/kernels/bench_preference.py --preset cpu   # a small head, fp32
+    python benchmarks/kernels/bench_preference.py --preset cpu   # a small head, fp32 (quick: a tiny one)
 
 One step: sequence log-probs of the chosen and rejected completions from the policy's hidden states,
 reference log-probs from the reference model's hidden states (no gradient), the sigmoid DPO loss,
@@ -26,7 +26,8 @@ from fastalign.losses import PreferenceLoss
 
 PRESETS = {
     "gpu": {"dtype": "bfloat16", "shapes": [(8, 2048, 4096, 128256)], "repeats": 0},
-    "cpu": {"dtype": "float32", "shapes": [(4, 256, 256, 32000)], "repeats": 3},
+    "cpu": {"dtype": "float32", "shapes": [(4, 256, 256, 32000)], "repeats": 5},
+    "quick": {"dtype": "float32", "shapes": [(1, 64, 64, 2048)], "repeats": 5},
 }
 BETA = 0.1
 

@@ -1,6 +1,6 @@
 """RMSNorm forward/backward vs eager PyTorch (Hugging Face's arithmetic), torch.compile, Liger-Kernel.
 
-    python benchmarks/kernels/bench_rms_norm.py --preset gpu|cpu
+    python benchmarks/kernels/bench_rms_norm.py --preset gpu|cpu|quick
 Floor: forward reads x, writes y; backward reads x, dy, writes dx (the weight and rstd are negligible).
 """
 
@@ -35,7 +35,11 @@ def _liger(x, weight):
 
 BENCH = BandwidthBenchmark(
     kernel="rms_norm",
-    shapes={"gpu": [(16384, 4096), (16384, 8192), (65536, 4096)], "cpu": [(2048, 1024)]},
+    shapes={
+        "gpu": [(2048, 4096), (16384, 2048), (16384, 4096), (16384, 8192), (32768, 4096), (65536, 4096)],
+        "cpu": [(2048, 1024), (4096, 2048)],
+        "quick": [(256, 512)],
+    },
     make_inputs=make_inputs,
     bytes_moved=lambda size, dtype: (
         2 * size[0] * size[1] * dtype.itemsize,
@@ -44,6 +48,7 @@ BENCH = BandwidthBenchmark(
     describe=lambda size: f"tokens={size[0]} hidden={size[1]}",
     providers={
         "fastalign-triton": lambda x, w: rms_norm(x, w, EPS, backend="triton"),
+        "fastalign-torch": lambda x, w: rms_norm(x, w, EPS, backend="torch"),
         "torch-eager": lambda x, w: rms_norm_reference(x, w, EPS),
         "torch-compile": lambda x, w: rms_norm_reference(x, w, EPS),
         "liger-kernel": _liger,

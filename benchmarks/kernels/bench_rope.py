@@ -1,6 +1,6 @@
 """RoPE of q and k forward/backward vs eager PyTorch (Hugging Face's), torch.compile and Liger-Kernel.
 
-    python benchmarks/kernels/bench_rope.py --preset gpu|cpu
+    python benchmarks/kernels/bench_rope.py --preset gpu|cpu|quick
 Shapes are Llama-3-8B's attention (32 query heads, 8 KV heads, head dim 128). Floor: forward reads q, k
 and writes them rotated; backward reads and writes their gradients (cos/sin are shared by the heads and
 left out).
@@ -52,12 +52,17 @@ def _bytes(size, dtype):
 
 BENCH = BandwidthBenchmark(
     kernel="rope",
-    shapes={"gpu": [(1, 16384), (4, 8192)], "cpu": [(1, 1024)]},
+    shapes={
+        "gpu": [(1, 2048), (1, 16384), (4, 8192), (1, 32768)],
+        "cpu": [(1, 1024), (1, 2048)],
+        "quick": [(1, 128)],
+    },
     make_inputs=make_inputs,
     bytes_moved=_bytes,
     describe=lambda size: f"batch={size[0]} seq={size[1]} heads={HEADS_Q}/{HEADS_K} dim={HEAD_DIM}",
     providers={
         "fastalign-triton": lambda q, k, cos, sin: apply_rotary_pos_emb(q, k, cos, sin, backend="triton"),
+        "fastalign-torch": lambda q, k, cos, sin: apply_rotary_pos_emb(q, k, cos, sin, backend="torch"),
         "torch-eager": rope_reference,
         "torch-compile": rope_reference,
         "liger-kernel": _liger,

@@ -1,6 +1,6 @@
 """SwiGLU ``silu(gate) * up`` forward/backward vs eager PyTorch, torch.compile and Liger-Kernel.
 
-    python benchmarks/kernels/bench_swiglu.py --preset gpu|cpu
+    python benchmarks/kernels/bench_swiglu.py --preset gpu|cpu|quick
 Floor: forward reads gate, up and writes h; backward reads gate, up, dh and writes dgate, dup.
 """
 
@@ -33,7 +33,11 @@ def _liger(gate, up):
 
 BENCH = BandwidthBenchmark(
     kernel="swiglu",
-    shapes={"gpu": [(16384, 14336), (16384, 28672)], "cpu": [(2048, 2816)]},
+    shapes={
+        "gpu": [(2048, 14336), (16384, 14336), (16384, 28672), (32768, 14336)],
+        "cpu": [(2048, 2816), (4096, 2816)],
+        "quick": [(256, 1024)],
+    },
     make_inputs=make_inputs,
     bytes_moved=lambda size, dtype: (
         3 * size[0] * size[1] * dtype.itemsize,
@@ -42,6 +46,7 @@ BENCH = BandwidthBenchmark(
     describe=lambda size: f"tokens={size[0]} intermediate={size[1]}",
     providers={
         "fastalign-triton": lambda gate, up: swiglu(gate, up, backend="triton"),
+        "fastalign-torch": lambda gate, up: swiglu(gate, up, backend="torch"),
         "torch-eager": lambda gate, up: glu_reference(gate, up, gelu=False),
         "torch-compile": lambda gate, up: glu_reference(gate, up, gelu=False),
         "liger-kernel": _liger,

@@ -31,7 +31,8 @@ class LossHeadBenchmark:
     cuda_only: tuple[str, ...] = ("liger-kernel",)
 
 
-def _figures(fn, inputs, device: torch.device, repeats: int) -> dict:
+def steps(fn: Callable, inputs: tuple):
+    """(forward, forward+backward) of one provider: the gradients reach the hidden states and the head."""
     hidden, weight = inputs[:2]
 
     def forward():
@@ -41,12 +42,13 @@ def _figures(fn, inputs, device: torch.device, repeats: int) -> dict:
         hidden.grad = weight.grad = None
         forward().backward()
 
-    return common.step_figures(forward, forward_backward, device, repeats)
+    return forward, forward_backward
 
 
 def run(bench: LossHeadBenchmark, argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=bench.description)
     parser.add_argument("--preset", choices=sorted(bench.presets), default="gpu")
+    parser.add_argument("--providers", nargs="*", help="subset of providers (default: all)")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
     preset = bench.presets[args.preset]
@@ -56,14 +58,17 @@ def run(bench: LossHeadBenchmark, argv: list[str] | None = None) -> Path:
         measure.release_freed_memory_promptly()
     tflops = common.matmul_tflops(device, dtype)
     table = bench.providers(device)
-    skipped = {name: "needs CUDA and its package" for name in bench.cuda_only if name not in table}
+    known = dict.fromkeys([*table, *bench.cuda_only])
+    names = common.select_providers(bench.kernel, known, args.providers)
+    skipped = {name: "needs CUDA and its package" for name in names if name not in table}
+    table = {name: table[name] for name in names if name in table}
     rows = []
     with common.keep_rows_on_termination(skipped):
         _measure_shapes(bench, preset, table, skipped, rows, tflops, device, dtype)
     return common.record(
         suite="kernels", kernel=bench.kernel, preset=args.preset, floor=bench.floor_text,
         ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
-        out_dir=args.out,
+        out_dir=args.out, spread=common.SPREAD,
     )  # fmt: skip
 
 
@@ -75,7 +80,7 @@ def _measure_shapes(bench, preset, table, skipped, rows, tflops, device, dtype) 
         floor_ms = bench.floor_flops(shape) / (tflops * 1e12) * 1e3
         for name, fn in table.items():
             try:
-                row = {"provider": name} | _figures(fn, inputs, device, preset["repeats"])
+                row = {"provider": name} | common.step_figures(*steps(fn, inputs), device, preset["repeats"])
             except torch.OutOfMemoryError as error:
                 skipped[f"{name} {bench.describe(shape)}"] = f"out of memory: {str(error)[:120]}"
                 continue

@@ -1,8 +1,10 @@
 """Timing and peak-memory measurement on CUDA and CPU.
 
 Timing: ``triton.testing.do_bench`` (median) on CUDA; on CPU the median of ``repeats`` wall-clock runs
-after a warm-up. Memory: peak bytes allocated above what was allocated before the call (CUDA allocator
-statistics), or on CPU the rise of the process's peak resident set (VmHWM, reset through
+after a warm-up. The spread is the interquartile range over the median (``SPREAD``): unlike max − min it
+does not grow with the number of repeats, so one preempted repeat on a shared machine does not make a
+whole series look noisy. Memory: peak bytes allocated above what was allocated before the call (CUDA
+allocator statistics), or on CPU the rise of the process's peak resident set (VmHWM, reset through
 /proc/self/clear_refs) above the resident set just before the call. For the CPU figure to follow the
 live allocations, call ``release_freed_memory_promptly()`` first: by default glibc keeps freed blocks
 of up to 32 MiB resident and a later call reuses them unseen.
@@ -20,6 +22,17 @@ from collections.abc import Callable
 
 import torch
 
+#: How ``time_ms`` computes its spread (recorded with benchmark runs).
+SPREAD = "(p75 − p25) / median"
+
+
+def relative_spread(times: list[float]) -> float:
+    """The interquartile range of ``times`` over their median (0 for fewer than two)."""
+    if len(times) < 2:
+        return 0.0
+    low, median, high = statistics.quantiles(times, n=4, method="inclusive")
+    return (high - low) / median
+
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
@@ -27,21 +40,25 @@ def device_name(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> tuple[float, float]:
-    """(median ms, relative spread = (max − min) / median) of ``fn``."""
+def times_ms(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> list[float]:
+    """Every timed run of ``fn`` in ms, after a warm-up (CUDA: as many as ``do_bench`` makes in 200 ms)."""
     if device.type == "cuda":
         import triton.testing
 
-        times = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="all")
-    else:
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-    median = statistics.median(times)
-    return median, (max(times) - min(times)) / median
+        return list(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="all"))
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> tuple[float, float]:
+    """(median ms, relative spread ``SPREAD``) of ``fn``."""
+    times = times_ms(fn, device, repeats)
+    return statistics.median(times), relative_spread(times)
 
 
 def release_freed_memory_promptly() -> bool:

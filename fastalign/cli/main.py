@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastalign.cli import demo, merge, plan, train
+from fastalign.cli import bench, demo, merge, plan, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(commands)
     plan.add_parser(commands)
     merge.add_parser(commands)
+    bench.add_parser(commands)
     return parser
 
 
