@@ -21,3 +21,8 @@ if __name__ == "__main__":
         run_training(TrainConfig(**config), objective)
     dist.barrier()
     dist.destroy_process_group()
+    # Every result is written: skip the interpreter's teardown, where gloo's threads were once seen to
+    # abort a finished worker ("terminate called without an active exception") in 1 of ~10 runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
