@@ -195,7 +195,6 @@ class MemoryPlan:
     layer_input_bytes_per_token: int
     loss_head_fused: int
     loss_head_materialized: int
-    load_peak_per_gpu: int
     fits: bool
     terms: list[Term]
     suggestions: list[str] = field(default_factory=list)
@@ -403,14 +402,12 @@ def plan_memory(
     )
 
     # --- host ---------------------------------------------------------------------------------------------
-    if method == "qlora":  # assumed: a loader that streams the bf16 checkpoint and quantizes layer by layer
-        model_load_host = 2 * (shape.layer_params + shape.root_params)
-        load_how = "bf16 checkpoint streamed layer by layer (assumed)"
-    else:
-        model_load_host = 4 * shape.params
-        load_how = "fp32 model built on CPU, then moved to the GPU"
+    # a local checkpoint is read tensor by tensor into a model already sharded (fastalign.quant.loading):
+    # the host holds about one layer (and the embeddings) of the checkpoint at a time
+    checkpoint_bytes = 2 if method == "qlora" else 4  # a bf16 checkpoint for QLoRA, fp32 otherwise
+    model_load_host = checkpoint_bytes * (shape.layer_params + shape.root_params)
+    load_how = f"{'bf16' if method == 'qlora' else 'fp32'} checkpoint streamed layer by layer"
     host_per_process = max(model_load_host, activations_host)  # loading is over before training starts
-    load_peak = 4 * shape.params + cuda_context if regime.sharded and method != "qlora" else 0
 
     lora_how = f"fp32, 4 B × {_count(lora_count)} (rank {lora_r}, all linear layers){shard_how}"
     context_how = "assumed 0.75 GiB (context, cuBLAS workspace, kernels)" if cuda_context else "none on CPU"
@@ -461,7 +458,6 @@ def plan_memory(
         layer_input_bytes_per_token=layer_input,
         loss_head_fused=loss_head_fused,
         loss_head_materialized=loss_head_materialized,
-        load_peak_per_gpu=load_peak,
         fits=total <= gpu_memory_bytes,
         terms=terms,
     )
@@ -512,12 +508,6 @@ def _notes(plan: MemoryPlan, shape: ModelShape, offload: bool) -> list[str]:
             )
     if plan.offload_activations and not offload:
         notes.append("offloading has no effect on CPU (the tensors are in host memory already)")
-    if plan.load_peak_per_gpu > plan.gpu_memory_bytes:
-        notes.append(
-            f"loading: the engine moves the whole fp32 model to each GPU before sharding it "
-            f"(fastalign/train/policy.py): {format_bytes(plan.load_peak_per_gpu)} per GPU, more than "
-            f"the GPU holds"
-        )
     if not plan.fused_loss_head:
         notes.append(
             f"a fused loss head (use_liger_kernel, or any preference/GRPO objective) would need "

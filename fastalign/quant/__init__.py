@@ -10,8 +10,8 @@ from fastalign.quant.four_bit_linear import (
 )
 from fastalign.quant.loading import (
     checkpoint_tensors,
-    empty_4bit_model,
-    fill_4bit_model,
+    empty_model,
+    fill_model,
     load_4bit_model,
     random_4bit_model,
 )
@@ -21,8 +21,8 @@ __all__ = [
     "QuantOptions",
     "checkpoint_tensors",
     "dequantize_model",
-    "empty_4bit_model",
-    "fill_4bit_model",
+    "empty_model",
+    "fill_model",
     "load_4bit_model",
     "quantize_linear",
     "quantize_model",

@@ -81,7 +81,7 @@ class FourBitLinear(nn.Linear):
     @classmethod
     def placeholder(cls, linear: nn.Linear, options: QuantOptions) -> FourBitLinear:
         """A meta-device stand-in for ``linear`` in 4 bits: its bytes and scales are filled later
-        (``fastalign.quant.fill_4bit_model``), after LoRA wrapping and FSDP2 sharding if any."""
+        (``fastalign.quant.fill_model``), after LoRA wrapping and FSDP2 sharding if any."""
         meta = torch.device("meta")
         state = FourBitState(
             absmax=torch.empty(0, device=meta), code=torch.empty(16, device=meta),

@@ -1,15 +1,15 @@
-"""4-bit models without ever holding the full-precision model: checkpoints loaded layer by layer, and
-random-weight models of any published shape built directly in 4 bits.
+"""Models that never exist whole in memory: checkpoints loaded layer by layer (in 4 bits, or dense),
+and random-weight models of any published shape built directly in 4 bits.
 
-``empty_4bit_model`` builds the model on the meta device (no memory) with ``FourBitLinear``
-placeholders; ``fill_4bit_model`` then materializes it, one module at a time as its tensors arrive —
-read one at a time from the safetensors shards (memory-mapped), or drawn at random — quantizing each
-linear layer as soon as its weight is there. Peak host memory stays near one shard and one layer, and
+``empty_model`` builds the model on the meta device (no memory), with ``FourBitLinear`` placeholders
+when quantized; ``fill_model`` then materializes it, one module at a time as its tensors arrive — read
+one at a time from the safetensors shards (memory-mapped), or drawn at random — quantizing each linear
+layer as soon as its weight is there. Peak host memory stays near one shard and one layer, and
 device memory near the final 4-bit footprint.
 
 Between the two, the skeleton can be wrapped with LoRA and sharded with FSDP2 (the trainer does): each
-rank then reads and quantizes every layer but keeps only its own shard of the bytes, so no rank ever
-holds the whole model, even in 4 bits (70B in NF4 is ~37 GB: more than a 24 GB GPU). Rank 0 loading and
+rank then reads (and quantizes) every layer but keeps only its own shard, so no rank ever holds the
+whole model — not 70B in fp32, nor even in NF4 (~37 GB: more than a 24 GB GPU). Rank 0 loading and
 broadcasting would read the disk once instead of N times, but needs a broadcast per tensor and rank 0's
 host memory for each layer; reading is the cheaper side on a local or cached file system.
 """
@@ -41,10 +41,13 @@ def _empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def empty_4bit_model(config: PretrainedConfig, options: QuantOptions) -> nn.Module:
-    """The causal LM of ``config`` on the meta device, its decoder layers' linear layers already
-    ``FourBitLinear`` placeholders: no memory until ``fill_4bit_model``."""
-    model = _empty_model(config, options.dtype)
+def empty_model(config: PretrainedConfig, dtype: torch.dtype, quantization: QuantOptions | None) -> nn.Module:
+    """The causal LM of ``config`` on the meta device (no memory until ``fill_model``), its decoder
+    layers' linear layers ``FourBitLinear`` placeholders when ``quantization`` is given."""
+    model = _empty_model(config, dtype)
+    if quantization is None:
+        return model
+    options = quantization
     prefixes = layer_prefixes(model)
     for name, module in list(model.named_modules()):
         if is_quantized_target(name, module, prefixes):
@@ -119,8 +122,10 @@ class _Filler:
     """Fills a materialized skeleton module by module: a module is written once all its own parameters
     arrived (a layer's weight and bias may come in any order, from different shards)."""
 
-    def __init__(self, model: nn.Module, options: QuantOptions, device: torch.device):
-        self.options, self.device = options, device
+    def __init__(
+        self, model: nn.Module, dtype: torch.dtype, quantization: QuantOptions | None, device: torch.device
+    ):
+        self.dtype, self.quantization, self.device = dtype, quantization, device
         self.modules: dict[str, nn.Module] = {}
         self.expected: dict[str, set[str]] = {}
         for name, _ in model.named_parameters():
@@ -143,12 +148,12 @@ class _Filler:
             self.filled.add(module_name)
 
     def write(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        dtype = self.options.dtype
+        dtype = self.dtype
         if isinstance(module, FourBitLinear):
             weight = tensors.pop("weight").to(self.device, dtype)
             packed, module.quant_state = quantize_4bit(
-                weight, quant_type=self.options.quant_type, blocksize=self.options.blocksize,
-                double_quant=self.options.double_quant,
+                weight, quant_type=self.quantization.quant_type, blocksize=self.quantization.blocksize,
+                double_quant=self.quantization.double_quant,
             )  # fmt: skip
             _assign(module.weight, packed)
         for attribute, tensor in tensors.items():
@@ -181,25 +186,27 @@ def _init_lora(model: nn.Module, seed: int) -> None:
 
 
 @torch.no_grad()
-def fill_4bit_model(
+def fill_model(
     model: nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],
-    options: QuantOptions,
     config: PretrainedConfig,
     *,
+    dtype: torch.dtype,
+    quantization: QuantOptions | None,
     device: torch.device | str,
     source: str,
     seed: int = 0,
 ) -> nn.Module:
-    """Materialize a model from ``empty_4bit_model`` — as it is, or wrapped by peft and sharded by FSDP2
-    since — on ``device`` from ``tensors`` (name, full tensor) in checkpoint naming; LoRA adapters get
-    their initialization from ``seed``. Errors name the first tensor ``source`` lacks."""
+    """Materialize a model from ``empty_model`` — as it is, or wrapped by peft and sharded by FSDP2
+    since — on ``device`` from ``tensors`` (name, full tensor) in checkpoint naming, in ``dtype``
+    (``FourBitLinear`` layers quantized with ``quantization``); LoRA adapters get their initialization
+    from ``seed``. Errors name the first tensor ``source`` lacks."""
     device = torch.device(device)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # to_empty wipes them
     model.to_empty(device=device)
     for name, buffer in model.named_buffers():
         buffer.copy_(buffers[name])
-    filler = _Filler(model, options, device)
+    filler = _Filler(model, dtype, quantization, device)
     for name, tensor in tensors:
         filler.add(name, tensor)
     if getattr(config, "tie_word_embeddings", False):  # the head is the embedding: filled under its name
@@ -224,9 +231,9 @@ def load_4bit_model(
     decoder layers' linear layers in 4 bits, loaded layer by layer (the rest in ``options.dtype``).
     Errors name a missing shard, a tensor missing from the checkpoint, or an unreadable file."""
     config = AutoConfig.from_pretrained(path)
-    return fill_4bit_model(
-        empty_4bit_model(config, options), checkpoint_tensors(path), options, config, device=device,
-        source=f"checkpoint {path}", seed=seed,
+    return fill_model(
+        empty_model(config, options.dtype, options), checkpoint_tensors(path), config, dtype=options.dtype,
+        quantization=options, device=device, source=f"checkpoint {path}", seed=seed,
     )  # fmt: skip
 
 
@@ -252,8 +259,8 @@ def random_4bit_model(
     """A random-weight causal LM of ``config``'s shape (e.g. Llama-3-70B's) built directly in 4 bits,
     one module at a time, for benchmarks without downloads: never more than one layer in full precision."""
     torch.manual_seed(seed)
-    model = empty_4bit_model(config, options)
-    return fill_4bit_model(
-        model, _random_tensors(model, config, torch.device(device)), options, config, device=device,
-        source=f"random {config.model_type} model", seed=seed,
+    model = empty_model(config, options.dtype, options)
+    return fill_model(
+        model, _random_tensors(model, config, torch.device(device)), config, dtype=options.dtype,
+        quantization=options, device=device, source=f"random {config.model_type} model", seed=seed,
     )  # fmt: skip

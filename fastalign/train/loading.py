@@ -16,8 +16,8 @@ from transformers import (
 from fastalign.quant import (
     QuantOptions,
     checkpoint_tensors,
-    empty_4bit_model,
-    fill_4bit_model,
+    empty_model,
+    fill_model,
     load_4bit_model,
     quantize_model,
 )
@@ -39,8 +39,9 @@ def load_model_and_tokenizer(
     With ``quantization`` the decoder layers' linear layers are 4-bit: a local checkpoint is loaded
     layer by layer straight onto ``device`` (``fastalign.quant.load_4bit_model``), so neither host nor
     device ever holds the full-precision model; the rest (frozen too) is in ``quantization.dtype``.
-    ``materialize=False`` returns it as a meta-device skeleton instead, for ``materialize_4bit_model``
-    to fill after LoRA and sharding (each rank then holds only its shard)."""
+    ``materialize=False`` returns a local checkpoint (4-bit or not) as a meta-device skeleton instead,
+    for ``materialize_model`` to fill after LoRA and sharding: each rank then only ever holds its shard
+    (a model bigger than one GPU never has to fit on one)."""
     if name_or_path in BUILTIN_MODELS:
         model, tokenizer = tiny_model(name_or_path.removeprefix("tiny-")), tiny_tokenizer()
         if quantization is not None:
@@ -53,8 +54,8 @@ def load_model_and_tokenizer(
                 f"config.json) nor a built-in model ({', '.join(BUILTIN_MODELS)}); nothing is downloaded"
             )
         tokenizer = AutoTokenizer.from_pretrained(path)
-        if quantization is not None and not materialize:
-            model = empty_4bit_model(AutoConfig.from_pretrained(path), quantization)
+        if not materialize:
+            model = empty_model(AutoConfig.from_pretrained(path), _dtype(quantization), quantization)
         elif quantization is not None:
             model = load_4bit_model(path, quantization, device=device)
         else:
@@ -65,18 +66,27 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
-def materialize_4bit_model(
-    model: torch.nn.Module, name_or_path: str, quantization: QuantOptions, device: torch.device, seed: int
+def _dtype(quantization: QuantOptions | None) -> torch.dtype:
+    """fp32 weights, or with 4-bit layers the dtype of the frozen rest."""
+    return torch.float32 if quantization is None else quantization.dtype
+
+
+def materialize_model(
+    model: torch.nn.Module,
+    name_or_path: str,
+    quantization: QuantOptions | None,
+    device: torch.device,
+    seed: int,
 ) -> torch.nn.Module:
     """Fill a skeleton from ``load_model_and_tokenizer(..., materialize=False)`` (maybe LoRA-wrapped and
-    sharded since) from its checkpoint: every rank quantizes each layer and keeps its own shard. A
-    model that is already materialized is returned as it is."""
+    sharded since) from its checkpoint: every rank reads (and quantizes) each layer and keeps its own
+    shard. A model that is already materialized is returned as it is."""
     if not any(param.is_meta for param in model.parameters()):
         return model
     config = AutoConfig.from_pretrained(name_or_path)
-    return fill_4bit_model(
-        model, checkpoint_tensors(name_or_path), quantization, config, device=device,
-        source=f"checkpoint {name_or_path}", seed=seed,
+    return fill_model(
+        model, checkpoint_tensors(name_or_path), config, dtype=_dtype(quantization),
+        quantization=quantization, device=device, source=f"checkpoint {name_or_path}", seed=seed,
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from fastalign.quant import QuantOptions
 from fastalign.train import memory
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext, shard_model
-from fastalign.train.loading import load_model_and_tokenizer, materialize_4bit_model
+from fastalign.train.loading import load_model_and_tokenizer, materialize_model
 
 
 def prepare_policy(
@@ -37,7 +37,7 @@ def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: 
         model.to(ctx.device)
     model = shard_model(model, mixed_precision=config.bf16)
     if skeleton:
-        materialize_4bit_model(model, name_or_path, quant_options(config), ctx.device, config.seed)
+        materialize_model(model, name_or_path, quant_options(config), ctx.device, config.seed)
     return model
 
 

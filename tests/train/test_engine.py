@@ -44,6 +44,19 @@ def config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**{**defaults, **overrides})
 
 
+def sft_in_two_processes(cfg: TrainConfig) -> None:
+    """``run_sft(cfg)`` under torchrun × 2 (gloo, FSDP2)."""
+    torchrun_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun_keys}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(Path(__file__).with_name("train_worker.py")), json.dumps([["sft", asdict(cfg)]])],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def logged(output_dir) -> list[dict]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -213,18 +226,31 @@ def test_two_process_fsdp2_run_matches_one_process(tmp_path):
     """torchrun × 2 (gloo, FSDP2), 2 examples per rank = 1 process with 4: the same losses."""
     single = train_losses(run_sft(config(tmp_path / "one", max_steps=3, per_device_train_batch_size=4)))
     cfg = config(tmp_path / "two", max_steps=3, per_device_train_batch_size=2, save_steps=3)
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(Path(__file__).with_name("train_worker.py")), json.dumps([["sft", asdict(cfg)]])],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    sft_in_two_processes(cfg)
     two = train_losses(Path(cfg.output_dir))
     for step, loss in single.items():
         assert two[step] == pytest.approx(loss, rel=1e-5), (single, two)
     assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["checkpoint-3"]
     assert AutoModelForCausalLM.from_pretrained(cfg.output_dir).config.model_type == "llama"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
+def test_runs_from_a_checkpoint_are_sharded_before_their_weights_exist(tmp_path, use_peft):
+    """A local checkpoint becomes a meta skeleton that is wrapped and sharded before its weights are
+    read (each rank keeps only its shard): 2 processes give the losses of 1, and the first loss is the
+    one the same weights give as a built-in model."""
+    checkpoint = tmp_path / "checkpoint"
+    tiny_model("llama").save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+    options = dict(max_steps=3, save_steps=0, use_peft=use_peft, lora_r=4, lora_dropout=0.0)
+    builtin = train_losses(run_sft(config(tmp_path / "builtin", **options)))
+    single = train_losses(run_sft(config(tmp_path / "one", model_name_or_path=str(checkpoint), **options)))
+    assert single[1] == pytest.approx(builtin[1], rel=1e-6)
+    cfg = config(
+        tmp_path / "two", model_name_or_path=str(checkpoint), per_device_train_batch_size=2, **options
+    )  # fmt: skip
+    sft_in_two_processes(cfg)
+    two = train_losses(Path(cfg.output_dir))
+    for step, loss in single.items():
+        assert two[step] == pytest.approx(loss, rel=1e-5), (single, two)
