@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fastalign.data.collate import PaddingCollator
 from fastalign.data.formats import check_messages
-from fastalign.data.sft import TokenizedExample, _render
+from fastalign.data.sft import TokenizedExample, _render, conversation_completion_ids
 
 
 @dataclass(frozen=True)
@@ -106,13 +106,7 @@ def _completion_ids(
 ) -> list[int]:
     if isinstance(completion, str):
         return _with_eos(tokenizer, _text_ids(tokenizer, completion), index, field)
-    ids = list(_render(tokenizer, prompt + completion)["input_ids"])
-    if ids[: len(prompt_ids)] != prompt_ids:
-        raise ValueError(
-            f"row {index}: the chat template does not render the prompt as a prefix of the prompt + "
-            f"{field!r} conversation, so the completion tokens cannot be found"
-        )
-    return ids[len(prompt_ids) :]
+    return conversation_completion_ids(tokenizer, prompt, prompt_ids, completion, index, field)
 
 
 def _shared_length(a: Sequence, b: Sequence) -> int:

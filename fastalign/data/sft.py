@@ -32,6 +32,20 @@ def _render(tokenizer, messages, **kwargs) -> dict:
     return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
 
 
+def conversation_completion_ids(
+    tokenizer, prompt: list[dict], prompt_ids: list[int], completion: list[dict], index: int, field: str
+) -> list[int]:
+    """The tokens of the ``completion`` messages: the rendering of prompt + completion after the
+    prompt's own rendering (``prompt_ids``, with the generation prompt), which must be its prefix."""
+    ids = list(_render(tokenizer, prompt + completion)["input_ids"])
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError(
+            f"row {index}: the chat template does not render the prompt as a prefix of the "
+            f"prompt + {field} conversation, so the completion tokens cannot be found"
+        )
+    return ids[len(prompt_ids) :]
+
+
 def _has_generation_marks(tokenizer) -> bool:
     template = tokenizer.chat_template or ""
     return "generation" in template and "endgeneration" in template
@@ -69,12 +83,9 @@ def tokenize_sft_row(
     else:
         if fmt.conversational:
             prompt = list(_render(tokenizer, row["prompt"], add_generation_prompt=True)["input_ids"])
-            ids = list(_render(tokenizer, row["prompt"] + row["completion"])["input_ids"])
-            if ids[: len(prompt)] != prompt:
-                raise ValueError(
-                    f"row {index}: the chat template does not render the prompt as a prefix of the "
-                    "prompt + completion conversation, so the completion tokens cannot be found"
-                )
+            ids = prompt + conversation_completion_ids(
+                tokenizer, row["prompt"], prompt, row["completion"], index, "completion"
+            )
         else:
             prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
             ids = prompt + tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + eos

@@ -44,6 +44,12 @@ class QuantOptions:
         if self.quant_type not in QUANT_TYPES:
             raise ValueError(f"quantization must be one of {QUANT_TYPES}, got {self.quant_type!r}")
 
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, FourBitState]:
+        """(packed bytes, state) of ``weight`` under these options (by bitsandbytes)."""
+        return quantize_4bit(
+            weight, quant_type=self.quant_type, blocksize=self.blocksize, double_quant=self.double_quant
+        )
+
 
 def _map_state(state, fn):
     """``state`` with ``fn`` applied to every tensor in it (nested dataclasses included)."""
@@ -121,10 +127,7 @@ class FourBitLinear(nn.Linear):
 @torch.no_grad()
 def quantize_linear(linear: nn.Linear, options: QuantOptions) -> FourBitLinear:
     """A ``FourBitLinear`` of ``linear`` (quantized on ``linear``'s device, frozen)."""
-    packed, state = quantize_4bit(
-        linear.weight.detach(), quant_type=options.quant_type, blocksize=options.blocksize,
-        double_quant=options.double_quant,
-    )  # fmt: skip
+    packed, state = options.quantize(linear.weight.detach())
     bias = None if linear.bias is None else linear.bias.detach().clone().requires_grad_(False)
     return FourBitLinear(packed, state, bias, options.backend)
 

@@ -28,7 +28,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from fastalign.ops.nf4 import quantize_4bit
 from fastalign.quant.four_bit_linear import FourBitLinear, QuantOptions, is_quantized_target, layer_prefixes
 
 _INDEX = "model.safetensors.index.json"
@@ -151,10 +150,7 @@ class _Filler:
         dtype = self.dtype
         if isinstance(module, FourBitLinear):
             weight = tensors.pop("weight").to(self.device, dtype)
-            packed, module.quant_state = quantize_4bit(
-                weight, quant_type=self.quantization.quant_type, blocksize=self.quantization.blocksize,
-                double_quant=self.quantization.double_quant,
-            )  # fmt: skip
+            packed, module.quant_state = self.quantization.quantize(weight)
             _assign(module.weight, packed)
         for attribute, tensor in tensors.items():
             target_dtype = dtype if tensor.is_floating_point() else tensor.dtype

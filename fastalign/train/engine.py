@@ -253,9 +253,7 @@ class Engine:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
+        return autocast(self.ctx.device, self.autocast_dtype)
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         """FSDP2 reduce-scatters gradients only after the last micro-batch of a step."""
@@ -265,6 +263,11 @@ class Engine:
     def _latest_checkpoint(self) -> str:
         found = checkpoint.list_checkpoints(self.output_dir)
         return str(found[-1]) if found else "none (no checkpoint was saved yet)"
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type, or nothing when ``dtype`` is None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def _to(batch: dict, device: torch.device) -> dict:

@@ -41,6 +41,11 @@ def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: 
     return model
 
 
+def autocast_dtype(config: TrainConfig, ctx: DistributedContext) -> torch.dtype | None:
+    """bf16 autocast over fp32 weights in a single process; under FSDP2 the policy casts instead."""
+    return torch.bfloat16 if config.bf16 and not ctx.enabled else None
+
+
 def quant_options(config: TrainConfig) -> QuantOptions | None:
     """The 4-bit quantization the config asks for, if any."""
     if not config.quantization:

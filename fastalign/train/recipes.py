@@ -8,7 +8,6 @@ work, with a one-line ``ConfigError`` naming the key.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
@@ -29,11 +28,11 @@ from fastalign.losses.grpo import LOSS_TYPES as GRPO_LOSS_TYPES
 from fastalign.train.batches import MicroBatches
 from fastalign.train.config import OBJECTIVES, ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
-from fastalign.train.engine import Callback
+from fastalign.train.engine import Callback, autocast
 from fastalign.train.objectives import SFTObjective
 from fastalign.train.objectives.grpo import GenerationBatches, GRPOObjective, GRPOSettings
 from fastalign.train.objectives.preference import KTOObjective, PreferenceObjective
-from fastalign.train.policy import load_frozen_model
+from fastalign.train.policy import autocast_dtype, load_frozen_model
 from fastalign.train.reference import (
     AdapterDisabledReference,
     FrozenReference,
@@ -102,12 +101,6 @@ class Recipe:
         )
         return FrozenReference(frozen), frozen
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        """The engine's single-process bf16 autocast (under FSDP2 the parameters are bf16 already)."""
-        if self.config.bf16 and not self.ctx.enabled:
-            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _check_reference_options(self) -> None:
         """Reference options that cannot work together, before any model is loaded."""
         config = self.config
@@ -134,7 +127,7 @@ class Recipe:
         reference, frozen = self._reference(model)
         if config.precompute_ref_log_probs:
             size = config.per_device_eval_batch_size
-            with self._autocast():  # the numerics the live reference would have under the engine
+            with autocast(self.ctx.device, autocast_dtype(config, self.ctx)):  # as under the engine
                 examples = tuple(
                     precompute_reference(part, reference, sequences, _attach, size, self.ctx)
                     for part in examples

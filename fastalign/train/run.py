@@ -31,7 +31,7 @@ from fastalign.train.engine import Callback, Engine, Schedule
 from fastalign.train.export import export_model
 from fastalign.train.loading import load_dataset_rows, load_model_and_tokenizer
 from fastalign.train.metrics import peak_flops, training_flops_per_token
-from fastalign.train.policy import prepare_policy, quant_options
+from fastalign.train.policy import autocast_dtype, prepare_policy, quant_options
 from fastalign.train.recipes import Recipe, make_recipe
 
 
@@ -79,7 +79,7 @@ def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] 
             callbacks=_callbacks(config, output_dir) + recipe_callbacks + list(callbacks or []),
             flops_per_token=training_flops_per_token(model, config.max_length),
             peak_flops=peak_flops(ctx.device),
-            autocast_dtype=torch.bfloat16 if config.bf16 and not ctx.enabled else None,
+            autocast_dtype=autocast_dtype(config, ctx),
         )  # fmt: skip
         if ctx.is_main:
             output_dir.mkdir(parents=True, exist_ok=True)
