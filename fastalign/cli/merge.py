@@ -1,27 +1,38 @@
-"""``fastalign merge RUN_DIR [--output_dir DIR]``: a LoRA/QLoRA run's adapter merged into a bf16 model."""
+"""``fastalign merge RUN_DIR [--output_dir DIR] [--dtype D]``: a LoRA/QLoRA run's adapter merged into its
+base (in fp32, saved in the base checkpoint's dtype or ``--dtype``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+#: ``--dtype`` values (torch dtype names).
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "merge",
-        help="merge a LoRA/QLoRA run's adapter into its base: a bf16 model from_pretrained loads",
+        help="merge a LoRA/QLoRA run's adapter into its base: a model from_pretrained loads",
         description="Rebuilds the run's base (4-bit, dequantized, for QLoRA) from its fastalign_config.yaml.",
     )
     parser.add_argument("run_dir", help="a training output_dir holding adapter_config.json")
     parser.add_argument("--output_dir", help="where to save the merged model (default: RUN_DIR/merged)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES,
+        help="dtype of the saved weights (default: the base checkpoint's own; the merge itself is fp32)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from fastalign.train.export import merge_adapter
 
     try:
-        output = merge_adapter(args.run_dir, args.output_dir)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        output = merge_adapter(args.run_dir, args.output_dir, dtype)
     except ValueError as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2

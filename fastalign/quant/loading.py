@@ -37,7 +37,22 @@ def _empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     """Parameters on the meta device; buffers (rotary tables, embedding scales: computed, not loaded)
     real, as the model's constructor computes them."""
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _tie_embeddings(model)  # init_empty_weights gives the head a meta Parameter of its own
+    return model
+
+
+def _tie_embeddings(model: nn.Module) -> None:
+    """With ``tie_word_embeddings`` the LM head's weight *is* the input embedding's, one Parameter (so
+    ``named_parameters``, FSDP2 and the optimizer see it once). ``init_empty_weights`` and ``to_empty``
+    both create a separate tensor per module and so untie them: this ties them again (the embedding's
+    Parameter is the one kept: FSDP2 manages a tied weight under its first owner, the embedding)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base.config, "tie_word_embeddings", False):
+        return
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is not None and head.weight is not embedding.weight:
+        head.weight = embedding.weight
 
 
 def empty_model(config: PretrainedConfig, dtype: torch.dtype, quantization: QuantOptions | None) -> nn.Module:
@@ -185,7 +200,6 @@ def _init_lora(model: nn.Module, seed: int) -> None:
 def fill_model(
     model: nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],
-    config: PretrainedConfig,
     *,
     dtype: torch.dtype,
     quantization: QuantOptions | None,
@@ -200,13 +214,12 @@ def fill_model(
     device = torch.device(device)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # to_empty wipes them
     model.to_empty(device=device)
+    _tie_embeddings(model)
     for name, buffer in model.named_buffers():
         buffer.copy_(buffers[name])
     filler = _Filler(model, dtype, quantization, device)
     for name, tensor in tensors:
         filler.add(name, tensor)
-    if getattr(config, "tie_word_embeddings", False):  # the head is the embedding: filled under its name
-        filler.filled |= {name for name in filler.expected if name.endswith("lm_head")}
     missing = filler.missing()
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -228,7 +241,7 @@ def load_4bit_model(
     Errors name a missing shard, a tensor missing from the checkpoint, or an unreadable file."""
     config = AutoConfig.from_pretrained(path)
     return fill_model(
-        empty_model(config, options.dtype, options), checkpoint_tensors(path), config, dtype=options.dtype,
+        empty_model(config, options.dtype, options), checkpoint_tensors(path), dtype=options.dtype,
         quantization=options, device=device, source=f"checkpoint {path}", seed=seed,
     )  # fmt: skip
 
@@ -257,6 +270,6 @@ def random_4bit_model(
     torch.manual_seed(seed)
     model = empty_model(config, options.dtype, options)
     return fill_model(
-        model, _random_tensors(model, config, torch.device(device)), config, dtype=options.dtype,
+        model, _random_tensors(model, config, torch.device(device)), dtype=options.dtype,
         quantization=options, device=device, source=f"random {config.model_type} model", seed=seed,
     )  # fmt: skip

@@ -83,9 +83,8 @@ def materialize_model(
     shard. A model that is already materialized is returned as it is."""
     if not any(param.is_meta for param in model.parameters()):
         return model
-    config = AutoConfig.from_pretrained(name_or_path)
     return fill_model(
-        model, checkpoint_tensors(name_or_path), config, dtype=_dtype(quantization),
+        model, checkpoint_tensors(name_or_path), dtype=_dtype(quantization),
         quantization=quantization, device=device, source=f"checkpoint {name_or_path}", seed=seed,
     )  # fmt: skip
 

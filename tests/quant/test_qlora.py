@@ -140,10 +140,20 @@ def test_adapter_round_trip_and_merge_give_the_trained_outputs(trained_run, caps
     torch.testing.assert_close(adapter_on, trained_logits, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(adapter_on, without, atol=1e-3)  # the adapter learned something
 
+    # merged in fp32 and saved in the base's dtype (fp32 for a built-in model): the adapter's outputs
     assert main(["merge", str(trained_run)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(trained_run / "merged")
-    assert merged.dtype == torch.bfloat16
+    assert merged.dtype == torch.float32
     assert not any(isinstance(m, FourBitLinear) for m in merged.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**batch()).logits, adapter_on, rtol=1e-4, atol=1e-4)
+
+    assert (
+        main(["merge", str(trained_run), "--dtype", "bfloat16", "--output_dir", str(trained_run / "bf16")])
+        == 0
+    )
+    merged = AutoModelForCausalLM.from_pretrained(trained_run / "bf16")
+    assert merged.dtype == torch.bfloat16
     with torch.no_grad():
         merged_logits = merged(**batch()).logits.float()
     relative = (merged_logits - adapter_on).norm() / adapter_on.norm()
