@@ -1,5 +1,6 @@
 """Local dataset files (JSONL/JSON/Parquet, a file or a directory of them) or in-memory rows → a
-``datasets.Dataset``. Nothing is fetched from a hub."""
+``datasets.Dataset``. Nothing is fetched here: Hub dataset ids are
+``fastalign.train.loading.load_dataset_rows``'s."""
 
 from __future__ import annotations
 

@@ -43,7 +43,11 @@ def real_sft_rows() -> list[dict]:
 def real_preference_rows() -> list[dict]:
     """Conversational preference rows: the right capital chosen, a large city that is not it rejected."""
     return [
-        {"prompt": _question(country), "chosen": _answer(country, capital), "rejected": _answer(country, wrong)}
+        {
+            "prompt": _question(country),
+            "chosen": _answer(country, capital),
+            "rejected": _answer(country, wrong),
+        }
         for country, capital, wrong in _CAPITALS
     ]
 

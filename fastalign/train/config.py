@@ -24,9 +24,15 @@ class TrainConfig:
     """Every option of ``fastalign train``; a config names only what differs from these defaults."""
 
     # model and data
-    model_name_or_path: str = "tiny-llama"  # a local directory (config + tokenizer) or a built-in tiny name
-    dataset_name: str | None = None  # a local JSONL/JSON/Parquet file or directory, or a built-in name;
-    # None: the objective's built-in tiny data set (tiny-sft, tiny-preference, tiny-kto, tiny-prompts)
+    model_name_or_path: str = "tiny-llama"  # a local directory (config + tokenizer), a built-in tiny name,
+    # or a Hugging Face Hub id ("org/name", safetensors only) resolved through the Hugging Face cache
+    model_revision: str | None = None  # branch, tag or commit of a Hub model_name_or_path; None: main
+    dataset_name: str | None = None  # a local JSONL/JSON/Parquet file or directory, a built-in name, or a
+    # Hub dataset id; None: the objective's built-in tiny data set (tiny-sft, tiny-preference, tiny-kto, ...)
+    dataset_config: str | None = None  # configuration (subset) of a Hub dataset; None: its default
+    dataset_train_split: str = "train"  # the split of a Hub dataset_name that trains
+    dataset_test_split: str = "test"  # the split of a Hub eval_dataset_name (which may be dataset_name)
+    dataset_revision: str | None = None  # branch, tag or commit of a Hub dataset; None: main
     eval_dataset_name: str | None = None
     eval_split_ratio: float = 0.0  # held-out fraction of dataset_name when no eval_dataset_name
     output_dir: str = "outputs/run"
@@ -130,12 +136,16 @@ _NULL = ("none", "null")
 _ON_THE_COMMAND_LINE = "on the command line"
 _POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
              "max_length", "logging_steps", "learning_rate")  # fmt: skip
+#: What picks within a Hub model or dataset: a name (or null, the default, where allowed), never blank.
+_NOT_BLANK = ("model_revision", "dataset_config", "dataset_train_split", "dataset_test_split",
+              "dataset_revision")  # fmt: skip
 #: (key, test, what the test asks): checks of single values after coercion.
 _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     *((key, lambda value: value > 0, "positive") for key in _POSITIVE),
     ("save_total_limit", lambda value: value >= 1, "at least 1"),
     ("warmup_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("eval_split_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
+    *((key, lambda value: value is None or value.strip() != "", "a non-empty string") for key in _NOT_BLANK),
     ("lr_scheduler_type", lambda value: value in LR_SCHEDULERS, f"one of {', '.join(LR_SCHEDULERS)}"),
     ("lora_r", lambda value: value > 0, "positive"),
     ("quantization", lambda value: value in (None, "nf4", "fp4"), "nf4, fp4 or null"),

@@ -21,11 +21,23 @@ def export_model(model: torch.nn.Module, tokenizer, output_dir: str | Path, ctx:
     if ctx.enabled:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=is_peft)
         state = get_model_state_dict(model, options=options)
+        state.pop(_tied_head_key(model), None)  # tied in, tied out: one copy, as save_pretrained writes
     if not ctx.is_main:
         return
     unpatch_model(model)  # a saved model is a plain transformers model
     model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
+
+
+def _tied_head_key(model: torch.nn.Module) -> str | None:
+    """The state-dict key of the LM head's weight when it is tied to the input embedding (a gathered
+    full state dict holds it under both names), else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if head is None or head.weight is not base.get_input_embeddings().weight:
+        return None
+    prefix = "base_model.model." if base is not model else ""
+    return prefix + next(name for name, module in base.named_modules() if module is head) + ".weight"
 
 
 def merge_adapter(
@@ -51,7 +63,9 @@ def merge_adapter(
     if not (run_dir / "adapter_config.json").is_file():
         raise ValueError(f"{run_dir} holds no LoRA adapter (adapter_config.json): nothing to merge")
     config = load_config(run_dir / "fastalign_config.yaml")
-    base, tokenizer = load_model_and_tokenizer(config.model_name_or_path, quant_options(config))
+    base, tokenizer = load_model_and_tokenizer(
+        config.model_name_or_path, quant_options(config), revision=config.model_revision
+    )
     dtype = dtype or checkpoint_dtype(base.config)
     model = peft.PeftModel.from_pretrained(base, run_dir)
     dequantize_model(model, torch.float32).to(torch.float32)

@@ -1,7 +1,9 @@
-"""The model and tokenizer a run trains: a local checkpoint directory, or a built-in tiny model."""
+"""The model and tokenizer a run trains, and its data: a local checkpoint directory or data files, a
+built-in tiny model or data set, or a Hugging Face Hub id read through the Hugging Face cache."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -11,6 +13,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 
 from fastalign.quant import (
@@ -25,35 +28,81 @@ from fastalign.testing import BUILTIN_DATASETS, TINY_MODEL_TYPES, tiny_model, ti
 
 #: Built-in model names: ``tiny-<family>``, random weights, the offline tokenizer (no download).
 BUILTIN_MODELS = tuple(f"tiny-{family}" for family in TINY_MODEL_TYPES)
+#: The files of a Hub model that training reads: config, weights, tokenizer, chat template. Weights only
+#: as safetensors: unpickling a ``.bin`` checkpoint can run arbitrary code, so none is ever fetched.
+HUB_MODEL_FILES = [
+    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.tiktoken",
+    "chat_template*",
+]  # fmt: skip
+
+
+def resolve_model(
+    name_or_path: str | Path, revision: str | None = None, *, key: str = "model_name_or_path"
+) -> Path | str:
+    """Where a model's files are: a built-in name as it is, a local directory as its path, a Hub id
+    ("org/name") as its snapshot directory in the Hugging Face cache at ``revision`` (``model_revision``:
+    a branch, tag or commit; None: main).
+
+    A Hub model is fetched as every Hugging Face tool fetches it (``snapshot_download``: once, into the
+    shared cache, which ``HF_HOME`` / ``HF_HUB_CACHE`` place; with ``HF_HUB_OFFLINE=1`` only the cache is
+    read), only ``HUB_MODEL_FILES``, so a repo without safetensors weights is an error rather than a pickle
+    load. A local directory wins over a Hub id of the same name, as in ``from_pretrained``. Every failure
+    is one line naming ``key`` and what was tried."""
+    name = str(name_or_path)
+    if name in BUILTIN_MODELS or Path(name).exists() or not _is_repo_id(name):
+        if revision is not None:  # it would be ignored: say so rather than train on something else
+            raise ValueError(
+                f"model_revision {revision!r} picks a version of a Hub model, but {key} {name!r} is not one"
+            )
+        if name in BUILTIN_MODELS:
+            return name
+        if not (Path(name) / "config.json").is_file():
+            raise ValueError(
+                f"{key} {name!r} is neither a local model directory (with a config.json), a built-in model "
+                f"({', '.join(BUILTIN_MODELS)}) nor a Hugging Face Hub id (org/name)"
+            )
+        return Path(name)
+    snapshot = _hub_snapshot(
+        name, "model", revision, HUB_MODEL_FILES, key=key, revision_key="model_revision",
+        tried="not a local model directory or a built-in model",
+    )  # fmt: skip
+    if not (snapshot / "config.json").is_file():
+        raise ValueError(f"{key} {name!r}: its Hub snapshot {snapshot} has no config.json")
+    if not any(snapshot.glob("model*.safetensors")):
+        raise ValueError(
+            f"{key} {name!r} has no safetensors weights (model.safetensors or its shards) in {snapshot}: "
+            "only safetensors checkpoints are loaded, never pickle .bin files (unpickling can run code)"
+        )
+    return snapshot
 
 
 def load_model_and_tokenizer(
-    name_or_path: str,
+    name_or_path: str | Path,
     quantization: QuantOptions | None = None,
     device: torch.device | str = "cpu",
     *,
     materialize: bool = True,
+    revision: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """fp32 weights (mixed precision is the engine's business), ``use_cache`` off for training.
 
+    ``name_or_path`` is anything ``resolve_model`` resolves (a Hub id at ``revision``): a checkpoint is
+    then read from the local directory it resolves to.
     With ``quantization`` the decoder layers' linear layers are 4-bit: a local checkpoint is loaded
     layer by layer straight onto ``device`` (``fastalign.quant.load_4bit_model``), so neither host nor
     device ever holds the full-precision model; the rest (frozen too) is in ``quantization.dtype``.
     ``materialize=False`` returns a local checkpoint (4-bit or not) as a meta-device skeleton instead,
     for ``materialize_model`` to fill after LoRA and sharding: each rank then only ever holds its shard
     (a model bigger than one GPU never has to fit on one)."""
-    if name_or_path in BUILTIN_MODELS:
-        model, tokenizer = tiny_model(name_or_path.removeprefix("tiny-")), tiny_tokenizer()
+    resolved = resolve_model(name_or_path, revision)
+    if isinstance(resolved, str):  # a built-in model
+        model, tokenizer = tiny_model(resolved.removeprefix("tiny-")), tiny_tokenizer()
         if quantization is not None:
             quantize_model(model.to(device), quantization).to(quantization.dtype)
     else:
-        path = Path(name_or_path)
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model_name_or_path {name_or_path!r} is neither a local model directory (with a "
-                f"config.json) nor a built-in model ({', '.join(BUILTIN_MODELS)}); nothing is downloaded"
-            )
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        path = resolved
+        tokenizer = _load_tokenizer(path)
         if not materialize:
             model = empty_model(AutoConfig.from_pretrained(path), _dtype(quantization), quantization)
         elif quantization is not None:
@@ -66,6 +115,18 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's own tokenizer. Where its tokenizer_config.json names transformers 5's generic
+    fast tokenizer (``TokenizersBackend``, what ``save_pretrained`` writes for one), that class is used:
+    ``AutoTokenizer`` swaps it for the model type's class for some types (qwen2), which pre-tokenizes
+    differently and adds tokens past the embedding (a saved run would reload with another tokenizer)."""
+    config_file = path / "tokenizer_config.json"
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if declared == "TokenizersBackend" and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def _dtype(quantization: QuantOptions | None) -> torch.dtype:
     """fp32 weights, or with 4-bit layers the dtype of the frozen rest."""
     return torch.float32 if quantization is None else quantization.dtype
@@ -73,26 +134,161 @@ def _dtype(quantization: QuantOptions | None) -> torch.dtype:
 
 def materialize_model(
     model: torch.nn.Module,
-    name_or_path: str,
+    name_or_path: str | Path,
     quantization: QuantOptions | None,
     device: torch.device,
     seed: int,
+    *,
+    revision: str | None = None,
 ) -> torch.nn.Module:
     """Fill a skeleton from ``load_model_and_tokenizer(..., materialize=False)`` (maybe LoRA-wrapped and
-    sharded since) from its checkpoint: every rank reads (and quantizes) each layer and keeps its own
-    shard. A model that is already materialized is returned as it is."""
+    sharded since) from its checkpoint (``resolve_model(name_or_path, revision)``: pass what the skeleton
+    was loaded from, or the directory that resolved to): every rank reads (and quantizes) each layer and
+    keeps its own shard. A model that is already materialized is returned as it is."""
     if not any(param.is_meta for param in model.parameters()):
         return model
     return fill_model(
-        model, checkpoint_tensors(name_or_path), dtype=_dtype(quantization),
+        model, checkpoint_tensors(resolve_model(name_or_path, revision)), dtype=_dtype(quantization),
         quantization=quantization, device=device, source=f"checkpoint {name_or_path}", seed=seed,
     )  # fmt: skip
 
 
-def load_dataset_rows(name_or_path: str) -> list[dict]:
-    """Rows of a built-in data set, or of local JSONL/JSON/Parquet files (``fastalign.data``)."""
+def is_hub_dataset(name_or_path: str) -> bool:
+    """Whether ``load_dataset_rows`` reads ``name_or_path`` from the Hub: neither built-in nor a local
+    path, and shaped like a Hub id ("org/name")."""
+    return (
+        name_or_path not in BUILTIN_DATASETS and not Path(name_or_path).exists() and _is_repo_id(name_or_path)
+    )
+
+
+def load_dataset_rows(
+    name_or_path: str,
+    split: str | None = None,
+    config: str | None = None,
+    revision: str | None = None,
+    *,
+    key: str = "dataset_name",
+) -> list[dict]:
+    """Rows of a built-in data set, of local JSONL/JSON/Parquet files (``fastalign.data``), or of a
+    Hugging Face Hub dataset (``is_hub_dataset``): its ``split`` (None: train) of configuration
+    ``config`` (None: the default) at ``revision`` (None: main), as TRL loads it. ``split``, ``config``
+    and ``revision`` pick within a Hub dataset: for any other they would be ignored, so they are an
+    error. Failures are one line naming ``key``."""
+    if is_hub_dataset(name_or_path):
+        return _hub_dataset_rows(name_or_path, split or "train", config, revision, key=key)
+    if (split, config, revision) != (None, None, None):
+        raise ValueError(
+            f"a split, config or revision picks within a Hub dataset, but {key} {name_or_path!r} is not one"
+        )
     if name_or_path in BUILTIN_DATASETS:
         return BUILTIN_DATASETS[name_or_path]()
+    if not Path(name_or_path).exists():
+        raise ValueError(
+            f"{key} {name_or_path!r} is neither a local file or directory, a built-in data set "
+            f"({', '.join(BUILTIN_DATASETS)}) nor a Hugging Face Hub dataset id (org/name)"
+        )
     from fastalign.data import load_rows
 
     return list(load_rows(name_or_path))
+
+
+def _hub_dataset_rows(
+    repo_id: str, split: str, config: str | None, revision: str | None, *, key: str
+) -> list[dict]:
+    """``datasets.load_dataset(repo_id, config, split=split, revision=revision)`` as TRL calls it: from the
+    Hub, or offline from what ``datasets`` prepared in its own cache (``HF_DATASETS_CACHE``) on an earlier
+    load. When neither can be had (offline, or the Hub out of reach), a snapshot of the dataset repo in the
+    Hugging Face hub cache (``hf download --repo-type dataset``) is read instead, as models are: offline,
+    ``datasets`` alone never looks there."""
+    import datasets
+
+    tried = "not a local file or directory or a built-in data set"
+    picked = ", ".join(
+        f"{option} {value!r}"
+        for option, value in (("split", split), ("dataset_config", config), ("dataset_revision", revision))
+        if value is not None
+    )
+    try:
+        rows = datasets.load_dataset(repo_id, config, split=split, revision=revision)
+    except ConnectionError:  # offline or unreachable, and not in datasets' cache: try the hub cache
+        rows = None
+    except FileNotFoundError as error:  # no such dataset (or no access), or no data files in it
+        raise ValueError(
+            f"{key} {repo_id!r} is {tried}, nor a readable Hub dataset: {_one_line(error)}"
+        ) from None
+    except ValueError as error:  # no such config or split
+        raise ValueError(f"{key} {repo_id!r} ({picked}): {_one_line(error)}") from None
+    if rows is None:
+        snapshot = _hub_snapshot(
+            repo_id, "dataset", revision, None, key=key, revision_key="dataset_revision",
+            tried=f"{tried}, nor in the datasets cache",
+        )  # fmt: skip
+        try:
+            rows = datasets.load_dataset(str(snapshot), config, split=split)
+        except (FileNotFoundError, ValueError) as error:
+            raise ValueError(
+                f"{key} {repo_id!r} ({picked}) in the Hugging Face cache ({snapshot}): {_one_line(error)}"
+            ) from None
+    return list(rows)
+
+
+def _hub_snapshot(
+    repo_id: str,
+    repo_type: str,
+    revision: str | None,
+    allow_patterns: list[str] | None,
+    *,
+    key: str,
+    revision_key: str,
+    tried: str,
+) -> Path:
+    """The snapshot directory of Hub repo ``repo_id`` at ``revision`` in the Hugging Face cache, with the
+    files ``allow_patterns`` match (None: all) downloaded into it first unless ``HF_HUB_OFFLINE`` is set.
+    huggingface_hub's errors, multi-line and naming no config key, become one ValueError line naming
+    ``key`` (``revision_key`` for a revision the Hub does not have), saying what else was ``tried``."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    at = f" at {revision_key} {revision!r}" if revision is not None else ""
+    try:
+        return Path(
+            snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=allow_patterns)
+        )
+    except RevisionNotFoundError:
+        raise ValueError(
+            f"{revision_key} {revision!r} is no branch, tag or commit of Hub {repo_type} {repo_id!r} ({key})"
+        ) from None
+    except LocalEntryNotFoundError as error:  # not in the cache, and the Hub not asked or not reached
+        why = (
+            "HF_HUB_OFFLINE is set, so nothing is downloaded"
+            if constants.HF_HUB_OFFLINE
+            else f"the Hub could not be reached ({type(error.__cause__ or error).__name__})"
+        )
+        raise ValueError(
+            f"{key} {repo_id!r} is {tried}, and no snapshot of Hub {repo_type} {repo_id!r}{at} is in the "
+            f"Hugging Face cache ({constants.HF_HUB_CACHE}); {why}"
+        ) from None
+    except RepositoryNotFoundError as error:  # also gated and private repos
+        raise ValueError(
+            f"{key} {repo_id!r} is {tried}, nor a Hub {repo_type} this machine may read "
+            f"({type(error).__name__}: not found, private or gated; `hf auth login` for the latter)"
+        ) from None
+    except OSError as error:  # any other Hub or disk failure
+        raise ValueError(
+            f"{key} {repo_id!r}{at}: fetching it from the Hugging Face Hub failed: {_one_line(error)}"
+        ) from None
+
+
+def _is_repo_id(name: str) -> bool:
+    """Shaped like a Hub repo id: "name" or "org/name" (an absolute or ./ path never is)."""
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

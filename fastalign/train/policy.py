@@ -10,7 +10,7 @@ from fastalign.quant import QuantOptions
 from fastalign.train import memory
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext, shard_model
-from fastalign.train.loading import load_model_and_tokenizer, materialize_model
+from fastalign.train.loading import load_model_and_tokenizer, materialize_model, resolve_model
 
 
 def prepare_policy(
@@ -37,7 +37,10 @@ def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: 
         model.to(ctx.device)
     model = shard_model(model, mixed_precision=config.bf16)
     if skeleton:
-        materialize_model(model, name_or_path, quant_options(config), ctx.device, config.seed)
+        revision = config.model_revision if name_or_path == config.model_name_or_path else None
+        materialize_model(
+            model, name_or_path, quant_options(config), ctx.device, config.seed, revision=revision
+        )
     return model
 
 
@@ -57,11 +60,17 @@ def quant_options(config: TrainConfig) -> QuantOptions | None:
 
 
 def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:
-    """A reference model: quantized, patched and sharded as the policy, frozen, in eval mode."""
-    model, _ = load_model_and_tokenizer(name_or_path, quant_options(config), ctx.device, materialize=False)
+    """A reference model: quantized, patched and sharded as the policy, frozen, in eval mode.
+
+    A Hub id is resolved once (at ``model_revision`` when it is the policy's model, else at main), so
+    that its skeleton and the weights filled into it come from one snapshot."""
+    revision = config.model_revision if name_or_path == config.model_name_or_path else None
+    key = "ref_model_name_or_path" if name_or_path == config.ref_model_name_or_path else "model_name_or_path"
+    path = str(resolve_model(name_or_path, revision, key=key))
+    model, _ = load_model_and_tokenizer(path, quant_options(config), ctx.device, materialize=False)
     _patch(model, config, needs_fused_head=True)
     model.requires_grad_(False).eval()
-    return _place(model, name_or_path, config, ctx)
+    return _place(model, path, config, ctx)
 
 
 def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool) -> None:

@@ -9,6 +9,7 @@ objectives and GRPO lives in ``fastalign.train.recipes``.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import asdict
 from pathlib import Path
@@ -25,11 +26,11 @@ from fastalign.train.callbacks import (
     WandbMetrics,
 )
 from fastalign.train.checkpoint import resolve_resume_path
-from fastalign.train.config import TrainConfig, save_config
+from fastalign.train.config import ConfigError, TrainConfig, save_config
 from fastalign.train.distributed import init_distributed, shutdown_distributed
 from fastalign.train.engine import Callback, Engine, Schedule
 from fastalign.train.export import export_model
-from fastalign.train.loading import load_dataset_rows, load_model_and_tokenizer
+from fastalign.train.loading import is_hub_dataset, load_dataset_rows, load_model_and_tokenizer, resolve_model
 from fastalign.train.metrics import peak_flops, training_flops_per_token
 from fastalign.train.policy import autocast_dtype, prepare_policy, quant_options
 from fastalign.train.recipes import Recipe, make_recipe
@@ -41,6 +42,8 @@ def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] 
     ctx = init_distributed()
     try:
         _seed_everything(config.seed)
+        _check_hub_dataset_keys(config)
+        given, config = config, _with_local_model(config)  # saved and reported: the names as given
         model, tokenizer = load_model_and_tokenizer(
             config.model_name_or_path, quant_options(config), ctx.device, materialize=False
         )
@@ -76,14 +79,14 @@ def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] 
                 eval_examples, config.per_device_eval_batch_size, tokenizer.pad_token_id, ctx.rank,
                 ctx.world_size, collate=recipe.collate,
             ),
-            callbacks=_callbacks(config, output_dir) + recipe_callbacks + list(callbacks or []),
+            callbacks=_callbacks(given, output_dir) + recipe_callbacks + list(callbacks or []),
             flops_per_token=training_flops_per_token(model, config.max_length),
             peak_flops=peak_flops(ctx.device),
             autocast_dtype=autocast_dtype(config, ctx),
         )  # fmt: skip
         if ctx.is_main:
             output_dir.mkdir(parents=True, exist_ok=True)
-            save_config(config, output_dir / "fastalign_config.yaml")
+            save_config(given, output_dir / "fastalign_config.yaml")
         resume_path = resolve_resume_path(config.resume_from_checkpoint, output_dir)
         if resume_path is not None:
             engine.resume(resume_path)
@@ -101,15 +104,65 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _with_local_model(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``model_name_or_path`` (and a ``ref_model_name_or_path`` naming the same model) as
+    the local files it resolves to: a Hub id becomes its snapshot directory in the Hugging Face cache at
+    ``model_revision``. Resolved once, so the skeleton, the weights filled into it and the reference all
+    come from one commit, however the Hub moves meanwhile."""
+    local = str(resolve_model(config.model_name_or_path, config.model_revision))
+    same = config.ref_model_name_or_path == config.model_name_or_path
+    return dataclasses.replace(
+        config, model_name_or_path=local, model_revision=None,
+        ref_model_name_or_path=local if same else config.ref_model_name_or_path,
+    )  # fmt: skip
+
+
 def _tokenized_splits(config: TrainConfig, recipe: Recipe) -> tuple[list, list]:
-    examples = recipe.tokenize(load_dataset_rows(config.dataset_name or recipe.default_dataset))
+    """Training and evaluation examples. A Hub dataset trains on its ``dataset_train_split``; a Hub
+    ``eval_dataset_name`` evaluates on its ``dataset_test_split`` (naming ``dataset_name`` itself gives
+    TRL's evaluation on the same dataset's test split); ``dataset_config`` and ``dataset_revision`` apply
+    to both. Without ``eval_dataset_name``, ``eval_split_ratio`` holds out a share of the training rows."""
+    name = config.dataset_name or recipe.default_dataset
+    examples = recipe.tokenize(_rows(config, name, "dataset_name", config.dataset_train_split))
     if config.eval_dataset_name:
-        return examples, recipe.tokenize(load_dataset_rows(config.eval_dataset_name))
+        return examples, recipe.tokenize(
+            _rows(config, config.eval_dataset_name, "eval_dataset_name", config.dataset_test_split)
+        )
     if config.eval_split_ratio > 0:
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
         held_out = max(1, round(config.eval_split_ratio * len(examples)))
         return [examples[i] for i in order[held_out:]], [examples[i] for i in order[:held_out]]
     return examples, []
+
+
+def _rows(config: TrainConfig, name: str, key: str, split: str) -> list[dict]:
+    if is_hub_dataset(name):
+        return load_dataset_rows(name, split, config.dataset_config, config.dataset_revision, key=key)
+    return load_dataset_rows(name, key=key)
+
+
+def _check_hub_dataset_keys(config: TrainConfig) -> None:
+    """The keys that pick within a Hub dataset, set when the dataset they pick within is none: an error,
+    as they would be ignored (a local file's rows all train; a built-in set has no splits). Checked before
+    anything is loaded."""
+    train = config.dataset_name is not None and is_hub_dataset(config.dataset_name)
+    evaluate = config.eval_dataset_name is not None and is_hub_dataset(config.eval_dataset_name)
+    defaults = TrainConfig()
+    either = "neither dataset_name nor eval_dataset_name is"
+    checks = (  # key, whether it is set, which dataset it picks within, whether that is a Hub dataset
+        ("dataset_train_split", config.dataset_train_split != defaults.dataset_train_split,
+         "dataset_name is not", train),
+        ("dataset_test_split", config.dataset_test_split != defaults.dataset_test_split,
+         "eval_dataset_name is not", evaluate),
+        ("dataset_config", config.dataset_config is not None, either, train or evaluate),
+        ("dataset_revision", config.dataset_revision is not None, either, train or evaluate),
+    )  # fmt: skip
+    for key, is_set, within, is_hub in checks:
+        if is_set and not is_hub:
+            raise ConfigError(
+                f"config key {key!r} ({getattr(config, key)!r}) picks within a Hub dataset, but {within} one "
+                f"(dataset_name {config.dataset_name!r}, eval_dataset_name {config.eval_dataset_name!r})"
+            )
 
 
 def _callbacks(config: TrainConfig, output_dir: Path) -> list[Callback]:

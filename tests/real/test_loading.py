@@ -120,3 +120,41 @@ def test_an_untied_checkpoint_keeps_its_own_head(tmp_path):
     assert not is_tied(model)
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     assert_same_weights(model, AutoModelForCausalLM.from_pretrained(tmp_path))
+
+
+def test_two_process_fsdp2_load_and_export_keep_the_checkpoint_and_the_tie(smollm2, tmp_path, reference):
+    """Under FSDP2 each rank fills only its shard of the skeleton; gathered, the weights are the
+    checkpoint's, the head is the embedding (one sharded Parameter), and the export holds it once."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(__file__).resolve().parents[2]
+    variables = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {key: value for key, value in os.environ.items() if key not in variables}
+    env |= {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(Path(__file__).with_name("fsdp_load_worker.py")), str(smollm2), str(tmp_path),
+    ]  # fmt: skip
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {
+        "tied": True,
+        "sharded": True,
+        "local_rows": 49152 // 2,
+        "keys_match": True,
+        "mismatched": [],
+    }
+
+    export = tmp_path / "export"
+    with safe_open(str(export / "model.safetensors"), "pt") as saved:
+        assert "lm_head.weight" not in saved.keys()
+    reloaded = AutoModelForCausalLM.from_pretrained(export)
+    assert is_tied(reloaded)
+    torch.testing.assert_close(logits(reloaded, reference[1]), logits(*reference), rtol=0, atol=0)
