@@ -19,6 +19,10 @@ _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal, but for the sign of zero: FP4's code 8 is a "negative zero", which bitsandbytes' native
+    CPU kernel (where the CPU has it) returns as -0.0 and its portable path, like ours, as +0.0. Adding
+    +0.0 maps -0.0 to +0.0 and changes nothing else."""
+    a, b = a + 0.0, b + 0.0
     return (
         a.dtype == b.dtype
         and a.shape == b.shape
