@@ -8,7 +8,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/fastalign train sft --config examples/sft_tiny.yaml
+	$(VENV)/bin/fastalign train sft --config examples/sft_tiny.yaml --overwrite_output_dir true
 
 lint: setup
 	$(PY) -m ruff check .

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import typing
 
 #: ``plan_memory`` parameter -> the flag that sets it (for error messages).
 _FLAGS = {
@@ -64,7 +66,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    # A value that starts with a minus and a digit is a (bad) value, not an option: "--gpu-memory -24GB"
+    # reaches parse_memory, which names the problem, instead of argparse's "expected one argument".
+    parser._negative_number_matcher = re.compile(r"^-\d")
+    parser.error = _one_line_usage_error
     parser.set_defaults(run=run)
+
+
+def _one_line_usage_error(message: str) -> typing.NoReturn:
+    """argparse's errors (a flag without its value) as one line, not the usage text."""
+    print(f"error: fastalign plan: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _positive_int(flag: str, text: str) -> int:

@@ -25,8 +25,9 @@ class DatasetFormat:
         return ("messages",) if self.conversational else ("text",)
 
 
-def detect_format(columns: list[str], first_row: dict) -> DatasetFormat:
-    """The format from the column names (and, for prompt-completion, the first row's types)."""
+def detect_format(columns: list[str], first_row: dict, where: str | None = None) -> DatasetFormat:
+    """The format from the column names (and, for prompt-completion, the first row's types); ``where``
+    names the first row in the error (e.g. ``"train.jsonl line 1"``)."""
     if "prompt" in columns and "completion" in columns:
         return DatasetFormat("prompt_completion", isinstance(first_row["prompt"], list))
     if "messages" in columns:
@@ -34,32 +35,32 @@ def detect_format(columns: list[str], first_row: dict) -> DatasetFormat:
     if "text" in columns:
         return DatasetFormat("language_modeling", False)
     raise ValueError(
-        f"the dataset has columns {sorted(columns)}; SFT needs 'text', 'messages', "
-        "or 'prompt' and 'completion'"
+        f"{where + ': ' if where else ''}the dataset has columns {sorted(columns)}; SFT needs 'text', "
+        "'messages', or 'prompt' and 'completion'"
     )
 
 
-def check_messages(messages, index: int, field: str) -> None:
+def check_messages(messages, where: str, field: str) -> None:
+    """A ValueError naming the row (``where``: ``"row 3"``, ``"train.jsonl line 4"``) and the field when
+    ``messages`` is not a non-empty list of chat messages."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"row {index}: {field!r} must be a non-empty list of messages")
+        raise ValueError(f"{where}: {field!r} must be a non-empty list of messages")
     for position, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ValueError(f"row {index}: {field}[{position}] must be a message with a string 'content'")
+            raise ValueError(f"{where}: {field}[{position}] must be a message with a string 'content'")
         if message.get("role") not in ROLES:
-            raise ValueError(
-                f"row {index}: {field}[{position}] has role {message.get('role')!r}; known: {ROLES}"
-            )
+            raise ValueError(f"{where}: {field}[{position}] has role {message.get('role')!r}; known: {ROLES}")
 
 
-def check_row(row: dict, index: int, fmt: DatasetFormat) -> None:
-    """A ValueError naming the row and the field when ``row`` does not fit ``fmt``."""
+def check_row(row: dict, where: str, fmt: DatasetFormat) -> None:
+    """A ValueError naming the row (``where``) and the field when ``row`` does not fit ``fmt``."""
     for field in fmt.columns:
         value = row.get(field)
         if value is None:
-            raise ValueError(f"row {index}: missing {field!r}")
+            raise ValueError(f"{where}: missing {field!r}")
         if fmt.conversational:
-            check_messages(value, index, field)
+            check_messages(value, where, field)
         elif not isinstance(value, str):
-            raise ValueError(f"row {index}: {field!r} must be text, got {type(value).__name__}")
+            raise ValueError(f"{where}: {field!r} must be text, got {type(value).__name__}")
         elif field != "prompt" and not value:
-            raise ValueError(f"row {index}: {field!r} is empty")
+            raise ValueError(f"{where}: {field!r} is empty")

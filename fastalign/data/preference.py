@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from fastalign.data.collate import PaddingCollator
 from fastalign.data.formats import check_messages
 from fastalign.data.sft import TokenizedExample, _render, conversation_completion_ids
+from fastalign.data.sources import Rows, row_origins
 
 
 @dataclass(frozen=True)
@@ -54,29 +55,34 @@ class PromptExample:
     columns: dict[str, object]  # every other column of the row, for the reward functions
 
 
-def _nonempty(rows: Iterable[dict]) -> list[dict]:
-    rows = list(rows)
+def _nonempty(rows: Iterable[dict]) -> list[tuple[dict, str]]:
+    """Each row with what errors call it: its file and line (``Rows`` from files) or ``row <index>``."""
+    rows = rows if isinstance(rows, Rows) else list(rows)
     if not rows:
         raise ValueError("the dataset is empty")
-    return rows
+    named = list(zip(rows, row_origins(rows), strict=True))
+    for row, where in named:
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a dict of columns, got {type(row).__name__}")
+    return named
 
 
-def _is_conversational(row: dict, index: int, fields: tuple[str, ...]) -> bool:
+def _is_conversational(row: dict, where: str, fields: tuple[str, ...]) -> bool:
     """Whether the fields are all messages (True) or all text (False); a ValueError otherwise."""
     for field in fields:
         value = row.get(field)
         if value is None:
-            raise ValueError(f"row {index}: missing {field!r}")
+            raise ValueError(f"{where}: missing {field!r}")
         if not isinstance(value, (str, list)):
             raise ValueError(
-                f"row {index}: {field!r} must be text or a list of messages, got {type(value).__name__}"
+                f"{where}: {field!r} must be text or a list of messages, got {type(value).__name__}"
             )
     messages = [field for field in fields if isinstance(row[field], list)]
     if messages and len(messages) < len(fields):
         text = [field for field in fields if field not in messages]
-        raise ValueError(f"row {index}: mixed formats: {messages} are messages but {text} text")
+        raise ValueError(f"{where}: mixed formats: {messages} are messages but {text} text")
     for field in messages:
-        check_messages(row[field], index, field)
+        check_messages(row[field], where, field)
     return bool(messages)
 
 
@@ -84,9 +90,9 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int], index: int, field: str) -> list[int]:
+def _with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int], where: str, field: str) -> list[int]:
     if not ids:
-        raise ValueError(f"row {index}: {field!r} is empty")
+        raise ValueError(f"{where}: {field!r} is empty")
     return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
@@ -101,12 +107,12 @@ def _completion_ids(
     prompt: str | list[dict],
     prompt_ids: list[int],
     completion: str | list[dict],
-    index: int,
+    where: str,
     field: str,
 ) -> list[int]:
     if isinstance(completion, str):
-        return _with_eos(tokenizer, _text_ids(tokenizer, completion), index, field)
-    return conversation_completion_ids(tokenizer, prompt, prompt_ids, completion, index, field)
+        return _with_eos(tokenizer, _text_ids(tokenizer, completion), where, field)
+    return conversation_completion_ids(tokenizer, prompt, prompt_ids, completion, where, field)
 
 
 def _shared_length(a: Sequence, b: Sequence) -> int:
@@ -119,7 +125,7 @@ def _shared_length(a: Sequence, b: Sequence) -> int:
 def _fit(
     prompt_ids: list[int],
     completions: dict[str, list[int]],
-    index: int,
+    where: str,
     max_length: int | None,
     max_prompt_length: int | None,
     truncation: bool,
@@ -128,7 +134,7 @@ def _fit(
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
         if not truncation:
             raise ValueError(
-                f"row {index}: the prompt has {len(prompt_ids)} tokens, over "
+                f"{where}: the prompt has {len(prompt_ids)} tokens, over "
                 f"max_prompt_length={max_prompt_length} (truncation is off)"
             )
         prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :]
@@ -139,12 +145,12 @@ def _fit(
     for field, ids in completions.items():
         if len(ids) > room and not truncation:
             raise ValueError(
-                f"row {index}: prompt + {field!r} has {len(prompt_ids) + len(ids)} tokens, over "
+                f"{where}: prompt + {field!r} has {len(prompt_ids) + len(ids)} tokens, over "
                 f"max_length={max_length} (truncation is off)"
             )
         if room <= 0:
             raise ValueError(
-                f"row {index}: no {field!r} tokens fit in max_length={max_length} after the "
+                f"{where}: no {field!r} tokens fit in max_length={max_length} after the "
                 f"{len(prompt_ids)}-token prompt"
             )
         fitted[field] = ids[:room]
@@ -152,11 +158,11 @@ def _fit(
 
 
 def _tokenize_preference_row(
-    row: dict, index: int, tokenizer: PreTrainedTokenizerBase
+    row: dict, where: str, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[list[int], dict[str, list[int]]]:
     explicit = row.get("prompt") is not None
     fields = ("prompt", "chosen", "rejected") if explicit else ("chosen", "rejected")
-    conversational = _is_conversational(row, index, fields)
+    conversational = _is_conversational(row, where, fields)
     chosen, rejected = row["chosen"], row["rejected"]
     if explicit:
         prompt = row["prompt"]
@@ -169,7 +175,7 @@ def _tokenize_preference_row(
             for messages in (chosen, rejected)
         ):
             raise ValueError(
-                f"row {index}: 'chosen' and 'rejected' must share their first messages (the prompt), "
+                f"{where}: 'chosen' and 'rejected' must share their first messages (the prompt), "
                 f"then both go on with a different assistant turn; they first differ at message {shared}"
             )
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
@@ -180,12 +186,12 @@ def _tokenize_preference_row(
         chosen_ids, rejected_ids = _text_ids(tokenizer, chosen), _text_ids(tokenizer, rejected)
         shared = _shared_length(chosen_ids, rejected_ids)
         return chosen_ids[:shared], {
-            "chosen": _with_eos(tokenizer, chosen_ids[shared:], index, "chosen"),
-            "rejected": _with_eos(tokenizer, rejected_ids[shared:], index, "rejected"),
+            "chosen": _with_eos(tokenizer, chosen_ids[shared:], where, "chosen"),
+            "rejected": _with_eos(tokenizer, rejected_ids[shared:], where, "rejected"),
         }
     prompt_ids = _prompt_ids(tokenizer, prompt)
     return prompt_ids, {
-        field: _completion_ids(tokenizer, prompt, prompt_ids, completion, index, field)
+        field: _completion_ids(tokenizer, prompt, prompt_ids, completion, where, field)
         for field, completion in (("chosen", chosen), ("rejected", rejected))
     }
 
@@ -203,10 +209,10 @@ def tokenize_preference_dataset(
     ``max_length`` bounds prompt + chosen and prompt + rejected; a longer row is an error unless
     ``truncation``, which keeps the prompt's last ``max_prompt_length`` tokens and cuts completions."""
     examples = []
-    for index, row in enumerate(_nonempty(rows)):
+    for row, where in _nonempty(rows):
         prompt_ids, completions = _fit(
-            *_tokenize_preference_row(row, index, tokenizer),
-            index,
+            *_tokenize_preference_row(row, where, tokenizer),
+            where,
             max_length,
             max_prompt_length,
             truncation,
@@ -225,19 +231,19 @@ def tokenize_kto_dataset(
 ) -> list[KTOExample]:
     """Every row of an unpaired preference dataset; lengths as ``tokenize_preference_dataset``."""
     examples = []
-    for index, row in enumerate(_nonempty(rows)):
-        _is_conversational(row, index, ("prompt", "completion"))
+    for row, where in _nonempty(rows):
+        _is_conversational(row, where, ("prompt", "completion"))
         label = row.get("label")
         if label is None:
-            raise ValueError(f"row {index}: missing 'label'")
+            raise ValueError(f"{where}: missing 'label'")
         if not isinstance(label, bool):  # "false" is truthy: only a bool surely says which side
-            raise ValueError(f"row {index}: 'label' must be a bool (True: desirable), got {label!r}")
+            raise ValueError(f"{where}: 'label' must be a bool (True: desirable), got {label!r}")
         prompt_ids = _prompt_ids(tokenizer, row["prompt"])
         completion_ids = _completion_ids(
-            tokenizer, row["prompt"], prompt_ids, row["completion"], index, "completion"
+            tokenizer, row["prompt"], prompt_ids, row["completion"], where, "completion"
         )
         prompt_ids, completions = _fit(
-            prompt_ids, {"completion": completion_ids}, index, max_length, max_prompt_length, truncation
+            prompt_ids, {"completion": completion_ids}, where, max_length, max_prompt_length, truncation
         )
         examples.append(KTOExample(prompt_ids, completions["completion"], label))
     room = [None if max_length is None else max(1, max_length - len(e.prompt_ids)) for e in examples]
@@ -255,14 +261,14 @@ def tokenize_prompt_dataset(
     truncation: bool = False,
 ) -> list[PromptExample]:
     """Every row of a prompt-only dataset; a prompt over ``max_prompt_length`` is an error unless
-    ``truncation``, which keeps its last tokens."""
+    ``truncation``, which keeps its last tokens. The other columns are kept as the row has them."""
     examples = []
-    for index, row in enumerate(_nonempty(rows)):
-        _is_conversational(row, index, ("prompt",))
+    for row, where in _nonempty(rows):
+        _is_conversational(row, where, ("prompt",))
         prompt_ids = _prompt_ids(tokenizer, row["prompt"])
         if not prompt_ids:
-            raise ValueError(f"row {index}: 'prompt' is empty")
-        prompt_ids, _ = _fit(prompt_ids, {}, index, None, max_prompt_length, truncation)
+            raise ValueError(f"{where}: 'prompt' is empty")
+        prompt_ids, _ = _fit(prompt_ids, {}, where, None, max_prompt_length, truncation)
         columns = {name: value for name, value in row.items() if name != "prompt"}
         examples.append(PromptExample(prompt_ids, row["prompt"], columns))
     return examples

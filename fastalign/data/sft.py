@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from fastalign.data.formats import DatasetFormat, check_row, detect_format
+from fastalign.data.sources import Rows, row_origins
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,14 @@ def _render(tokenizer, messages, **kwargs) -> dict:
 
 
 def conversation_completion_ids(
-    tokenizer, prompt: list[dict], prompt_ids: list[int], completion: list[dict], index: int, field: str
+    tokenizer, prompt: list[dict], prompt_ids: list[int], completion: list[dict], where: str, field: str
 ) -> list[int]:
     """The tokens of the ``completion`` messages: the rendering of prompt + completion after the
     prompt's own rendering (``prompt_ids``, with the generation prompt), which must be its prefix."""
     ids = list(_render(tokenizer, prompt + completion)["input_ids"])
     if ids[: len(prompt_ids)] != prompt_ids:
         raise ValueError(
-            f"row {index}: the chat template does not render the prompt as a prefix of the "
+            f"{where}: the chat template does not render the prompt as a prefix of the "
             f"prompt + {field} conversation, so the completion tokens cannot be found"
         )
     return ids[len(prompt_ids) :]
@@ -53,7 +54,7 @@ def _has_generation_marks(tokenizer) -> bool:
 
 def tokenize_sft_row(
     row: dict,
-    index: int,
+    index: int | str,
     tokenizer: PreTrainedTokenizerBase,
     fmt: DatasetFormat,
     *,
@@ -62,8 +63,10 @@ def tokenize_sft_row(
     completion_only_loss: bool | None = None,
     assistant_only_loss: bool = False,
 ) -> TokenizedExample:
-    """Token ids and loss mask of one row (``index`` names it in errors)."""
-    check_row(row, index, fmt)
+    """Token ids and loss mask of one row. ``index`` names it in errors: its index in a list (``row 3``)
+    or where it is written (``"train.jsonl line 4"``)."""
+    where = index if isinstance(index, str) else f"row {index}"
+    check_row(row, where, fmt)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if fmt.kind == "language_modeling" and not fmt.conversational:
         ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"] + eos
@@ -84,7 +87,7 @@ def tokenize_sft_row(
         if fmt.conversational:
             prompt = list(_render(tokenizer, row["prompt"], add_generation_prompt=True)["input_ids"])
             ids = prompt + conversation_completion_ids(
-                tokenizer, row["prompt"], prompt, row["completion"], index, "completion"
+                tokenizer, row["prompt"], prompt, row["completion"], where, "completion"
             )
         else:
             prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
@@ -94,21 +97,28 @@ def tokenize_sft_row(
 
     if max_length is not None and len(ids) > max_length:
         if not truncation:
-            raise ValueError(
-                f"row {index}: {len(ids)} tokens exceed max_length={max_length} (truncation is off)"
-            )
+            raise ValueError(f"{where}: {len(ids)} tokens exceed max_length={max_length} (truncation is off)")
         ids, mask = ids[:max_length], mask[:max_length]
     if not any(mask):
-        raise ValueError(f"row {index}: no loss tokens (after truncation to max_length={max_length})")
+        raise ValueError(f"{where}: no loss tokens (after truncation to max_length={max_length})")
     return TokenizedExample(ids, mask)
 
 
 def tokenize_sft_dataset(
     rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, **options
 ) -> list[TokenizedExample]:
-    """Every row of a dataset (or list of dicts) in one format; options as ``tokenize_sft_row``."""
-    rows = list(rows)
+    """Every row of a dataset (or list of dicts) in one format; options as ``tokenize_sft_row``. Errors
+    name a row by its file and line where ``rows`` are ``Rows`` loaded from files, else by its index."""
+    rows = rows if isinstance(rows, Rows) else list(rows)
     if not rows:
         raise ValueError("the dataset is empty")
-    fmt = detect_format(list(rows[0].keys()), rows[0])
-    return [tokenize_sft_row(row, index, tokenizer, fmt, **options) for index, row in enumerate(rows)]
+    origins = row_origins(rows)
+    for row, where in zip(rows, origins, strict=True):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a dict of columns, got {type(row).__name__}")
+    # The first row's format: its columns with a value (a table's other columns are None there).
+    fmt = detect_format([key for key, value in rows[0].items() if value is not None], rows[0], origins[0])
+    return [
+        tokenize_sft_row(row, where, tokenizer, fmt, **options)
+        for row, where in zip(rows, origins, strict=True)
+    ]

@@ -7,16 +7,18 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-from fastalign.ops import token_logprobs
-from fastalign.ops.backend import Backend
+from fastalign.ops import token_logprobs, validation
+from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.ops.grpo import (
     TokenLossConfig,
     TokenLossInputs,
-    grpo_token_loss,
     grpo_token_objective,
     sequence_log_weights,
+    unchecked_grpo_token_loss,
 )
 from fastalign.ops.linear_cross_entropy import token_objective
+
+IGNORE_INDEX = -100
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
@@ -72,6 +74,18 @@ class GRPOLoss(nn.Module):
             )
         if loss_type == "dr_grpo" and not max_completion_length:
             raise ValueError("loss_type='dr_grpo' divides by max_completion_length: pass it")
+        if max_completion_length is not None:
+            validation.positive_int("max_completion_length", max_completion_length)
+        beta, epsilon = validation.real("beta", beta), validation.real("epsilon", epsilon)
+        if epsilon_high is not None:
+            epsilon_high = validation.real("epsilon_high", epsilon_high)
+        if delta is not None:
+            delta = validation.real("delta", delta)
+        temperature = validation.positive_finite("temperature", temperature)
+        if chunk_size is not None:
+            validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if beta < 0 or epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
             raise ValueError(
                 f"beta, epsilon and epsilon_high must be >= 0, got {beta}, {epsilon}, {epsilon_high}"
@@ -101,7 +115,7 @@ class GRPOLoss(nn.Module):
             total = mask.sum().clamp(min=1.0)
         elif self.loss_type == "dr_grpo":
             total = torch.tensor(float(batch * self.max_completion_length), device=mask.device)
-        else:  # dapo, cispo
+        else:  # dapo, cispo (num_items_in_batch: a positive count, checked in forward)
             total = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
             total = total.to(mask.device, torch.float32).clamp(min=1.0)
         return (1.0 / total).expand(batch)
@@ -120,7 +134,30 @@ class GRPOLoss(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
     ) -> GRPOLossOutput:
         """Loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each
-        completion token) and the LM head ``weight`` [V, D]; ``advantages`` [B]."""
+        completion token) and the LM head ``weight`` [V, D]; ``advantages`` [B].
+
+        ``completion_mask`` is a 0/1 mask (bool or integer); masked tokens are ignored targets of the
+        fused log-softmax, so whatever their hidden states hold (NaN at padding) reaches nothing, and
+        their ``per_token_logps`` are 0. One host sync checks the values of the mask, the advantages
+        and a tensor ``num_items_in_batch``."""
+        for name, tensor in (
+            ("hidden", hidden), ("weight", weight), ("completion_ids", completion_ids),
+            ("completion_mask", completion_mask), ("advantages", advantages),
+        ):  # fmt: skip
+            validation.require_tensor(name, tensor)
+        for name, tensor in (
+            ("old_per_token_logps", old_per_token_logps), ("ref_per_token_logps", ref_per_token_logps),
+            ("bias", bias),
+        ):  # fmt: skip
+            validation.require_tensor(name, tensor, optional=True)
+        if completion_ids.dim() != 2:
+            raise ValueError(f"completion_ids must have shape [B, T], got {tuple(completion_ids.shape)}")
+        if (
+            completion_ids.is_floating_point()
+            or completion_ids.is_complex()
+            or completion_ids.dtype == torch.bool
+        ):
+            raise ValueError(f"completion_ids must be integer token ids, got dtype {completion_ids.dtype}")
         batch, length = completion_ids.shape
         for name, tensor in (
             ("completion_mask", completion_mask),
@@ -139,16 +176,25 @@ class GRPOLoss(nn.Module):
             raise ValueError(f"advantages must have shape [B] = ({batch},), got {tuple(advantages.shape)}")
         if self.config.beta > 0 and ref_per_token_logps is None:
             raise ValueError("beta > 0 needs ref_per_token_logps")
+        checks = validation.DeferredChecks()
+        checks.binary_mask("completion_mask", completion_mask)
+        checks.finite("advantages", advantages)
+        if num_items_in_batch is not None:
+            num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch)
+            if isinstance(num_items_in_batch, torch.Tensor):
+                checks.positive("num_items_in_batch", num_items_in_batch)
+        checks.raise_first()
 
         mask = completion_mask.to(torch.float32)
+        targets = completion_ids.masked_fill(~completion_mask.bool(), IGNORE_INDEX)
         seq_weight = self._sequence_weights(mask, num_items_in_batch)
         ref = ref_per_token_logps if self.config.beta else None
         if self.config.sequence_level:  # every log-prob of a completion is needed before its ratio
             logps, entropy = token_logprobs(
-                hidden, weight, completion_ids, bias, temperature=self.temperature, return_entropy=True,
+                hidden, weight, targets, bias, temperature=self.temperature, return_entropy=True,
                 chunk_size=self.chunk_size, backend=self.backend,
             )  # fmt: skip
-            loss, sums = grpo_token_loss(
+            loss, sums = unchecked_grpo_token_loss(
                 logps, mask, advantages, seq_weight, self.config, old_logp=old_per_token_logps, ref_logp=ref,
                 backend=self.backend,
             )  # fmt: skip
@@ -160,7 +206,7 @@ class GRPOLoss(nn.Module):
         inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_per_token_logps, ref)
         objective = grpo_token_objective(inputs, self.config, self.backend)
         result = token_objective(
-            hidden, weight, completion_ids, objective, bias, temperature=self.temperature,
+            hidden, weight, targets, objective, bias, temperature=self.temperature,
             return_entropy=True, chunk_size=self.chunk_size, backend=self.backend,
         )  # fmt: skip
         sums = torch.cat([result.loss.detach().reshape(1), result.aux])

@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fastalign.ops import token_logprobs
-from fastalign.ops.backend import Backend
+from fastalign.ops import token_logprobs, validation
+from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.ops.preference import DPO_LOSS_TYPES, dpo_pair_inputs, pair_loss
 
 IGNORE_INDEX = -100
@@ -29,7 +29,28 @@ class PreferenceLossOutput(NamedTuple):
 
 
 def _masked_targets(targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    return targets if loss_mask is None else torch.where(loss_mask.bool(), targets, IGNORE_INDEX)
+    """``targets`` with -100 where ``loss_mask`` is 0. A 0/1 mask only (bool or integer): a fractional
+    weight would silently count as 1. A non-bool mask's values cost one host sync, next to the one the
+    fused log-softmax makes anyway (target range)."""
+    validation.require_tensor("targets", targets)
+    if loss_mask is None:
+        return targets
+    validation.require_tensor("loss_mask", loss_mask)
+    if loss_mask.shape != targets.shape:
+        raise ValueError(
+            f"loss_mask shape {tuple(loss_mask.shape)} must equal targets shape {tuple(targets.shape)}"
+        )
+    checks = validation.DeferredChecks()
+    checks.binary_mask("loss_mask", loss_mask)
+    checks.raise_first()
+    return torch.where(loss_mask.bool(), targets, IGNORE_INDEX)
+
+
+def _check_options(chunk_size, backend) -> None:
+    if chunk_size is not None:
+        validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def sequence_logprobs(
@@ -38,6 +59,7 @@ def sequence_logprobs(
     """(Σ log p over each sequence's loss tokens [N], loss-token counts [N], token log-probs [N, T]).
 
     Raises a ValueError naming the first sequence without a loss token."""
+    validation.require_tensor("targets", targets)
     lengths = (targets != IGNORE_INDEX).sum(-1).float()
     if bool((lengths == 0).any()):
         index = int((lengths == 0).nonzero()[0, 0])
@@ -122,8 +144,14 @@ class PreferenceLoss(nn.Module):
             )
         if loss_weights is not None and len(loss_weights) != len(loss_types):
             raise ValueError(f"loss_weights ({len(loss_weights)}) must match loss_type ({len(loss_types)})")
-        if not beta > 0:
-            raise ValueError(f"beta must be > 0, got {beta}")
+        beta = validation.positive_finite("beta", beta)
+        label_smoothing = validation.real("label_smoothing", label_smoothing, finite=False)
+        for name, value in (("discopop_tau", discopop_tau), ("gamma", gamma), ("cpo_alpha", cpo_alpha)):
+            validation.real(name, value)
+        if loss_weights is not None:
+            for value in loss_weights:
+                validation.real("loss_weights", value)
+        _check_options(chunk_size, backend)
         if not 0.0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
         self.objective = objective
@@ -179,7 +207,14 @@ class PreferenceLoss(nn.Module):
 
         nll_tokens: what the chosen NLL (CPO, ORPO, 'sft') divides its sum by; default this batch's
         chosen-token count. A trainer that splits a batch passes the whole batch's count (scaled by the
-        weight it gives this part), so the NLL is the whole batch's token mean."""
+        weight it gives this part), so the NLL is the whole batch's token mean.
+
+        Masked positions (``loss_mask`` 0 or target -100) are ignored by the fused log-softmax: their hidden
+        states (NaN at padding, say) reach neither the loss nor a gradient."""
+        validation.require_tensor("hidden", hidden)
+        validation.require_tensor("weight", weight)
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden must have shape [2P, T, D], got {tuple(hidden.shape)}")
         if hidden.shape[0] % 2:
             raise ValueError(
                 "hidden holds chosen then rejected sequences: its batch size "
@@ -287,8 +322,10 @@ class KTOLoss(nn.Module):
         backend: Backend = "auto",
     ):
         super().__init__()
-        if not beta > 0:
-            raise ValueError(f"beta must be > 0, got {beta}")
+        beta = validation.positive_finite("beta", beta)
+        validation.real("desirable_weight", desirable_weight)
+        validation.real("undesirable_weight", undesirable_weight)
+        _check_options(chunk_size, backend)
         self.beta = float(beta)
         self.desirable_weight = float(desirable_weight)
         self.undesirable_weight = float(undesirable_weight)
@@ -310,6 +347,13 @@ class KTOLoss(nn.Module):
     ) -> PreferenceLossOutput:
         """hidden [N, T, D] of N completions; ``labels`` [N] True where desirable; reference sequence
         log-probs [N]; policy and reference log-probs of the mismatched (KL) completions [M]."""
+        for name, tensor in (
+            ("hidden", hidden), ("weight", weight), ("labels", labels), ("ref_logps", ref_logps),
+            ("kl_logps", kl_logps), ("ref_kl_logps", ref_kl_logps),
+        ):  # fmt: skip
+            validation.require_tensor(name, tensor)
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden must have shape [N, T, D], got {tuple(hidden.shape)}")
         count = hidden.shape[0]
         if labels.shape != (count,):
             raise ValueError(f"labels must have shape [N] = ({count},), got {tuple(labels.shape)}")

@@ -11,6 +11,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from fastalign.ops import validation
 from fastalign.ops.backend import Backend, resolve_backend
 
 ScaleRewards = Literal["group", "batch", "none"]
@@ -71,6 +72,9 @@ def group_advantages(
     rewards (no reward function applied to the sample) are left out of every statistic and get
     advantage 0. Sum several reward functions first (``combine_rewards``).
     """
+    validation.require_tensor("rewards", rewards)
+    group_size = validation.positive_int("group_size", group_size)
+    eps = validation.real("eps", eps)
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     if advantage_estimator not in ADVANTAGE_ESTIMATORS:
@@ -110,6 +114,10 @@ def group_advantages(
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum over reward functions [N, F] → [N], skipping NaN (a function that returned None);
     NaN where every function returned None, so the sample stays out of the group statistics."""
+    validation.require_tensor("rewards_per_func", rewards_per_func)
+    validation.require_tensor("weights", weights, optional=True)
+    if rewards_per_func.dim() != 2:
+        raise ValueError(f"rewards_per_func must have shape [N, F], got {tuple(rewards_per_func.shape)}")
     weights = (
         torch.ones(rewards_per_func.shape[1], device=rewards_per_func.device) if weights is None else weights
     )
@@ -143,12 +151,20 @@ class TokenLossInputs(NamedTuple):
     @classmethod
     def build(cls, mask, advantages, seq_weight, old_logp=None, ref_logp=None) -> TokenLossInputs:
         mask = mask.float()
+
+        def per_token(values):  # masked tokens' values (NaN there, say) are replaced, never weighted by 0
+            return (
+                None
+                if values is None
+                else torch.where(mask != 0, values.float(), 0.0).reshape(-1).contiguous()
+            )
+
         return cls(
             mask=mask.reshape(-1).contiguous(),
             advantage=advantages.float()[:, None].expand_as(mask).reshape(-1).contiguous(),
             weight=(mask * seq_weight.float()[:, None]).reshape(-1).contiguous(),
-            old_logp=None if old_logp is None else old_logp.float().reshape(-1).contiguous(),
-            ref_logp=None if ref_logp is None else ref_logp.float().reshape(-1).contiguous(),
+            old_logp=per_token(old_logp),
+            ref_logp=per_token(ref_logp),
         )
 
     def rows(self, rows: slice) -> TokenLossInputs:
@@ -216,7 +232,7 @@ def sequence_log_weights(
     """GSPO's per-completion log importance weight Σ mask·(ℓ − ℓ_old) / Σ mask, [B] (old = ℓ detached
     when absent, which makes it 0 with the gradient of the mean log-prob)."""
     old = logp.detach() if old_logp is None else old_logp.float()
-    return ((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    return torch.where(mask != 0, (logp - old) * mask, 0.0).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
 def grpo_token_loss(
@@ -231,9 +247,51 @@ def grpo_token_loss(
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_b seq_weight_b Σ_t mask·loss_t of log-probs [B, T] (differentiable w.r.t. ``logp``), and the
-    sums [5]: L, Σ mask·kl, and the low-, high- and region-clipped token counts."""
+    sums [5]: L, Σ mask·kl, and the low-, high- and region-clipped token counts.
+
+    ``mask`` is a 0/1 mask [B, T] (bool or integer) and ``advantages`` [B] must be finite: one host sync
+    checks both; a ValueError names the argument."""
+    for name, tensor in (
+        ("logp", logp),
+        ("mask", mask),
+        ("advantages", advantages),
+        ("seq_weight", seq_weight),
+    ):
+        validation.require_tensor(name, tensor)
+    for name, tensor in (("old_logp", old_logp), ("ref_logp", ref_logp)):
+        validation.require_tensor(name, tensor, optional=True)
+    for name, tensor in (("mask", mask), ("old_logp", old_logp), ("ref_logp", ref_logp)):
+        if tensor is not None and tensor.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} must equal logp shape {tuple(logp.shape)}")
+    if logp.dim() != 2 or advantages.shape != logp.shape[:1] or seq_weight.shape != logp.shape[:1]:
+        raise ValueError(
+            f"logp must be [B, T] with advantages and seq_weight [B]; got logp {tuple(logp.shape)}, "
+            f"advantages {tuple(advantages.shape)}, seq_weight {tuple(seq_weight.shape)}"
+        )
+    checks = validation.DeferredChecks()
+    checks.binary_mask("mask", mask)
+    checks.finite("advantages", advantages)
+    checks.raise_first()
+    return unchecked_grpo_token_loss(
+        logp, mask, advantages, seq_weight, config, old_logp=old_logp, ref_logp=ref_logp, backend=backend
+    )
+
+
+def unchecked_grpo_token_loss(
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    seq_weight: torch.Tensor,
+    config: TokenLossConfig,
+    *,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grpo_token_loss`` on inputs the caller has checked (``GRPOLoss`` does, in its one sync)."""
     mask = mask.float()
-    logp = logp.float()
+    # A masked token's log-prob (NaN at padding, say) is replaced, not weighted by 0 (0·NaN is NaN).
+    logp = torch.where(mask != 0, logp.float(), 0.0)
     inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_logp, ref_logp)
     log_weight = None
     if config.sequence_level:

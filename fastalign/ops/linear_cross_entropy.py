@@ -15,6 +15,10 @@ Two autograd paths share the chunk loop ``_sweep``:
 - per-token outputs (``reduction='none'``, ``token_logprobs``) take an arbitrary upstream gradient per
   token: forward keeps only per-token statistics, backward rebuilds each chunk's logits: 8·N·V·D FLOPs.
 
+Ignored tokens (``targets == ignore_index``) contribute exact zeros everywhere, as with
+``F.cross_entropy``: their hidden rows are zeroed before each chunk's matmul, so NaN/inf hidden states at
+padding reach neither the loss, the per-token outputs, nor the gradients.
+
 The row math (softmax statistics, gradient of the logits) runs as Triton kernels
 (``fastalign/kernels/linear_cross_entropy.py``) or as PyTorch (``fastalign/ops/softmax_rows.py``);
 everything else, including the matmuls (cuBLAS / CPU BLAS), is shared.
@@ -31,7 +35,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fastalign.ops import softmax_rows
+from fastalign.ops import softmax_rows, validation
 from fastalign.ops.backend import Backend, resolve_backend
 from fastalign.ops.softmax_rows import GradCoefficients, SoftmaxRowStats
 
@@ -213,7 +217,11 @@ def _sweep(
     all_stats = torch.empty((5, n), dtype=torch.float32, device=hidden.device) if saved is None else saved
     grads = _InputGrads(hidden, weight, bias, needs) if coefficients is not None and any(needs) else None
     for rows in _chunks(n, spec.chunk_size):
-        hidden_chunk, targets_chunk = hidden[rows], targets[rows]
+        targets_chunk = targets[rows]
+        # Ignored rows are zeroed before the matmul: whatever they hold (NaN/inf hidden states at padding,
+        # say) must not reach the loss, the statistics or the weight gradient (0·NaN is NaN). A [C, D]
+        # select per chunk, next to the chunk's [C, V] matmuls.
+        hidden_chunk = torch.where((targets_chunk != spec.ignore_index)[:, None], hidden[rows], 0)
         logits = F.linear(hidden_chunk, weight, bias)
         if saved is None:
             stats, workspace = _row_stats(logits, targets_chunk, spec)
@@ -239,7 +247,7 @@ def _token_loss(stats: SoftmaxRowStats, valid: torch.Tensor, spec: _Spec, vocab:
         loss = loss - spec.label_smoothing / vocab * stats.sum_logits
     if spec.z_loss:
         loss = loss + spec.z_loss * lse * lse
-    return loss * valid
+    return torch.where(valid, loss, 0.0)
 
 
 def _entropy(stats: SoftmaxRowStats, valid: torch.Tensor, spec: _Spec) -> torch.Tensor:
@@ -323,10 +331,10 @@ class _TokenObjectiveFunction(_GradientInForward):
         totals: list[torch.Tensor] = []
 
         def evaluate(rows: slice, stats: SoftmaxRowStats) -> torch.Tensor:
-            logprobs[rows] = (stats.target_logit - stats.lse) * valid[rows]
+            logprobs[rows] = torch.where(valid[rows], stats.target_logit - stats.lse, 0.0)
             loss, d_logprobs, aux = objective(rows, logprobs[rows])
             totals.append(torch.cat([loss.reshape(1), aux.reshape(-1)]))
-            return d_logprobs * valid[rows]
+            return torch.where(valid[rows], d_logprobs, 0.0)
 
         def coefficients(rows: slice, stats: SoftmaxRowStats) -> GradCoefficients:
             upstream = evaluate(rows, stats)  # log p_t = z_t − lse: ∂/∂z = δ_t − p
@@ -362,12 +370,17 @@ class _TokenwiseFunction(torch.autograd.Function):
         hidden, weight, bias, targets, stats = ctx.saved_tensors
         spec: _Spec = ctx.spec
         valid = targets != spec.ignore_index
+        # torch.where, not a product: an upstream gradient that is NaN at an ignored token is dropped.
         loss_grad = (
-            grad_token_loss.float() * valid if grad_token_loss is not None else torch.zeros_like(stats[0])
+            torch.where(valid, grad_token_loss.float(), 0.0)
+            if grad_token_loss is not None
+            else torch.zeros_like(stats[0])
         )
         # Without with_entropy the entropy output is a constant 0 and its gradient is ignored.
         entropy_grad = (
-            grad_entropy.float() * valid if spec.with_entropy and grad_entropy is not None else None
+            torch.where(valid, grad_entropy.float(), 0.0)
+            if spec.with_entropy and grad_entropy is not None
+            else None
         )
 
         def coefficients(rows: slice, row_stats: SoftmaxRowStats) -> GradCoefficients:
@@ -396,11 +409,13 @@ def _validate(
     targets: torch.Tensor,
     bias: torch.Tensor | None,
     ignore_index: int,
+    checks: validation.DeferredChecks,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check shapes, dtypes, devices and target range; return hidden [N, D] and targets [N]."""
+    """Check shapes, dtypes and devices; return hidden [N, D] and targets [N]. The target range is
+    added to ``checks`` (its values cost a host sync on a GPU)."""
     for name, tensor in (("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)):
-        if tensor is not None and not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        validation.require_tensor(name, tensor, optional=name == "bias")
+    validation.integer("ignore_index", ignore_index)
     if not hidden.is_floating_point():
         raise ValueError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
     if hidden.dim() < 1:
@@ -412,6 +427,11 @@ def _validate(
         raise ValueError(
             f"hidden's last dimension ({hidden.shape[-1]}) must equal weight's D ({dim}); "
             f"got hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}"
+        )
+    if dim == 0:
+        raise ValueError(
+            f"hidden size D is 0: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} have no "
+            "features"
         )
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
@@ -435,15 +455,21 @@ def _validate(
     if vocab == 0:
         raise ValueError("weight has an empty vocabulary (V = 0)")
 
+    # Out-of-range ids are an error on every device: the Triton kernels would read outside the row
+    # (garbage logits) and torch's gather would hit a device-side assert on CUDA. Checking costs one
+    # host sync per call, shared with every other value check of the call (``DeferredChecks``).
     flat_targets = targets.reshape(-1).long()
     out_of_range = (flat_targets != ignore_index) & ((flat_targets < 0) | (flat_targets >= vocab))
-    if bool(out_of_range.any()):
+
+    def out_of_range_message() -> str:
         position = int(out_of_range.nonzero()[0, 0])
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(position), targets.shape))
-        raise ValueError(
+        return (
             f"targets{list(index)} = {int(flat_targets[position])} is outside the vocabulary "
             f"[0, {vocab}) and is not ignore_index ({ignore_index})"
         )
+
+    checks.add(out_of_range.any(), out_of_range_message)
     return hidden.reshape(-1, dim).contiguous(), flat_targets.contiguous()
 
 
@@ -461,29 +487,34 @@ def _prepare(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     with_entropy: bool = False,
+    checks: validation.DeferredChecks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, _Spec]:
-    """Validate everything; return hidden [N, D], targets [N] and the call's ``_Spec``."""
-    flat_hidden, flat_targets = _validate(hidden, weight, targets, bias, ignore_index)
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    """Validate everything (the caller's ``checks`` of tensor values too, in the call's one host sync);
+    return hidden [N, D], targets [N] and the call's ``_Spec``."""
+    checks = validation.DeferredChecks() if checks is None else checks
+    flat_hidden, flat_targets = _validate(hidden, weight, targets, bias, ignore_index, checks)
+    temperature = validation.positive_finite("temperature", temperature)
+    if softcap is not None:
+        softcap = validation.positive_finite("softcap", softcap)
+    label_smoothing = validation.real("label_smoothing", label_smoothing)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    z_loss = validation.real("z_loss", z_loss)
     if not z_loss >= 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if chunk_size is not None:
+        chunk_size = validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
     spec = _Spec(
         backend=resolve_backend(backend, hidden),
         chunk_size=chunk_size or default_chunk_size(weight.shape[0], weight.dtype, weight.device),
         ignore_index=ignore_index,
-        softcap=float(softcap) if softcap is not None else None,
-        inv_temperature=1.0 / float(temperature),
-        label_smoothing=float(label_smoothing),
-        z_loss=float(z_loss),
+        softcap=softcap,
+        inv_temperature=1.0 / temperature,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
         with_entropy=with_entropy,
     )
+    checks.raise_first()
     return flat_hidden, flat_targets, spec
 
 
@@ -500,7 +531,7 @@ def _stats_for_user(
     fields = SoftmaxRowStats(*stats)
     valid = targets != spec.ignore_index
     return LinearCrossEntropyStats(
-        lse=(fields.lse * valid).view(shape),
+        lse=torch.where(valid, fields.lse, 0.0).view(shape),
         entropy=_entropy(fields, valid, spec).view(shape),
         accuracy=((fields.target_logit >= fields.max_logit) & valid).view(shape),
     )
@@ -514,13 +545,14 @@ def _autocast_aware(op):
 
     @functools.wraps(op)
     def wrapper(*args, **kwargs):
-        device_type = (args[0] if args else kwargs["hidden"]).device.type
-        if not torch.is_autocast_enabled(device_type):
-            return op(*args, **kwargs)
+        hidden = args[0] if args else kwargs.get("hidden")
+        if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
+            return op(*args, **kwargs)  # a non-tensor is reported by the op's own checks
+        device_type = hidden.device.type
         bound = signature.bind(*args, **kwargs)
         dtype = torch.get_autocast_dtype(device_type)
         for name in ("hidden", "weight", "bias"):
-            if bound.arguments.get(name) is not None:
+            if isinstance(bound.arguments.get(name), torch.Tensor):
                 bound.arguments[name] = bound.arguments[name].to(dtype)
         with torch.autocast(device_type, enabled=False):
             return op(*bound.args, **bound.kwargs)
@@ -570,8 +602,13 @@ def linear_cross_entropy(
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if num_items_in_batch is not None and reduction != "mean":
-        raise ValueError(f"num_items_in_batch only applies to reduction='mean', got {reduction!r}")
+    checks = validation.DeferredChecks()
+    if num_items_in_batch is not None:
+        if reduction != "mean":
+            raise ValueError(f"num_items_in_batch only applies to reduction='mean', got {reduction!r}")
+        num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            checks.positive("num_items_in_batch", num_items_in_batch)
     flat_hidden, flat_targets, spec = _prepare(
         hidden,
         weight,
@@ -585,6 +622,7 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         with_entropy=return_stats,
+        checks=checks,
     )
 
     if reduction == "none":
@@ -617,9 +655,8 @@ def _mean_scale(
     if num_items_in_batch is None:
         count = (targets != ignore_index).sum().clamp_min(1)
         return 1.0 / count.float()
+    # checked > 0 already (a tensor's value in the call's one sync)
     divisor = torch.as_tensor(num_items_in_batch, device=targets.device).float()
-    if divisor.numel() != 1 or not bool(divisor > 0):
-        raise ValueError(f"num_items_in_batch must be a positive count, got {num_items_in_batch}")
     return 1.0 / divisor.reshape(())
 
 

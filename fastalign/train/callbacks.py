@@ -7,13 +7,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
+from fastalign.train.checkpoint import DiskFullError, is_disk_full
 from fastalign.train.engine import Callback, Engine
 
 
 class JsonlMetrics(Callback):
-    """One JSON object per logging step (and per evaluation) in ``<output_dir>/metrics.jsonl``."""
+    """One JSON object per logging step (and per evaluation) in ``<output_dir>/metrics.jsonl``.
+
+    A run resumed from step N continues the file: the rows a crashed run wrote after step N (and a line
+    cut short by a kill) are dropped first, so each step is logged once."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -21,11 +26,30 @@ class JsonlMetrics(Callback):
     def on_train_begin(self, engine: Engine) -> None:
         if engine.ctx.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._truncate_after(engine.state.step)
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if _logged_step(line) is not None and _logged_step(line) <= step]
+        if kept == lines:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def _write(self, engine: Engine, record: dict) -> None:
         if engine.ctx.is_main:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as error:
+                if not is_disk_full(error):
+                    raise
+                raise DiskFullError(
+                    f"no space left on device while logging step {record.get('step')} to {self.path}"
+                ) from None
 
     def on_log(self, engine: Engine, logs: dict) -> None:
         self._write(engine, logs)
@@ -41,6 +65,15 @@ HEADLINE_METRICS = (
     ("reward", "reward", "{:.3f}"),
     ("kl", "kl", "{:.4f}"),
 )
+
+
+def _logged_step(line: str) -> int | None:
+    """The step of a metrics.jsonl row, or None for a line that is not one (e.g. cut short by a kill)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 class ProgressBar(Callback):
@@ -74,6 +107,9 @@ class ProgressBar(Callback):
     def on_train_end(self, engine: Engine) -> None:
         self.bar.close()
 
+    def on_train_error(self, engine: Engine, error: BaseException) -> None:
+        self.bar.close()  # so that the error is printed on a line of its own
+
 
 class TensorBoardMetrics(Callback):
     """Scalars under ``<output_dir>/runs`` (needs the tensorboard package)."""
@@ -84,7 +120,9 @@ class TensorBoardMetrics(Callback):
     def on_train_begin(self, engine: Engine) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.log_dir)) if engine.ctx.is_main else None
+        # events an earlier (crashed) run logged after this run's start step are dropped, as in metrics.jsonl
+        purge = engine.state.step + 1
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=purge) if engine.ctx.is_main else None
 
     def on_log(self, engine: Engine, logs: dict) -> None:
         if self.writer:
@@ -99,6 +137,9 @@ class TensorBoardMetrics(Callback):
     def on_train_end(self, engine: Engine) -> None:
         if self.writer:
             self.writer.close()
+
+    def on_train_error(self, engine: Engine, error: BaseException) -> None:
+        self.on_train_end(engine)  # what was logged reaches the event file
 
 
 class WandbMetrics(Callback):

@@ -2,14 +2,19 @@
 
 A checkpoint is a directory ``checkpoint-<step>`` holding the model (or, with LoRA, only the trainable
 adapter weights) and optimizer state in ``torch.distributed.checkpoint`` format (each rank writes its
-own shards; loading re-shards), ``trainer_state.json`` (step, data position, scheduler, the config
-fingerprint) and one ``rng-<rank>.pt`` of tensors per rank. It is written under ``.tmp-checkpoint-<step>``
-and renamed when complete: a kill during a save leaves only a temporary directory, which resume never
-picks and the next save deletes. The last ``save_total_limit`` checkpoints are kept.
+own shards; loading re-shards), ``trainer_state.json`` (step, data position, scheduler, and under
+``"config"`` the run's config as given: the fingerprint a resume is checked against) and one
+``rng-<rank>.pt`` of tensors per rank. It is written under ``.tmp-checkpoint-<step>`` and renamed when
+complete: a kill during a save leaves only a temporary directory, which resume never picks and the next
+save deletes; a disk that fills during a save is a one-line ``DiskFullError``, the partial directory
+removed. The last ``save_total_limit`` checkpoints are kept, and besides them the newest one that a
+finite step has followed, until the run ends: a checkpoint saved just before a run diverges may hold the
+weights that diverge, and must not be the only one left.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -20,12 +25,51 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fastalign.train.distributed import DistributedContext
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+#: Where the trainer state keeps the run's config (a dict of ``TrainConfig`` fields, as given).
+CONFIG_KEY = "config"
+
+
+class DiskFullError(OSError, ValueError):
+    """The disk (or quota) filled while writing a checkpoint or the export; what was half written is
+    removed. Also a ValueError, so ``fastalign train`` prints it as one line."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose tensors do not fit the model (and optimizer) being trained."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is, wraps or was caused by an out-of-space ``OSError`` (ENOSPC, EDQUOT), also
+    inside a ``CheckpointException`` (how ``torch.distributed.checkpoint`` reports a rank's failure)."""
+    stack, seen = [error], set()
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(current, CheckpointException):
+            stack.extend(failure for failure, _ in current.failures.values())
+        stack.extend((current.__cause__, current.__context__))
+    return False
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step in a ``checkpoint-<step>`` name, else None."""
+    match = _NAME.match(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -35,6 +79,18 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
     return [path for _, path in sorted(found)]
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """A checkpoint's ``trainer_state.json`` (step, position, scheduler, config), read without its tensors."""
+    file = Path(path) / TRAINER_STATE
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"checkpoint {Path(path)} cannot be read: {file.name}: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("step"), int):
+        raise ValueError(f"checkpoint {Path(path)} cannot be read: {file.name} holds no step")
+    return data
 
 
 def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str | Path) -> Path | None:
@@ -88,24 +144,54 @@ def save_checkpoint(
     """Write ``checkpoint-<step>`` atomically (every rank calls this); returns its path."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
+    try:
+        if ctx.is_main:
+            for stale in root.glob(".tmp-checkpoint-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier(ctx)
+        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        _quiet_dcp(dcp.save, {"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / f"rng-{ctx.rank}.pt")
+        _barrier(ctx)
+        if ctx.is_main:
+            _write_json(tmp / TRAINER_STATE, trainer_state)
+            _fsync_dir(tmp)
+    except BaseException as error:
+        if not is_disk_full(error):
+            raise  # a kill or another failure: the temporary directory stays, never picked, deleted next save
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = list_checkpoints(root)
+        raise DiskFullError(
+            f"no space left on device while writing checkpoint-{step} in {root}: the partial checkpoint was "
+            f"removed; {f'the last complete one is {kept[-1].name}' if kept else 'no checkpoint was saved'}"
+        ) from None
     if ctx.is_main:
-        for stale in root.glob(".tmp-checkpoint-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(ctx)
-    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    _quiet_dcp(dcp.save, {"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng-{ctx.rank}.pt")
-    _barrier(ctx)
-    if ctx.is_main:
-        _write_json(tmp / TRAINER_STATE, trainer_state)
-        _fsync_dir(tmp)
         os.replace(tmp, final)
         _fsync_dir(root)
-        for old in list_checkpoints(root)[:-save_total_limit]:
+        for old in _beyond_limit(list_checkpoints(root), save_total_limit, step):
             shutil.rmtree(old)
     _barrier(ctx)
     return final
+
+
+def prune_checkpoints(output_dir: str | Path, save_total_limit: int, ctx: DistributedContext) -> None:
+    """Keep only the last ``save_total_limit`` checkpoints (at the end of a run that finished)."""
+    if ctx.is_main:
+        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+            shutil.rmtree(old)
+    _barrier(ctx)
+
+
+def _beyond_limit(checkpoints: list[Path], limit: int, step: int) -> list[Path]:
+    """The checkpoints a save at ``step`` prunes: all but the last ``limit``, except that while none of
+    those has been followed by a finite step (with ``limit`` 1: the one just saved), the newest of the
+    others stays too: a run that diverges on its next step leaves a checkpoint that trains on."""
+    old, kept = checkpoints[:-limit], checkpoints[-limit:]
+    if old and all((checkpoint_step(path) or 0) >= step for path in kept):
+        old = old[:-1]
+    return old
 
 
 def load_checkpoint(
@@ -115,7 +201,13 @@ def load_checkpoint(
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
-    _quiet_dcp(dcp.load, state, checkpoint_id=str(path))
+    try:
+        _quiet_dcp(dcp.load, state, checkpoint_id=str(path))
+    except CheckpointException as error:
+        reasons = {
+            str(failure).strip().splitlines()[0] for failure, _ in error.failures.values() if str(failure)
+        }
+        raise CheckpointMismatchError("; ".join(sorted(reasons)) or type(error).__name__) from None
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
         options=_OPTIONS,

@@ -43,7 +43,7 @@ class TrainConfig:
     assistant_only_loss: bool = False
 
     # schedule
-    max_steps: int = -1  # > 0 overrides num_train_epochs
+    max_steps: int = -1  # > 0 overrides num_train_epochs; -1: train num_train_epochs (0 is an error)
     num_train_epochs: float = 1.0
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
@@ -53,11 +53,11 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # > 0 (clip_grad_norm_ with 0 would zero every gradient)
     lr_scheduler_type: str = "cosine"  # constant, linear, cosine (each after warmup)
     warmup_ratio: float = 0.0
     warmup_steps: int = 0  # > 0 overrides warmup_ratio
-    seed: int = 42
+    seed: int = 42  # in [0, 2**32), as numpy and transformers' set_seed take
 
     # precision and memory
     bf16: bool = False
@@ -93,7 +93,9 @@ class TrainConfig:
     undesirable_weight: float = 1.0  # kto
 
     # grpo / rloo (TRL's GRPOConfig / RLOOConfig)
-    reward_funcs: list[str] = field(default_factory=list)  # import paths "module:function" or built-ins
+    reward_funcs: list[str] = field(default_factory=list)  # built-ins, or import paths "module:function" /
+    # "path/file.py:function": the module or file is imported (its code runs) when the run starts, so name
+    # only code you trust; nothing else is imported, and a missing function is an error naming the file
     reward_weights: list[float] | None = None
     num_generations: int = 8  # completions per prompt; per_device_train_batch_size counts completions
     max_completion_length: int = 256
@@ -116,6 +118,8 @@ class TrainConfig:
     save_steps: int = 0  # 0: only the final model
     save_total_limit: int = 2
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir
+    overwrite_output_dir: bool = False  # a non-empty output_dir is refused unless resuming; true: one that
+    # holds a fastalign run (fastalign_config.yaml) is emptied, all of it, once the new run has loaded
     report_to: list[str] = field(default_factory=list)  # "tensorboard", "wandb"
     loss_curve_png: bool = True  # write <output_dir>/loss_curve.png at the end (needs matplotlib)
 
@@ -139,27 +143,65 @@ _POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradi
 #: What picks within a Hub model or dataset: a name (or null, the default, where allowed), never blank.
 _NOT_BLANK = ("model_revision", "dataset_config", "dataset_train_split", "dataset_test_split",
               "dataset_revision")  # fmt: skip
-#: (key, test, what the test asks): checks of single values after coercion.
+
+
+def _finite(value: object) -> bool:
+    """Whether a number (or each number of a list) is finite; None (a default left unset) is."""
+    if isinstance(value, list):
+        return all(_finite(item) for item in value)
+    return not isinstance(value, (int, float)) or math.isfinite(value)
+
+
+def _takes_floats(kind: Any) -> bool:
+    """Whether a field type is float, an optional float or a list of floats."""
+    return kind is float or any(_takes_floats(arg) for arg in typing.get_args(kind))
+
+
+#: Every float field (float, float | None, list[float]): ``.inf`` is a valid YAML float but no valid value.
+_FLOATS = tuple(name for name, kind in typing.get_type_hints(TrainConfig).items() if _takes_floats(kind))
+#: (key, test, what the test asks): checks of single values after coercion, each naming its key. Every
+#: numeric field has one (tests/reliability/test_config_inputs.py checks that none is left out).
 _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    *((key, _finite, "a finite number") for key in _FLOATS),
     *((key, lambda value: value > 0, "positive") for key in _POSITIVE),
+    ("max_steps", lambda value: value > 0 or value == -1, "positive, or -1 to train num_train_epochs"),
+    ("num_train_epochs", lambda value: value >= 0, "non-negative"),
     ("save_total_limit", lambda value: value >= 1, "at least 1"),
     ("warmup_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
+    ("warmup_steps", lambda value: value >= 0, "non-negative (0: warmup_ratio decides)"),
     ("eval_split_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
+    ("weight_decay", lambda value: value >= 0, "non-negative"),
+    ("adam_beta1", lambda value: 0 <= value < 1, "in [0, 1)"),
+    ("adam_beta2", lambda value: 0 <= value < 1, "in [0, 1)"),
+    ("adam_epsilon", lambda value: value > 0, "positive"),
+    ("max_grad_norm", lambda value: value > 0, "positive (clipping to 0 would zero every gradient)"),
+    ("seed", lambda value: 0 <= value < 2**32, "in [0, 2**32)"),
     *((key, lambda value: value is None or value.strip() != "", "a non-empty string") for key in _NOT_BLANK),
     ("lr_scheduler_type", lambda value: value in LR_SCHEDULERS, f"one of {', '.join(LR_SCHEDULERS)}"),
     ("lora_r", lambda value: value > 0, "positive"),
+    ("lora_alpha", lambda value: value > 0, "positive"),
+    ("lora_dropout", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("quantization", lambda value: value in (None, "nf4", "fp4"), "nf4, fp4 or null"),
     ("num_generations", lambda value: value >= 2, "at least 2 (advantages compare completions)"),
     ("max_completion_length", lambda value: value > 0, "positive"),
     ("max_prompt_length", lambda value: value is None or value > 0, "positive or null"),
     ("temperature", lambda value: value > 0, "positive"),
     ("top_p", lambda value: 0 < value <= 1, "in (0, 1]"),
+    ("epsilon", lambda value: value >= 0, "non-negative"),
+    ("epsilon_high", lambda value: value is None or value >= 0, "non-negative or null"),
+    ("delta", lambda value: value is None or value > 1, "greater than 1 or null"),
     ("num_iterations", lambda value: value >= 1, "at least 1"),
     ("steps_per_generation", lambda value: value is None or value >= 1, "at least 1 or null"),
     ("ref_model_sync_steps", lambda value: value >= 1, "at least 1"),
     ("ref_model_mixup_alpha", lambda value: 0 <= value <= 1, "in [0, 1]"),
     ("beta", lambda value: value is None or value >= 0, "non-negative or null"),
+    ("loss_weights", lambda value: value is None or min(value, default=0) >= 0, "non-negative or null"),
     ("label_smoothing", lambda value: 0 <= value < 0.5, "in [0, 0.5)"),
+    ("cpo_alpha", lambda value: value >= 0, "non-negative"),
+    ("simpo_gamma", lambda value: value >= 0, "non-negative"),
+    ("desirable_weight", lambda value: value > 0, "positive"),
+    ("undesirable_weight", lambda value: value > 0, "positive"),
+    ("reward_weights", lambda value: value is None or any(value), "null or a list with a non-zero weight"),
     ("scale_rewards", lambda value: value in SCALE_REWARDS, f"one of {', '.join(SCALE_REWARDS)}"),
     (
         "advantage_estimator",
@@ -167,6 +209,8 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         f"one of {', '.join(ADVANTAGE_ESTIMATORS)}",
     ),
     ("importance_sampling_level", lambda value: value in ("token", "sequence"), "one of token, sequence"),
+    ("eval_steps", lambda value: value >= 0, "non-negative (0: no evaluation during training)"),
+    ("save_steps", lambda value: value >= 0, "non-negative (0: only the final model)"),
     ("report_to", lambda value: set(value) <= set(REPORT_TO), f"a list of {', '.join(REPORT_TO)}"),
 )
 
@@ -220,6 +264,31 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
         raise
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: object, first: int, second: int) -> None:
+        super().__init__(key, first, second)
+        self.key, self.first, self.second = key, first, second
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping naming a key twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[object, int] = {}
+        for key_node, _ in node.value:  # the keys as written, before merges (``<<``) are flattened in
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in lines:
+                    raise _DuplicateKey(key, lines[key], line)
+                lines[key] = line
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                pass
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path) -> dict[str, object]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -227,7 +296,12 @@ def _read_yaml(path: Path) -> dict[str, object]:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         raise ConfigError(f"cannot read config {path}: {reason}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except _DuplicateKey as error:
+        raise ConfigError(
+            f"config key {error.key!r} is set twice in {path}, at line {error.first} and line {error.second} "
+            "(YAML would keep the last silently); keep one"
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -342,6 +416,12 @@ def _describe(kind: Any, plural: bool = False) -> str:
     return many if plural else singular
 
 
+def check_config(config: TrainConfig) -> None:
+    """The value checks of ``load_config`` for a config built in code (``TrainConfig(...)`` skips them):
+    a one-line ``ConfigError`` naming the first key whose value cannot work."""
+    _check(config, {})
+
+
 def _check(config: TrainConfig, where: dict[str, str]) -> None:
     """Values that have the right type but cannot work, named with where they were set."""
     for key, test, wanted in _VALUE_CHECKS:
@@ -354,6 +434,13 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
         raise ConfigError(
             f"config key 'quantization'{at} freezes the base weights in 4 bits: it needs use_peft: true "
             "(QLoRA trains LoRA adapters on them)"
+        )
+    bound = "epsilon_high" if config.epsilon_high is not None else "epsilon"  # as GRPOLoss clips
+    if config.delta is not None and config.delta <= 1 + getattr(config, bound):
+        at = f" ({where['delta']})" if "delta" in where else ""
+        raise ConfigError(
+            f"config key 'delta'{at} must exceed 1 + {bound} ({1 + getattr(config, bound)!r}), got "
+            f"{config.delta!r}: it caps the importance ratio above the clipping range"
         )
     if config.max_steps <= 0 and config.num_train_epochs <= 0:
         got = ", ".join(

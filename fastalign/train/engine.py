@@ -5,6 +5,11 @@ generating completions); the loss-term count of all of them on all ranks (so eac
 its share of the accumulated batch's mean: exact gradient accumulation); forward and backward of each
 (gradient sync only on the last under FSDP2); a non-finite check; clipping; optimizer and scheduler
 step. The objective's metrics are summed like its loss, so they too are means over the whole step.
+
+A run that diverges ends with a one-line ``NonFiniteLossError`` (a ValueError) naming a checkpoint that
+trains on: weights that are not finite are never saved, and the checkpoint holding the weights that gave
+a non-finite loss is set aside as ``checkpoint-<step>.diverged`` (``resume_from_checkpoint: latest``
+would only diverge again). A run that collapses (loss ln V, gradient norm 0) trains on, with a warning.
 Logging, evaluation and checkpointing are callbacks
 (``fastalign.train.callbacks``), so users add behaviour without editing the loop.
 """
@@ -13,9 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import shutil
 import time
+import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -27,8 +35,9 @@ from fastalign.train.metrics import peak_memory_gib
 from fastalign.train.objectives.base import Objective
 
 
-class NonFiniteLossError(RuntimeError):
-    """A step produced a NaN/inf loss or gradient; no optimizer step was taken."""
+class NonFiniteLossError(RuntimeError, ValueError):
+    """A step produced a NaN/inf loss or gradient (no optimizer step was taken), or the weights became
+    non-finite (they were not saved). A ValueError too: ``fastalign train`` prints it as one line."""
 
 
 @dataclass
@@ -46,7 +55,10 @@ class TrainerState:
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainerState:
-        return cls(**{**data, "position": BatchPosition(**data["position"])})
+        known = {f.name for f in fields(cls)}  # a checkpoint also holds the run's config
+        return cls(
+            **{**{k: v for k, v in data.items() if k in known}, "position": BatchPosition(**data["position"])}
+        )
 
 
 class Callback:
@@ -59,6 +71,8 @@ class Callback:
     def on_evaluate(self, engine: Engine, metrics: dict) -> None: ...
     def on_save(self, engine: Engine, path: Path) -> None: ...
     def on_train_end(self, engine: Engine) -> None: ...
+    def on_train_error(self, engine: Engine, error: BaseException) -> None:
+        """The run ends with ``error`` (raised on after the callbacks): close what is open."""
 
 
 @dataclass
@@ -90,6 +104,7 @@ class Engine:
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
         autocast_dtype: torch.dtype | None = None,
+        run_config: dict | None = None,
     ):
         self.model, self.objective, self.optimizer, self.scheduler = model, objective, optimizer, scheduler
         self.batches, self.schedule, self.ctx = batches, schedule, ctx
@@ -97,8 +112,10 @@ class Engine:
         self.eval_batches, self.callbacks = list(eval_batches), list(callbacks)
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.autocast_dtype = autocast_dtype  # single-process bf16: fp32 weights, bf16 matmuls
+        self.run_config = run_config  # saved in each checkpoint: what a resume is checked against
         self.state = TrainerState()
         self.should_stop = False
+        self._warned_collapse = False
         self._reset_window()
 
     # ---------------------------------------------------------------------------------------------
@@ -108,9 +125,18 @@ class Engine:
         self.scheduler.load_state_dict(self.state.scheduler)
 
     def save(self) -> Path:
+        """``checkpoint-<step>``, unless the weights are not finite (then ``NonFiniteLossError``)."""
+        if not self._weights_finite():
+            raise NonFiniteLossError(
+                f"step {self.state.step}: the weights are not finite after the optimizer step, so they were "
+                f"not saved as checkpoint-{self.state.step}; {self._last_good_checkpoint()}"
+            )
         self.state.scheduler = self.scheduler.state_dict()
+        trainer_state = self.state.to_dict()
+        if self.run_config is not None:
+            trainer_state[checkpoint.CONFIG_KEY] = self.run_config
         path = checkpoint.save_checkpoint(
-            self.output_dir, self.state.step, self.model, self.optimizer, self.state.to_dict(), self.ctx,
+            self.output_dir, self.state.step, self.model, self.optimizer, trainer_state, self.ctx,
             self.schedule.save_total_limit,
         )  # fmt: skip
         self._call("on_save", path)
@@ -119,16 +145,24 @@ class Engine:
     def train(self) -> TrainerState:
         self.model.train()
         self._call("on_train_begin")
-        while self.state.step < self.schedule.max_steps and not self.should_stop:
-            metrics = self.train_step()
-            self._call("on_step_end", metrics)
-            step = self.state.step
-            if step % self.schedule.logging_steps == 0 or step == self.schedule.max_steps:
-                self._log()
-            if self.schedule.eval_steps and step % self.schedule.eval_steps == 0 and self.eval_batches:
-                self.evaluate()
-            if self.schedule.save_steps and step % self.schedule.save_steps == 0:
-                self.save()
+        try:
+            while self.state.step < self.schedule.max_steps and not self.should_stop:
+                metrics = self.train_step()
+                self._call("on_step_end", metrics)
+                step = self.state.step
+                if step % self.schedule.logging_steps == 0 or step == self.schedule.max_steps:
+                    self._log()
+                if self.schedule.eval_steps and step % self.schedule.eval_steps == 0 and self.eval_batches:
+                    self.evaluate()
+                if self.schedule.save_steps and step % self.schedule.save_steps == 0:
+                    self.save()
+        except BaseException as error:
+            for callback in self.callbacks:
+                with contextlib.suppress(Exception):  # the error that ended the run is the one to report
+                    callback.on_train_error(self, error)
+            raise
+        if self.schedule.save_steps:  # the run did not diverge: the last save_total_limit are enough
+            checkpoint.prune_checkpoints(self.output_dir, self.schedule.save_total_limit, self.ctx)
         self._call("on_train_end")
         return self.state
 
@@ -161,9 +195,10 @@ class Engine:
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(
-                f"step {self.state.step + 1}: loss {loss_value}, gradient norm {grad_norm}; stopped without "
-                f"updating the model. The last good checkpoint is {self._latest_checkpoint()}"
+                f"step {self.state.step + 1}: loss {loss_value}, gradient norm {grad_norm}: not finite; "
+                f"stopped without updating the model; {self._set_aside_diverged()}"
             )
+        self._warn_if_collapsed(loss_value, grad_norm)
         learning_rate = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -260,9 +295,58 @@ class Engine:
         if self.ctx.enabled and hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(enabled)
 
-    def _latest_checkpoint(self) -> str:
-        found = checkpoint.list_checkpoints(self.output_dir)
-        return str(found[-1]) if found else "none (no checkpoint was saved yet)"
+    def _last_good_checkpoint(self) -> str:
+        """The newest checkpoint before this step's weights, in words: its weights gave finite steps."""
+        found = [p for p in checkpoint.list_checkpoints(self.output_dir)
+                 if (checkpoint.checkpoint_step(p) or 0) < self.state.step]  # fmt: skip
+        if found:
+            return f"the last good checkpoint is {found[-1]} (resume_from_checkpoint: latest picks it)"
+        return (
+            f"no checkpoint from before step {self.state.step + 1} is left to resume from: start again, e.g. "
+            "with a lower learning_rate"
+        )
+
+    def _set_aside_diverged(self) -> str:
+        """A checkpoint of the current weights (saved after the last step) holds the weights that just gave
+        a non-finite loss: renamed ``checkpoint-<step>.diverged``, so that ``latest`` never resumes it.
+        Returns the sentence that names it and the last good checkpoint."""
+        diverged = self.output_dir / f"checkpoint-{self.state.step}"
+        said = ""
+        if self.state.step > 0 and (diverged / checkpoint.TRAINER_STATE).is_file():
+            aside = diverged.with_name(f"{diverged.name}.diverged")
+            if self.ctx.is_main:
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(diverged, aside)
+            said = f"{diverged.name} holds the weights that gave it (set aside as {aside.name}); "
+        return said + self._last_good_checkpoint()
+
+    def _weights_finite(self) -> bool:
+        """Whether every trainable weight is finite, on every rank (each checks its own shards)."""
+        bad = 0
+        with torch.no_grad():
+            for parameter in self._trainable():
+                local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+                if not bool(torch.isfinite(local).all()):
+                    bad = 1
+                    break
+        return int(all_reduce_sum(bad, self.ctx)) == 0
+
+    def _warn_if_collapsed(self, loss: float, grad_norm: float) -> None:
+        """Once per run: a zero gradient at loss ln V (V the vocabulary) is a model that predicts the
+        uniform distribution and no longer learns (e.g. weights decayed or driven to zero)."""
+        if self._warned_collapse or grad_norm != 0.0:
+            return
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 2 or abs(loss - math.log(vocab)) > 1e-3 * math.log(vocab):
+            return
+        self._warned_collapse = True
+        if self.ctx.is_main:
+            warnings.warn(
+                f"step {self.state.step + 1}: loss {loss:.4f} = ln {vocab} (uniform over the vocabulary) and "
+                f"gradient norm 0: the run has collapsed and no longer learns; check learning_rate, "
+                f"weight_decay and the data",
+                UserWarning, stacklevel=3,
+            )  # fmt: skip
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

@@ -108,7 +108,7 @@ def load_model_and_tokenizer(
         elif quantization is not None:
             model = load_4bit_model(path, quantization, device=device)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False
@@ -119,12 +119,55 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The checkpoint's own tokenizer. Where its tokenizer_config.json names transformers 5's generic
     fast tokenizer (``TokenizersBackend``, what ``save_pretrained`` writes for one), that class is used:
     ``AutoTokenizer`` swaps it for the model type's class for some types (qwen2), which pre-tokenizes
-    differently and adds tokens past the embedding (a saved run would reload with another tokenizer)."""
+    differently and adds tokens past the embedding (a saved run would reload with another tokenizer).
+
+    A directory without a vocabulary is an error, never a stand-in: transformers builds an empty tokenizer
+    for some model types (qwen2: one token, every text becomes EOS, and training runs on nothing). So the
+    files must be there, and the tokenizer loaded from them must encode a probe text into ordinary tokens;
+    each failure is one ValueError line naming the directory."""
+    vocabularies = [
+        name
+        for pattern in _TOKENIZER_FILES
+        for name in sorted(file.name for file in path.glob(pattern) if file.is_file())
+    ]
+    if not vocabularies:
+        present = sorted(file.name for file in path.iterdir())
+        shown = ", ".join(present[:8]) + (f", ... ({len(present)} files)" if len(present) > 8 else "")
+        raise ValueError(
+            f"model directory {path} has no tokenizer files: it needs tokenizer.json, or "
+            "tokenizer_config.json with the vocabulary (tokenizer.model, vocab.json + merges.txt, "
+            f"vocab.txt or *.tiktoken); it holds {shown or 'nothing'}"
+        )
     config_file = path / "tokenizer_config.json"
-    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if declared == "TokenizersBackend" and (path / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        declared = (
+            json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+        )
+        if declared == "TokenizersBackend" and (path / "tokenizer.json").is_file():
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, AttributeError, KeyError) as error:
+        raise ValueError(
+            f"the tokenizer in model directory {path} ({', '.join(vocabularies)}) cannot be loaded: "
+            f"{_one_line(error)}"
+        ) from None
+    try:  # the tokenizers library raises a bare Exception for a vocabulary it cannot encode with
+        probe = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    except Exception as error:
+        probe = f"an error ({_one_line(error)})"
+    if len(tokenizer) < 2 or isinstance(probe, str) or not set(probe) - set(tokenizer.all_special_ids):
+        raise ValueError(
+            f"the tokenizer in model directory {path} ({', '.join(vocabularies)}) is empty or broken: "
+            f"{len(tokenizer)} tokens, and {_TOKENIZER_PROBE!r} encodes to {probe}, no ordinary token; "
+            "its vocabulary files are missing or damaged"
+        )
+    return tokenizer
+
+
+#: Files that hold a tokenizer's vocabulary (tokenizer_config.json alone holds none).
+_TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
+_TOKENIZER_PROBE = "Hello world, the model learns."
 
 
 def _dtype(quantization: QuantOptions | None) -> torch.dtype:
@@ -189,7 +232,9 @@ def load_dataset_rows(
         )
     from fastalign.data import load_rows
 
-    return list(load_rows(name_or_path))
+    # ``Rows``: plain dicts as written in the files (JSON parsed as is, Parquet as its schema types it),
+    # each row's file and line kept for the tokenizers' error messages.
+    return load_rows(name_or_path)
 
 
 def _hub_dataset_rows(

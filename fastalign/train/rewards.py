@@ -9,6 +9,12 @@ does not apply to that sample; it becomes NaN, which ``fastalign.ops.combine_rew
 
 A spec in ``reward_funcs`` is a built-in name (``exact_match``, ``regex:<pattern>``, ...), an import path
 ``package.module:function``, a file ``path/to/file.py:function``, or a callable.
+
+Reward files are code: resolving ``package.module:function`` imports that module, and
+``path/file.py:function`` runs that file (relative to the current directory), whether or not it defines
+``function``, as TRL's ``reward_funcs`` does. Name only code you trust. The spec is checked before anything
+runs, and nothing but the named module (with its packages, as Python imports it) or file is imported: a
+spec naming a file that is not ``.py`` (``rewards.txt:f``) is an error, not an import of package ``rewards``.
 """
 
 from __future__ import annotations
@@ -229,18 +235,36 @@ def _resolve(spec: object) -> RewardFunction:
     )
 
 
+def _dotted_name(text: str) -> bool:
+    """Whether ``text`` is a dotted Python name (``pkg.module``, ``Class.method``)."""
+    return all(part.isidentifier() for part in text.split("."))
+
+
 def _import(spec: str) -> RewardFunction:
-    """The function named by ``module:function`` or ``file.py:function`` (``function`` may be dotted)."""
+    """The function named by ``module:function`` or ``file.py:function`` (``function`` may be dotted).
+    The spec is checked first; only then is the one module or file it names imported (run)."""
     location, _, attribute = spec.rpartition(":")
     if not location or not attribute:
         raise ValueError(f"reward_funcs: {spec!r} is not an import path 'module:function'")
-    module = _load_file(spec, location) if location.endswith(".py") else _load_module(spec, location)
+    if not _dotted_name(attribute):
+        raise ValueError(f"reward_funcs: {spec!r}: {attribute!r} is not a function name")
+    is_file = location.endswith(".py")
+    if not is_file and Path(location).expanduser().is_file():  # rewards.txt: never import package `rewards`
+        raise ValueError(f"reward_funcs: {spec!r}: file {location!r} is not a Python file (.py)")
+    if not is_file and not _dotted_name(location):
+        raise ValueError(
+            f"reward_funcs: {spec!r}: {location!r} is neither a Python file (path/file.py) nor a module "
+            "name (package.module)"
+        )
+    module = _load_file(spec, location) if is_file else _load_module(spec, location)
+    what = f"file {location!r}" if is_file else f"module {location!r}"
     target: object = module
-    for part in attribute.split("."):
+    for depth, part in enumerate(attribute.split(".")):
         if not hasattr(target, part):
             close = difflib.get_close_matches(part, [n for n in dir(target) if not n.startswith("_")], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"reward_funcs: {spec!r}: {location!r} has no attribute {part!r}{hint}")
+            owner = what if depth == 0 else repr(".".join(attribute.split(".")[:depth]))
+            raise ValueError(f"reward_funcs: {spec!r}: {owner} has no attribute {part!r}{hint}")
         target = getattr(target, part)
     if not callable(target):
         raise ValueError(f"reward_funcs: {spec!r} is not callable (type {type(target).__name__})")
@@ -253,16 +277,17 @@ def _load_module(spec: str, name: str) -> object:
     except ModuleNotFoundError as error:
         if error.name and (name == error.name or name.startswith(f"{error.name}.")):
             raise ValueError(f"reward_funcs: {spec!r}: no module named {error.name!r}") from None
-        raise ValueError(f"reward_funcs: {spec!r}: importing {name!r} failed: {error}") from error
-    except Exception as error:
+        raise ValueError(f"reward_funcs: {spec!r}: importing {name!r} failed: {_one_line(error)}") from error
+    except (Exception, SystemExit) as error:  # SystemExit: a module that calls exit() when imported
         raise ValueError(
-            f"reward_funcs: {spec!r}: importing {name!r} raised {type(error).__name__}: {error}"
+            f"reward_funcs: {spec!r}: importing {name!r} raised {type(error).__name__}: {_one_line(error)}"
         ) from error
 
 
 def _load_file(spec: str, location: str) -> object:
     """The module of a Python file, registered in ``sys.modules`` under a name made from its path (so the
-    file can use dataclasses and the like), never shadowing a real module."""
+    file can use dataclasses and the like), never shadowing a real module. Running the file is the only
+    code this executes: its directory is not put on ``sys.path``."""
     path = Path(location).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"reward_funcs: {spec!r}: file {location!r} not found")
@@ -276,10 +301,11 @@ def _load_file(spec: str, location: str) -> object:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # SystemExit: a file that calls exit() when run
         del sys.modules[name]
         raise ValueError(
-            f"reward_funcs: {spec!r}: loading {location!r} raised {type(error).__name__}: {error}"
+            f"reward_funcs: {spec!r}: loading file {location!r} raised {type(error).__name__}: "
+            f"{_one_line(error)}"
         ) from error
     return module
 

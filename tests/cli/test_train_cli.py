@@ -129,5 +129,17 @@ def test_train_sft_from_config_with_overrides(tmp_path, capsys):
 
 def test_a_missing_dataset_exits_2_naming_it(tmp_path, capsys):
     """The real ``run_sft``: a bad data path is a ValueError, printed as one line."""
-    assert main(["train", "sft", "--dataset_name", str(tmp_path / "nope.jsonl")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "sft",
+                "--dataset_name",
+                str(tmp_path / "nope.jsonl"),
+                "--output_dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 2
+    )
     assert "nope.jsonl" in one_error_line(capsys)

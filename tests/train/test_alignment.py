@@ -237,13 +237,17 @@ def run_cli(tmp_path, capsys, objective: str, *flags: str) -> str:
 def test_a_preference_row_without_rejected_is_named(tmp_path, capsys):
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n{"prompt": "a", "chosen": " b"}\n')
-    assert "row 1: missing 'rejected'" in run_cli(tmp_path, capsys, "dpo", "--dataset_name", str(data))
+    assert "pairs.jsonl line 2: missing 'rejected'" in run_cli(
+        tmp_path, capsys, "dpo", "--dataset_name", str(data)
+    )
 
 
 def test_a_kto_label_that_is_not_a_boolean_is_named(tmp_path, capsys):
     data = tmp_path / "kto.jsonl"
     data.write_text('{"prompt": "a", "completion": " b", "label": "yes"}\n')
-    assert "row 0: 'label' must be a bool" in run_cli(tmp_path, capsys, "kto", "--dataset_name", str(data))
+    assert "kto.jsonl line 1: 'label' must be a bool" in run_cli(
+        tmp_path, capsys, "kto", "--dataset_name", str(data)
+    )
 
 
 def test_a_missing_reward_function_is_named(tmp_path, capsys):
@@ -271,7 +275,7 @@ def test_a_prompt_longer_than_the_limit_is_named(tmp_path, capsys):
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt": "' + "what is " * 40 + '", "chosen": " b", "rejected": " c"}\n')
     err = run_cli(tmp_path, capsys, "dpo", "--dataset_name", str(data), "--max_prompt_length", "8")
-    assert "row 0" in err and "max_prompt_length" in err
+    assert "pairs.jsonl line 1" in err and "max_prompt_length" in err
 
 
 def test_grpo_batch_size_must_hold_whole_groups(tmp_path, capsys):
