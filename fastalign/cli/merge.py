@@ -35,7 +35,7 @@ def _one_line_usage_error(message: str) -> typing.NoReturn:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from fastalign.train.export import merge_adapter
+    from fastalign.train.merge import merge_adapter
 
     try:
         dtype = getattr(torch, args.dtype) if args.dtype else None

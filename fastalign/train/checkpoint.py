@@ -156,7 +156,7 @@ def save_checkpoint(
         _barrier(ctx)
         if ctx.is_main:
             _write_json(tmp / TRAINER_STATE, trainer_state)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
     except BaseException as error:
         if not is_disk_full(error):
             raise  # a kill or another failure: the temporary directory stays, never picked, deleted next save
@@ -169,7 +169,7 @@ def save_checkpoint(
         ) from None
     if ctx.is_main:
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for old in _beyond_limit(list_checkpoints(root), save_total_limit, step):
             shutil.rmtree(old)
     _barrier(ctx)
@@ -228,7 +228,8 @@ def _write_json(path: Path, data: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries (a rename into it), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fastalign.patching import unpatch_model
-from fastalign.train.checkpoint import DiskFullError, is_disk_full
+from fastalign.train.checkpoint import DiskFullError, fsync_dir, is_disk_full
 from fastalign.train.distributed import DistributedContext
 
 #: Where an export is written before its files move into ``output_dir``.
@@ -66,7 +64,7 @@ def _move_into_place(staging: Path, output_dir: Path) -> None:
     names = sorted(path.name for path in staging.iterdir())
     for path in staging.rglob("*"):
         if path.is_file():
-            _fsync(path)
+            fsync_dir(path)
     for marker in MARKERS:  # from here until the new one lands, no loader takes output_dir for a model
         (output_dir / marker).unlink(missing_ok=True)
     for path in output_dir.iterdir():
@@ -77,15 +75,7 @@ def _move_into_place(staging: Path, output_dir: Path) -> None:
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         os.replace(staging / name, target)
-    _fsync(output_dir)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(output_dir)
 
 
 def _tied_head_key(model: torch.nn.Module) -> str | None:
@@ -97,192 +87,3 @@ def _tied_head_key(model: torch.nn.Module) -> str | None:
         return None
     prefix = "base_model.model." if base is not model else ""
     return prefix + next(name for name, module in base.named_modules() if module is head) + ".weight"
-
-
-def merge_adapter(
-    run_dir: str | Path, output_dir: str | Path | None = None, dtype: torch.dtype | None = None
-) -> Path:
-    """The run's LoRA adapter in ``run_dir`` merged into its base weights, saved in ``output_dir``
-    (default ``<run_dir>/merged``) for ``from_pretrained``, in ``dtype`` (default: the base
-    checkpoint's own dtype, fp32 for a built-in model).
-
-    The base is rebuilt as the run trained it (read from ``fastalign_config.yaml``): with QLoRA, the
-    4-bit weights, dequantized — the weights the adapter was trained against. The sum is formed in fp32
-    and rounded once, to ``dtype``: a typical LoRA update (~1e-4) is below bf16's rounding step for
-    weights of magnitude ~0.05, so adding it to bf16 weights in bf16 would lose most of what training
-    learned (on SmolLM2-135M a bf16 merge scored worse than the untrained model).
-
-    Every problem is a one-line ValueError naming the file: a missing run directory, adapter or
-    fastalign_config.yaml; an unreadable adapter; pickle weights (``adapter_model.bin``, or a base with
-    only ``pytorch_model.bin``), which are never unpickled (unpickling can run code); an adapter that
-    does not fit the base (another model's run). The merged model is written next to ``output_dir`` and
-    moved into place, so a failed merge leaves ``output_dir`` as it was."""
-    import peft
-
-    from fastalign.quant import dequantize_model
-    from fastalign.train.config import load_config
-    from fastalign.train.loading import load_model_and_tokenizer, resolve_model
-    from fastalign.train.policy import quant_options
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        problem = "is not a directory" if run_dir.exists() else "not found"
-        raise ValueError(f"run directory {run_dir} {problem}")
-    if not (run_dir / "adapter_config.json").is_file():
-        raise ValueError(f"{run_dir} holds no LoRA adapter (adapter_config.json): nothing to merge")
-    adapter_config = _merge_read_adapter_config(run_dir / "adapter_config.json")
-    weights = run_dir / "adapter_model.safetensors"
-    if not weights.is_file():
-        if (run_dir / "adapter_model.bin").exists():
-            raise ValueError(
-                f"{run_dir / 'adapter_model.bin'} is a pickle file: only adapter_model.safetensors is "
-                "loaded, never a pickle (unpickling can run code)"
-            )
-        raise ValueError(f"{weights} not found: the run directory has no adapter weights")
-    adapter_shapes = _merge_tensor_shapes(weights)
-    config_file = run_dir / "fastalign_config.yaml"
-    if not config_file.is_file():
-        raise ValueError(f"{config_file} not found: merge rebuilds the run's base model from it")
-    config = load_config(config_file)  # a ConfigError names the file and the key
-    output_dir = Path(output_dir) if output_dir is not None else run_dir / "merged"
-    if output_dir.resolve() == run_dir.resolve():
-        raise ValueError(f"output directory {output_dir} is the run directory: the merge would overwrite it")
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ValueError(f"output directory {output_dir} is a file")
-
-    try:
-        base_files = resolve_model(config.model_name_or_path, config.model_revision)
-    except ValueError as error:
-        raise ValueError(f"{config_file}: {error}") from None
-    declared = adapter_config.get("base_model_name_or_path")  # what peft saw (None for a built-in model)
-    if declared and not _merge_same_model(str(declared), config.model_name_or_path, base_files):
-        raise ValueError(
-            f"{run_dir / 'adapter_config.json'} names base model {declared!r}, but model_name_or_path in "
-            f"{config_file} is {config.model_name_or_path!r}: the adapter comes from another run"
-        )
-    if isinstance(base_files, Path) and not any(
-        (base_files / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")
-    ):
-        pickles = sorted(path.name for path in base_files.glob("*.bin"))
-        found = f" (it holds {', '.join(pickles)})" if pickles else ""
-        raise ValueError(
-            f"base model {base_files} (model_name_or_path in {config_file}) has no safetensors weights"
-            f"{found}: only safetensors are loaded, never pickle .bin files (unpickling can run code)"
-        )
-    try:
-        base, tokenizer = load_model_and_tokenizer(
-            config.model_name_or_path, quant_options(config), revision=config.model_revision
-        )
-    except (OSError, RuntimeError, SafetensorError) as error:
-        raise ValueError(
-            f"cannot load base model {config.model_name_or_path!r} (model_name_or_path in {config_file}): "
-            f"{_merge_first_line(error)}"
-        ) from None
-    dtype = dtype or checkpoint_dtype(base.config)
-    try:
-        model = peft.PeftModel.from_pretrained(base, run_dir)
-    except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as error:
-        raise ValueError(
-            f"adapter {weights} does not fit base model {config.model_name_or_path!r} (model_name_or_path "
-            f"in {config_file}): {_merge_first_line(error)}"
-        ) from None
-    expected = {key: tuple(value.shape) for key, value in peft.get_peft_model_state_dict(model).items()}
-    if expected != adapter_shapes:  # peft loads non-strictly: a missing tensor would stay untrained
-        missing = sorted(expected.keys() - adapter_shapes.keys())
-        extra = sorted(adapter_shapes.keys() - expected.keys())
-        what = f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which the base has no place for"
-        raise ValueError(
-            f"adapter {weights} does not fit base model {config.model_name_or_path!r} (model_name_or_path "
-            f"in {config_file}): it {what}"
-            f"{f' ({len(missing) + len(extra) - 1} more)' if len(missing) + len(extra) > 1 else ''}"
-        )
-    dequantize_model(model, torch.float32).to(torch.float32)
-    merged = model.merge_and_unload().to(dtype)
-    merged.config.use_cache = True
-    _merge_save(merged, tokenizer, output_dir)
-    return output_dir
-
-
-def _merge_read_adapter_config(path: Path) -> dict:
-    """A readable adapter_config.json (a JSON object), or a one-line ValueError naming it."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read {path}: {_merge_first_line(error)}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _merge_same_model(declared: str, name: str, files: Path | str) -> bool:
-    """Whether the base an adapter was saved with (peft's ``base_model_name_or_path``: the path training
-    loaded) is the model a run's config names (as given, or the local files it resolves to)."""
-    if declared in (name, str(files)):
-        return True
-    return isinstance(files, Path) and Path(declared).exists() and Path(declared).resolve() == files.resolve()
-
-
-def _merge_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name → shape of a safetensors file (its header only), or a one-line ValueError naming it."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-    except (OSError, SafetensorError) as error:
-        raise ValueError(f"cannot read safetensors file {path}: {_merge_first_line(error)}") from None
-
-
-def _merge_first_line(error: BaseException) -> str:
-    """The telling line of a library error: a size mismatch of ``load_state_dict``, else its first line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    return next((line for line in lines if line.startswith("size mismatch")), lines[0])
-
-
-def _merge_save(model, tokenizer, output_dir: Path) -> None:
-    """Save into a temporary sibling directory, then move it into ``output_dir``: renamed whole where
-    ``output_dir`` is new or empty; else file by file, ``config.json`` last (removed first, so no loader
-    takes a half-replaced model), an earlier merge's other weight shards removed and every other file
-    kept. A directory holding a LoRA adapter (another run) is refused. A failure is a ValueError and
-    leaves ``output_dir`` as it was."""
-    if (output_dir / "adapter_config.json").exists():
-        raise ValueError(
-            f"output directory {output_dir} holds a LoRA adapter (adapter_config.json): merging there would "
-            "mix it with a full model; choose another --output_dir"
-        )
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = output_dir.with_name(f".{output_dir.name}.merge-tmp")
-    shutil.rmtree(staging, ignore_errors=True)  # what a killed merge left
-    try:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        if output_dir.is_dir() and not any(output_dir.iterdir()):
-            output_dir.rmdir()
-        if not output_dir.exists():
-            os.replace(staging, output_dir)
-            return
-        names = sorted(path.name for path in staging.iterdir())
-        (output_dir / "config.json").unlink(missing_ok=True)
-        for path in output_dir.iterdir():
-            if _MERGED_WEIGHTS.match(path.name) and path.name not in names and path.is_file():
-                path.unlink()  # an earlier merge's other shards
-        for name in sorted(names, key=lambda name: name == "config.json"):
-            target = output_dir / name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(staging / name, target)
-    except OSError as error:
-        raise ValueError(f"cannot save the merged model to {output_dir}: {error.strerror or error}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-#: Weight files of a merged model (``save_pretrained``'s names, sharded or not).
-_MERGED_WEIGHTS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
-
-
-def checkpoint_dtype(config) -> torch.dtype:
-    """The dtype a checkpoint's config declares for its weights (``dtype``, or ``torch_dtype`` as older
-    configs name it); fp32 where it declares none."""
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(declared, str):
-        declared = getattr(torch, declared, None)
-    return declared if isinstance(declared, torch.dtype) else torch.float32
