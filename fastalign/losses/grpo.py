@@ -106,6 +106,12 @@ class GRPOLoss(nn.Module):
             cispo=loss_type == "cispo",
         )
 
+    @property
+    def uses_item_count(self) -> bool:
+        """Whether this loss type normalises by ``num_items_in_batch`` (the step's completion-token count
+        on all ranks: dapo, cispo); the others normalise per micro-batch and refuse one."""
+        return self.loss_type in ("dapo", "cispo")
+
     def _sequence_weights(self, mask: torch.Tensor, num_items_in_batch) -> torch.Tensor:
         """norm_b of every completion: loss = Σ_b norm_b Σ_t mask·loss_t."""
         batch = mask.shape[0]
@@ -179,6 +185,11 @@ class GRPOLoss(nn.Module):
         checks = validation.DeferredChecks()
         checks.binary_mask("completion_mask", completion_mask)
         checks.finite("advantages", advantages)
+        if num_items_in_batch is not None and not self.uses_item_count:
+            raise ValueError(
+                f"num_items_in_batch is used by loss_type 'dapo' and 'cispo' only; {self.loss_type!r} would "
+                "ignore it"
+            )
         if num_items_in_batch is not None:
             num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch)
             if isinstance(num_items_in_batch, torch.Tensor):

@@ -98,6 +98,7 @@ def test_matches_trl_formulas_fp32(backend, loss_type, level, beta, with_old):
     hidden, weight, ids, mask, advantages, old, ref = make_batch(torch.float32)
     epsilon_high = 1.4 if loss_type == "cispo" else 0.28
     options = dict(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=epsilon_high)
+    count = 40 if loss_type in ("dapo", "cispo") else None  # the step's token count: dapo/cispo only
     loss_fn = GRPOLoss(
         **options, importance_sampling_level=level, temperature=TEMPERATURE, max_completion_length=MAX_LEN,
         backend=backend,
@@ -111,11 +112,11 @@ def test_matches_trl_formulas_fp32(backend, loss_type, level, beta, with_old):
         advantages,
         old_per_token_logps=old,
         ref_per_token_logps=ref,
-        num_items_in_batch=40,
+        num_items_in_batch=count,
     )
     out.loss.backward()
     ref_loss, ref_metrics, ref_h, ref_w = trl_reference(
-        hidden, weight, ids, mask, advantages, old, ref, level=level, num_items_in_batch=40, **options
+        hidden, weight, ids, mask, advantages, old, ref, level=level, num_items_in_batch=count, **options
     )
     assert_close_to_reference("loss", out.loss.detach(), ref_loss.detach(), torch.float32)
     assert set(out.metrics) == set(ref_metrics)

@@ -477,3 +477,15 @@ def test_invalid_argument_is_a_one_line_value_error(call, culprit):
     with pytest.raises(ValueError) as error:
         call()
     assert_one_line_error(error.value, culprit)
+
+
+def test_grpo_loss_types_that_ignore_num_items_in_batch_refuse_it():
+    """grpo, bnpo and dr_grpo normalise per micro-batch: a step-wide count would be accepted but ignored."""
+    from fastalign.losses import GRPOLoss
+
+    for loss_type in ("grpo", "bnpo", "dr_grpo"):
+        assert not GRPOLoss(loss_type=loss_type, max_completion_length=3).uses_item_count
+    assert GRPOLoss(loss_type="dapo").uses_item_count and GRPOLoss(loss_type="cispo").uses_item_count
+    with pytest.raises(ValueError) as error:
+        _grpo(loss_options={"loss_type": "bnpo"}, num_items_in_batch=torch.tensor(7))
+    assert_one_line_error(error.value, "num_items_in_batch")

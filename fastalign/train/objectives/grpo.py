@@ -131,7 +131,7 @@ class GRPOObjective:
         mask = batch["completion_mask"]
         prompt_width = batch["input_ids"].shape[1] - mask.shape[1]
         completion_ids = batch["input_ids"][:, prompt_width:]
-        global_count = num_items_in_batch if self.loss.loss_type in ("dapo", "cispo") else None
+        global_count = num_items_in_batch if self.loss.uses_item_count else None
 
         def head(hidden, weight, bias):
             return self.loss(
