@@ -48,7 +48,7 @@ def export_model(model: torch.nn.Module, tokenizer, output_dir: str | Path, ctx:
     try:
         model.save_pretrained(staging, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        _move_into_place(staging, output_dir)
+        move_into_place(staging, output_dir)
     except BaseException as error:
         if not is_disk_full(error):
             raise
@@ -60,7 +60,11 @@ def export_model(model: torch.nn.Module, tokenizer, output_dir: str | Path, ctx:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _move_into_place(staging: Path, output_dir: Path) -> None:
+def move_into_place(staging: Path, output_dir: Path) -> None:
+    """Move a saved model or adapter from ``staging`` into ``output_dir`` (created if needed), fsynced,
+    so that no loader ever takes a half-replaced model: an earlier export's ``MARKERS`` are removed first
+    and the new ones land last, and an earlier export's weight files that this one lacks are removed."""
+    output_dir.mkdir(parents=True, exist_ok=True)
     names = sorted(path.name for path in staging.iterdir())
     for path in staging.rglob("*"):
         if path.is_file():

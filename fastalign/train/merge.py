@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from fastalign.train.export import move_into_place
 
 
 def merge_adapter(
@@ -152,11 +152,10 @@ def _merge_first_line(error: BaseException) -> str:
 
 
 def _merge_save(model, tokenizer, output_dir: Path) -> None:
-    """Save into a temporary sibling directory, then move it into ``output_dir``: renamed whole where
-    ``output_dir`` is new or empty; else file by file, ``config.json`` last (removed first, so no loader
-    takes a half-replaced model), an earlier merge's other weight shards removed and every other file
-    kept. A directory holding a LoRA adapter (another run) is refused. A failure is a ValueError and
-    leaves ``output_dir`` as it was."""
+    """Save into a temporary sibling directory, then move it into ``output_dir`` as the final export is
+    (``move_into_place``: ``config.json`` last, an earlier merge's other weight shards removed, every
+    other file kept). A directory holding a LoRA adapter (another run) is refused. A failure is a
+    ValueError and leaves ``output_dir`` loadable as it was."""
     if (output_dir / "adapter_config.json").exists():
         raise ValueError(
             f"output directory {output_dir} holds a LoRA adapter (adapter_config.json): merging there would "
@@ -168,29 +167,11 @@ def _merge_save(model, tokenizer, output_dir: Path) -> None:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        if output_dir.is_dir() and not any(output_dir.iterdir()):
-            output_dir.rmdir()
-        if not output_dir.exists():
-            os.replace(staging, output_dir)
-            return
-        names = sorted(path.name for path in staging.iterdir())
-        (output_dir / "config.json").unlink(missing_ok=True)
-        for path in output_dir.iterdir():
-            if _MERGED_WEIGHTS.match(path.name) and path.name not in names and path.is_file():
-                path.unlink()  # an earlier merge's other shards
-        for name in sorted(names, key=lambda name: name == "config.json"):
-            target = output_dir / name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(staging / name, target)
+        move_into_place(staging, output_dir)
     except OSError as error:
         raise ValueError(f"cannot save the merged model to {output_dir}: {error.strerror or error}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-#: Weight files of a merged model (``save_pretrained``'s names, sharded or not).
-_MERGED_WEIGHTS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
 
 def checkpoint_dtype(config) -> torch.dtype:
