@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
+
+from fastalign.cli.usage import one_line_usage_errors
+from fastalign.errors import one_line
 
 #: ``--dtype`` values (torch dtype names).
 DTYPES = ("float32", "bfloat16", "float16")
@@ -23,13 +25,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--dtype", choices=DTYPES,
         help="dtype of the saved weights (default: the base checkpoint's own; the merge itself is fp32)",
     )  # fmt: skip
-    parser.error = _one_line_usage_error  # e.g. --dtype float8: one line, not the usage text
+    one_line_usage_errors(parser, "merge")  # e.g. --dtype float8: one line, not the usage text
     parser.set_defaults(run=run)
-
-
-def _one_line_usage_error(message: str) -> typing.NoReturn:
-    print(f"error: fastalign merge: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         dtype = getattr(torch, args.dtype) if args.dtype else None
         output = merge_adapter(args.run_dir, args.output_dir, dtype)
     except (ValueError, OSError) as error:  # bad run directory or files; OSError: cannot write the output
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     print(f"saved to {output}")
     return 0

@@ -10,7 +10,8 @@ import argparse
 import json
 import re
 import sys
-import typing
+
+from fastalign.cli.usage import one_line_usage_errors
 
 #: ``plan_memory`` parameter -> the flag that sets it (for error messages).
 _FLAGS = {
@@ -69,14 +70,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     # A value that starts with a minus and a digit is a (bad) value, not an option: "--gpu-memory -24GB"
     # reaches parse_memory, which names the problem, instead of argparse's "expected one argument".
     parser._negative_number_matcher = re.compile(r"^-\d")
-    parser.error = _one_line_usage_error
+    one_line_usage_errors(parser, "plan")
     parser.set_defaults(run=run)
-
-
-def _one_line_usage_error(message: str) -> typing.NoReturn:
-    """argparse's errors (a flag without its value) as one line, not the usage text."""
-    print(f"error: fastalign plan: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def _positive_int(flag: str, text: str) -> int:

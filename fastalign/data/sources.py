@@ -14,6 +14,8 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from fastalign.errors import one_line
+
 _JSON_SUFFIXES = (".jsonl", ".json")
 _PARQUET_SUFFIXES = (".parquet",)
 
@@ -214,7 +216,7 @@ def _read_parquet(file: Path) -> tuple[list[dict], list[str]]:
     try:
         table = pyarrow.parquet.read_table(file)
     except (pyarrow.ArrowException, OSError) as error:
-        message = " ".join(str(error).split()) or type(error).__name__
+        message = one_line(error)
         raise ValueError(f"dataset file {file} is not a readable Parquet file: {message}") from None
     if table.num_rows == 0:
         raise ValueError(f"dataset file {file} holds no rows")

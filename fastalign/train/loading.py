@@ -16,6 +16,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from fastalign.errors import one_line
 from fastalign.quant import (
     QuantOptions,
     checkpoint_tensors,
@@ -150,12 +151,12 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     except (ValueError, OSError, AttributeError, KeyError) as error:
         raise ValueError(
             f"the tokenizer in model directory {path} ({', '.join(vocabularies)}) cannot be loaded: "
-            f"{_one_line(error)}"
+            f"{one_line(error)}"
         ) from None
     try:  # the tokenizers library raises a bare Exception for a vocabulary it cannot encode with
         probe = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     except Exception as error:
-        probe = f"an error ({_one_line(error)})"
+        probe = f"an error ({one_line(error)})"
     if len(tokenizer) < 2 or isinstance(probe, str) or not set(probe) - set(tokenizer.all_special_ids):
         raise ValueError(
             f"the tokenizer in model directory {path} ({', '.join(vocabularies)}) is empty or broken: "
@@ -259,10 +260,10 @@ def _hub_dataset_rows(
         rows = None
     except FileNotFoundError as error:  # no such dataset (or no access), or no data files in it
         raise ValueError(
-            f"{key} {repo_id!r} is {tried}, nor a readable Hub dataset: {_one_line(error)}"
+            f"{key} {repo_id!r} is {tried}, nor a readable Hub dataset: {one_line(error)}"
         ) from None
     except ValueError as error:  # no such config or split
-        raise ValueError(f"{key} {repo_id!r} ({picked}): {_one_line(error)}") from None
+        raise ValueError(f"{key} {repo_id!r} ({picked}): {one_line(error)}") from None
     if rows is None:
         snapshot = _hub_snapshot(
             repo_id, "dataset", revision, None, key=key, revision_key="dataset_revision",
@@ -272,7 +273,7 @@ def _hub_dataset_rows(
             rows = datasets.load_dataset(str(snapshot), config, split=split)
         except (FileNotFoundError, ValueError) as error:
             raise ValueError(
-                f"{key} {repo_id!r} ({picked}) in the Hugging Face cache ({snapshot}): {_one_line(error)}"
+                f"{key} {repo_id!r} ({picked}) in the Hugging Face cache ({snapshot}): {one_line(error)}"
             ) from None
     return list(rows)
 
@@ -320,7 +321,7 @@ def _hub_snapshot(
         ) from None
     except OSError as error:  # any other Hub or disk failure
         raise ValueError(
-            f"{key} {repo_id!r}{at}: fetching it from the Hugging Face Hub failed: {_one_line(error)}"
+            f"{key} {repo_id!r}{at}: fetching it from the Hugging Face Hub failed: {one_line(error)}"
         ) from None
 
 
@@ -333,7 +334,3 @@ def _is_repo_id(name: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from fastalign.errors import one_line
+
 RewardFn = Callable[..., Sequence[float | None]]
 
 #: Keyword arguments every reward function receives; a dataset column may not reuse these names.
@@ -277,10 +279,10 @@ def _load_module(spec: str, name: str) -> object:
     except ModuleNotFoundError as error:
         if error.name and (name == error.name or name.startswith(f"{error.name}.")):
             raise ValueError(f"reward_funcs: {spec!r}: no module named {error.name!r}") from None
-        raise ValueError(f"reward_funcs: {spec!r}: importing {name!r} failed: {_one_line(error)}") from error
+        raise ValueError(f"reward_funcs: {spec!r}: importing {name!r} failed: {one_line(error)}") from error
     except (Exception, SystemExit) as error:  # SystemExit: a module that calls exit() when imported
         raise ValueError(
-            f"reward_funcs: {spec!r}: importing {name!r} raised {type(error).__name__}: {_one_line(error)}"
+            f"reward_funcs: {spec!r}: importing {name!r} raised {type(error).__name__}: {one_line(error)}"
         ) from error
 
 
@@ -305,7 +307,7 @@ def _load_file(spec: str, location: str) -> object:
         del sys.modules[name]
         raise ValueError(
             f"reward_funcs: {spec!r}: loading file {location!r} raised {type(error).__name__}: "
-            f"{_one_line(error)}"
+            f"{one_line(error)}"
         ) from error
     return module
 
@@ -350,7 +352,7 @@ def _call(func: RewardFunction, arguments: dict[str, Sequence], count: int) -> l
         raise
     except Exception as error:
         raise ValueError(
-            f"reward function {func.name!r} raised {type(error).__name__}: {_one_line(error)} "
+            f"reward function {func.name!r} raised {type(error).__name__}: {one_line(error)} "
             f"{_failing_sample(func, arguments, count)}"
         ) from error
     if hasattr(values, "tolist"):  # a tensor or array
@@ -392,10 +394,6 @@ def _failing_sample(func: RewardFunction, arguments: dict[str, Sequence], count:
             prompt, completion = arguments["prompts"][sample], arguments["completions"][sample]
             return f"on sample {sample} (prompt={_short(prompt)}, completion={_short(completion)})"
     return f"on the batch of {count} samples (no sample fails alone)"
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
 
 
 def _short(value: object, limit: int = 80) -> str:
