@@ -35,8 +35,8 @@ def _seed():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M-Instruct model directory (``fastalign.testing.real_model``), built into
-    .cache/ on first use from the pinned PyPI package: tests marked ``real`` take it."""
-    from fastalign.testing.real_model import smollm2_dir
+    """The real SmolLM2-135M-Instruct model directory (``tests.real.model``), built into .cache/ on
+    first use from the pinned PyPI package: tests marked ``real`` take it."""
+    from tests.real.model import smollm2_dir
 
     return smollm2_dir()

@@ -68,8 +68,14 @@ def test_render_keeps_the_latest_run_per_device_and_compares_with_eager():
 
 def test_end_to_end_rows_render_their_own_figures():
     run = _run("cpu A", "2026-02-01", 4.0, kernel="e2e_alignment_step")
-    step = {"shape": "llama", "objective": "dpo", "step_ms": 100.0, "step_spread": 0.02, "tokens_per_s": 5e3,
-            "peak_memory_gib": 0.5}  # fmt: skip
+    step = {
+        "shape": "llama",
+        "objective": "dpo",
+        "step_ms": 100.0,
+        "step_spread": 0.02,
+        "tokens_per_s": 5e3,
+        "peak_memory_gib": 0.5,
+    }
     run["rows"] = [
         step | {"provider": "fastalign"},
         step | {"provider": "fastalign-unpatched", "step_ms": 150.0},

@@ -88,8 +88,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     options = runner.Options(
-        preset=args.preset, quick=args.quick, providers=args.providers, out_dir=args.out,
-        allow_noisy=args.allow_noisy, spread_limit=args.max_spread or noise.SPREAD_LIMIT,
-        timeout_s=args.timeout, threads=args.threads, report=not args.no_report,
-    )  # fmt: skip
+        preset=args.preset,
+        quick=args.quick,
+        providers=args.providers,
+        out_dir=args.out,
+        allow_noisy=args.allow_noisy,
+        spread_limit=args.max_spread or noise.SPREAD_LIMIT,
+        timeout_s=args.timeout,
+        threads=args.threads,
+        report=not args.no_report,
+    )
     return runner.run(selected, options)

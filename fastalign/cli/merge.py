@@ -22,9 +22,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dir", help="a training output_dir holding adapter_config.json")
     parser.add_argument("--output_dir", help="where to save the merged model (default: RUN_DIR/merged)")
     parser.add_argument(
-        "--dtype", choices=DTYPES,
+        "--dtype",
+        choices=DTYPES,
         help="dtype of the saved weights (default: the base checkpoint's own; the merge itself is fp32)",
-    )  # fmt: skip
+    )
     one_line_usage_errors(parser, "merge")  # e.g. --dtype float8: one line, not the usage text
     parser.set_defaults(run=run)
 

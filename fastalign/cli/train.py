@@ -19,7 +19,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "fastalign train dpo --config examples/dpo_tiny.yaml",
         allow_abbrev=False,  # else an override such as --c would be taken for --config
     )
-    from fastalign.train.config import OBJECTIVES
+    from fastalign.train.objectives import OBJECTIVES
 
     parser.add_argument("objective", choices=OBJECTIVES)
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: the built-in tiny run)")

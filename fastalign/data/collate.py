@@ -10,8 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from fastalign.data.sft import TokenizedExample
-
-IGNORE_INDEX = -100
+from fastalign.models.structure import IGNORE_INDEX
 
 
 def _labels(example: TokenizedExample) -> list[int]:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fastalign.data.chat import conversation_completion_ids, conversation_prompt_ids
 from fastalign.data.collate import PaddingCollator
 from fastalign.data.formats import check_messages
-from fastalign.data.sft import TokenizedExample, _render, conversation_completion_ids
+from fastalign.data.sft import TokenizedExample
 from fastalign.data.sources import Rows, row_origins
 
 
@@ -99,7 +100,7 @@ def _with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int], where: str, fi
 def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) -> list[int]:
     if isinstance(prompt, str):
         return _text_ids(tokenizer, prompt)
-    return list(_render(tokenizer, prompt, add_generation_prompt=True)["input_ids"])
+    return conversation_prompt_ids(tokenizer, prompt)
 
 
 def _completion_ids(
@@ -122,39 +123,44 @@ def _shared_length(a: Sequence, b: Sequence) -> int:
     return length
 
 
-def _fit(
-    prompt_ids: list[int],
-    completions: dict[str, list[int]],
-    where: str,
-    max_length: int | None,
-    max_prompt_length: int | None,
-    truncation: bool,
-) -> tuple[list[int], dict[str, list[int]]]:
-    """TRL's truncation: a prompt keeps its end (next to the completion), a completion its start."""
-    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
-        if not truncation:
-            raise ValueError(
-                f"{where}: the prompt has {len(prompt_ids)} tokens, over "
-                f"max_prompt_length={max_prompt_length} (truncation is off)"
-            )
-        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :]
-    if max_length is None:
-        return prompt_ids, completions
-    room = max_length - len(prompt_ids)
-    fitted = {}
-    for field, ids in completions.items():
-        if len(ids) > room and not truncation:
-            raise ValueError(
-                f"{where}: prompt + {field!r} has {len(prompt_ids) + len(ids)} tokens, over "
-                f"max_length={max_length} (truncation is off)"
-            )
-        if room <= 0:
-            raise ValueError(
-                f"{where}: no {field!r} tokens fit in max_length={max_length} after the "
-                f"{len(prompt_ids)}-token prompt"
-            )
-        fitted[field] = ids[:room]
-    return prompt_ids, fitted
+@dataclass(frozen=True)
+class LengthLimits:
+    """TRL's length options, the same for every format here: ``max_length`` bounds prompt + each
+    completion, ``max_prompt_length`` the prompt; a longer row is an error unless ``truncation``."""
+
+    max_length: int | None = None
+    max_prompt_length: int | None = None
+    truncation: bool = False
+
+    def fit(
+        self, prompt_ids: list[int], completions: dict[str, list[int]], where: str
+    ) -> tuple[list[int], dict[str, list[int]]]:
+        """TRL's truncation: a prompt keeps its end (next to the completion), a completion its start."""
+        max_length, max_prompt_length = self.max_length, self.max_prompt_length
+        if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+            if not self.truncation:
+                raise ValueError(
+                    f"{where}: the prompt has {len(prompt_ids)} tokens, over "
+                    f"max_prompt_length={max_prompt_length} (truncation is off)"
+                )
+            prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :]
+        if max_length is None:
+            return prompt_ids, completions
+        room = max_length - len(prompt_ids)
+        fitted = {}
+        for field, ids in completions.items():
+            if len(ids) > room and not self.truncation:
+                raise ValueError(
+                    f"{where}: prompt + {field!r} has {len(prompt_ids) + len(ids)} tokens, over "
+                    f"max_length={max_length} (truncation is off)"
+                )
+            if room <= 0:
+                raise ValueError(
+                    f"{where}: no {field!r} tokens fit in max_length={max_length} after the "
+                    f"{len(prompt_ids)}-token prompt"
+                )
+            fitted[field] = ids[:room]
+        return prompt_ids, fitted
 
 
 def _tokenize_preference_row(
@@ -197,39 +203,26 @@ def _tokenize_preference_row(
 
 
 def tokenize_preference_dataset(
-    rows: Iterable[dict],
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    truncation: bool = False,
+    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, **limits
 ) -> list[PreferenceExample]:
     """Every row of a preference dataset, explicit or implicit prompt, standard or conversational.
 
-    ``max_length`` bounds prompt + chosen and prompt + rejected; a longer row is an error unless
-    ``truncation``, which keeps the prompt's last ``max_prompt_length`` tokens and cuts completions."""
+    ``limits`` are ``LengthLimits``' fields: ``max_length`` bounds prompt + chosen and prompt + rejected;
+    a longer row is an error unless ``truncation``, which keeps the prompt's last ``max_prompt_length``
+    tokens and cuts completions."""
+    fit = LengthLimits(**limits).fit
     examples = []
     for row, where in _nonempty(rows):
-        prompt_ids, completions = _fit(
-            *_tokenize_preference_row(row, where, tokenizer),
-            where,
-            max_length,
-            max_prompt_length,
-            truncation,
-        )
+        prompt_ids, completions = fit(*_tokenize_preference_row(row, where, tokenizer), where)
         examples.append(PreferenceExample(prompt_ids, completions["chosen"], completions["rejected"]))
     return examples
 
 
 def tokenize_kto_dataset(
-    rows: Iterable[dict],
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    truncation: bool = False,
+    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, **limits
 ) -> list[KTOExample]:
-    """Every row of an unpaired preference dataset; lengths as ``tokenize_preference_dataset``."""
+    """Every row of an unpaired preference dataset; ``limits`` as ``tokenize_preference_dataset``'s."""
+    lengths = LengthLimits(**limits)
     examples = []
     for row, where in _nonempty(rows):
         _is_conversational(row, where, ("prompt", "completion"))
@@ -242,10 +235,9 @@ def tokenize_kto_dataset(
         completion_ids = _completion_ids(
             tokenizer, row["prompt"], prompt_ids, row["completion"], where, "completion"
         )
-        prompt_ids, completions = _fit(
-            prompt_ids, {"completion": completion_ids}, where, max_length, max_prompt_length, truncation
-        )
+        prompt_ids, completions = lengths.fit(prompt_ids, {"completion": completion_ids}, where)
         examples.append(KTOExample(prompt_ids, completions["completion"], label))
+    max_length = lengths.max_length
     room = [None if max_length is None else max(1, max_length - len(e.prompt_ids)) for e in examples]
     return [
         dataclasses.replace(example, kl_completion_ids=examples[index - 1].completion_ids[: room[index]])
@@ -262,13 +254,14 @@ def tokenize_prompt_dataset(
 ) -> list[PromptExample]:
     """Every row of a prompt-only dataset; a prompt over ``max_prompt_length`` is an error unless
     ``truncation``, which keeps its last tokens. The other columns are kept as the row has them."""
+    lengths = LengthLimits(max_prompt_length=max_prompt_length, truncation=truncation)
     examples = []
     for row, where in _nonempty(rows):
         _is_conversational(row, where, ("prompt",))
         prompt_ids = _prompt_ids(tokenizer, row["prompt"])
         if not prompt_ids:
             raise ValueError(f"{where}: 'prompt' is empty")
-        prompt_ids, _ = _fit(prompt_ids, {}, where, None, max_prompt_length, truncation)
+        prompt_ids, _ = lengths.fit(prompt_ids, {}, where)
         columns = {name: value for name, value in row.items() if name != "prompt"}
         examples.append(PromptExample(prompt_ids, row["prompt"], columns))
     return examples

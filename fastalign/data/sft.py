@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from fastalign.data.chat import conversation_completion_ids, conversation_prompt_ids, render_chat
 from fastalign.data.formats import DatasetFormat, check_row, detect_format
 from fastalign.data.sources import Rows, row_origins
 
@@ -27,24 +28,6 @@ class TokenizedExample:
 
     def __len__(self) -> int:
         return len(self.input_ids)
-
-
-def _render(tokenizer, messages, **kwargs) -> dict:
-    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
-
-
-def conversation_completion_ids(
-    tokenizer, prompt: list[dict], prompt_ids: list[int], completion: list[dict], where: str, field: str
-) -> list[int]:
-    """The tokens of the ``completion`` messages: the rendering of prompt + completion after the
-    prompt's own rendering (``prompt_ids``, with the generation prompt), which must be its prefix."""
-    ids = list(_render(tokenizer, prompt + completion)["input_ids"])
-    if ids[: len(prompt_ids)] != prompt_ids:
-        raise ValueError(
-            f"{where}: the chat template does not render the prompt as a prefix of the "
-            f"prompt + {field} conversation, so the completion tokens cannot be found"
-        )
-    return ids[len(prompt_ids) :]
 
 
 def _has_generation_marks(tokenizer) -> bool:
@@ -78,14 +61,14 @@ def tokenize_sft_row(
                     "assistant_only_loss needs a chat template that marks assistant turns with "
                     "{% generation %} ... {% endgeneration %}; this tokenizer's template does not"
                 )
-            rendered = _render(tokenizer, row["messages"], return_assistant_tokens_mask=True)
+            rendered = render_chat(tokenizer, row["messages"], return_assistant_tokens_mask=True)
             ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
         else:
-            ids = list(_render(tokenizer, row["messages"])["input_ids"])
+            ids = list(render_chat(tokenizer, row["messages"])["input_ids"])
             mask = [1] * len(ids)
     else:
         if fmt.conversational:
-            prompt = list(_render(tokenizer, row["prompt"], add_generation_prompt=True)["input_ids"])
+            prompt = conversation_prompt_ids(tokenizer, row["prompt"])
             ids = prompt + conversation_completion_ids(
                 tokenizer, row["prompt"], prompt, row["completion"], where, "completion"
             )

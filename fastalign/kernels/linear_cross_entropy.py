@@ -1,8 +1,10 @@
 """Triton row kernels of the fused linear cross-entropy / per-token log-prob op.
 
-The op (``fastalign.ops.linear_cross_entropy``) walks the tokens in chunks. For one chunk of C tokens it
-builds the raw logits ``x = h_c @ W.T + b`` ([C, V], input dtype, cuBLAS), then calls the two kernels of
-this file, one program per row, each looping over the vocabulary in ``BLOCK_V`` tiles:
+The op (``fastalign.ops.linear_cross_entropy``) walks the tokens in chunks
+(``fastalign.ops.linear_cross_entropy_chunks``). For one chunk of C tokens it builds the raw logits
+``x = h_c @ W.T + b`` ([C, V], input dtype, cuBLAS), then calls the two kernels of this file (or their
+PyTorch twin, ``fastalign.ops.linear_cross_entropy_torch``), one program per row, each looping over the
+vocabulary in ``BLOCK_V`` tiles:
 
 1. ``softmax_row_stats``: online (single pass) statistics of the transformed logits
    ``z = softcap · tanh(x / softcap) / temperature`` (``z = x / temperature`` without softcap):
@@ -44,33 +46,46 @@ def _transform_logits(x, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _this_row(logits_ptr, stride_row):
+    """This program's row and a pointer to its first logit (64-bit: row · stride may pass 2**31)."""
+    row = tl.program_id(0)
+    return row, logits_ptr + row.to(tl.int64) * stride_row
+
+
+@triton.jit
+def _load_tile(row_ptr, start, V, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Columns [start, start + BLOCK_V) of a row: (cols, in_vocab, z, dz/dx), z = 0 outside the vocab."""
+    cols = start + tl.arange(0, BLOCK_V)
+    in_vocab = cols < V
+    x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+    z, dz_dx = _transform_logits(x, softcap, inv_temperature, HAS_SOFTCAP)
+    return cols, in_vocab, z, dz_dx
+
+
+@triton.jit
 def _softmax_row_stats_kernel(
     logits_ptr,
     stride_row,
+    V,
+    softcap,
+    inv_temperature,
+    ignore_index,
     targets_ptr,
     lse_ptr,
     target_logit_ptr,
     sum_logits_ptr,
     mean_pz_ptr,
     max_logit_ptr,
-    V,
-    ignore_index,
-    softcap,
-    inv_temperature,
     HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    row, row_ptr = _this_row(logits_ptr, stride_row)
     running_max = float("-inf")
     exp_sum = 0.0  # Σ exp(z - running_max)
     exp_z_sum = 0.0  # Σ exp(z - running_max) · z
     logit_sum = 0.0
     for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        in_vocab = cols < V
-        x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
-        z, _ = _transform_logits(x, softcap, inv_temperature, HAS_SOFTCAP)  # 0 outside the vocab
+        _, in_vocab, z, _ = _load_tile(row_ptr, start, V, softcap, inv_temperature, HAS_SOFTCAP, BLOCK_V)
         new_max = tl.maximum(running_max, tl.max(tl.where(in_vocab, z, float("-inf")), axis=0))
         rescale = tl.exp(running_max - new_max)
         e = tl.where(in_vocab, tl.exp(z - new_max), 0.0)
@@ -94,6 +109,9 @@ def _softmax_row_stats_kernel(
 def _softmax_row_grad_kernel(
     logits_ptr,
     stride_row,
+    V,
+    softcap,
+    inv_temperature,
     targets_ptr,
     lse_ptr,
     mean_pz_ptr,
@@ -101,14 +119,10 @@ def _softmax_row_grad_kernel(
     coef_target_ptr,
     coef_uniform_ptr,
     coef_entropy_ptr,
-    V,
-    softcap,
-    inv_temperature,
     HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    row, row_ptr = _this_row(logits_ptr, stride_row)
     target = tl.load(targets_ptr + row)
     lse = tl.load(lse_ptr + row)
     mean_pz = tl.load(mean_pz_ptr + row)
@@ -117,26 +131,35 @@ def _softmax_row_grad_kernel(
     c = tl.load(coef_uniform_ptr + row)
     e = tl.load(coef_entropy_ptr + row)
     for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        in_vocab = cols < V
-        x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
-        z, dz_dx = _transform_logits(x, softcap, inv_temperature, HAS_SOFTCAP)
+        cols, in_vocab, z, dz_dx = _load_tile(
+            row_ptr, start, V, softcap, inv_temperature, HAS_SOFTCAP, BLOCK_V
+        )
         p = tl.exp(z - lse)
         grad_z = p * (a - e * (z - mean_pz)) + c + tl.where(cols == target, b, 0.0)
         # In place: this tile was read above and no other program touches this row.
         tl.store(row_ptr + cols, (grad_z * dz_dx).to(logits_ptr.dtype.element_ty), mask=in_vocab)
 
 
-def _block_v(vocab_size: int, block_v: int | None) -> int:
-    if block_v is not None:
-        return block_v
-    # One tile per row keeps the interpreter fast on test sizes; 4096 fp32 lanes keep a CUDA SM busy
-    # without spilling registers.
-    return min(triton.next_power_of_2(vocab_size), 4096)
+def _launch_per_row(kernel, logits: torch.Tensor, *args, softcap, inv_temperature, block_v) -> None:
+    """One program per row of ``logits`` [C, V], each looping over the vocabulary in ``block_v`` tiles.
+    Both kernels take the row layout and the logit transform first, then their own ``args``.
 
-
-def _num_warps(block_v: int) -> int:
-    return 8 if block_v >= 2048 else 4
+    By default one tile per row up to 4096 columns: that keeps the interpreter fast on test sizes, and
+    4096 fp32 lanes keep a CUDA SM busy without spilling registers.
+    """
+    rows, vocab = logits.shape
+    block = block_v if block_v is not None else min(triton.next_power_of_2(vocab), 4096)
+    kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        vocab,
+        softcap or 1.0,
+        inv_temperature,
+        *args,
+        HAS_SOFTCAP=softcap is not None,
+        BLOCK_V=block,
+        num_warps=8 if block >= 2048 else 4,
+    )
 
 
 def softmax_row_stats(
@@ -149,25 +172,16 @@ def softmax_row_stats(
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row (lse, target logit, Σ logits, Σ p·z, max logit) of ``logits`` [C, V], all fp32 [C]."""
-    rows, vocab = logits.shape
-    stats = torch.empty((5, rows), dtype=torch.float32, device=logits.device)
-    block = _block_v(vocab, block_v)
-    _softmax_row_stats_kernel[(rows,)](
+    stats = torch.empty((5, logits.shape[0]), dtype=torch.float32, device=logits.device)
+    _launch_per_row(
+        _softmax_row_stats_kernel,
         logits,
-        logits.stride(0),
-        targets,
-        stats[0],
-        stats[1],
-        stats[2],
-        stats[3],
-        stats[4],
-        vocab,
         ignore_index,
-        softcap or 1.0,
-        inv_temperature,
-        HAS_SOFTCAP=softcap is not None,
-        BLOCK_V=block,
-        num_warps=_num_warps(block),
+        targets,
+        *stats,
+        softcap=softcap,
+        inv_temperature=inv_temperature,
+        block_v=block_v,
     )
     return stats[0], stats[1], stats[2], stats[3], stats[4]
 
@@ -187,11 +201,9 @@ def softmax_row_grad_(
     block_v: int | None = None,
 ) -> torch.Tensor:
     """Overwrite ``logits`` [C, V] with the gradient w.r.t. the raw logits (see module docstring)."""
-    rows, vocab = logits.shape
-    block = _block_v(vocab, block_v)
-    _softmax_row_grad_kernel[(rows,)](
+    _launch_per_row(
+        _softmax_row_grad_kernel,
         logits,
-        logits.stride(0),
         targets,
         lse,
         mean_pz,
@@ -199,11 +211,8 @@ def softmax_row_grad_(
         coef_target,
         coef_uniform,
         coef_entropy,
-        vocab,
-        softcap or 1.0,
-        inv_temperature,
-        HAS_SOFTCAP=softcap is not None,
-        BLOCK_V=block,
-        num_warps=_num_warps(block),
+        softcap=softcap,
+        inv_temperature=inv_temperature,
+        block_v=block_v,
     )
     return logits

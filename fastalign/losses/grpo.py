@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import token_logprobs, validation
 from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.ops.grpo import (
@@ -18,17 +19,15 @@ from fastalign.ops.grpo import (
 )
 from fastalign.ops.linear_cross_entropy import token_objective
 
-IGNORE_INDEX = -100
-
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
 class GRPOLossOutput(NamedTuple):
-    loss: torch.Tensor
-    metrics: dict[str, torch.Tensor]  # TRL's names: kl, entropy, clip_ratio/{low,high,region}_mean (detached)
-    per_token_logps: torch.Tensor  # [B, T] detached: what the trainer keeps as old log-probs
+    loss: Tensor
+    metrics: dict[str, Tensor]  # TRL's names: kl, entropy, clip_ratio/{low,high,region}_mean (detached)
+    per_token_logps: Tensor  # [B, T] detached: what the trainer keeps as old log-probs
 
 
 class GRPOLoss(nn.Module):
@@ -107,12 +106,27 @@ class GRPOLoss(nn.Module):
         )
 
     @property
+    def per_token(self) -> bool:
+        """Whether a loss term is a completion token (bnpo, dapo, cispo) or a completion (grpo, dr_grpo):
+        what a trainer counts to weigh micro-batches, so that a step's loss is its mean over those."""
+        return self.loss_type in ("bnpo", "dapo", "cispo")
+
+    @property
     def uses_item_count(self) -> bool:
         """Whether this loss type normalises by ``num_items_in_batch`` (the step's completion-token count
         on all ranks: dapo, cispo); the others normalise per micro-batch and refuse one."""
         return self.loss_type in ("dapo", "cispo")
 
-    def _sequence_weights(self, mask: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    def _fused_options(self) -> dict:
+        """How the fused head computes the completion tokens' log-probs (and their entropy, a metric)."""
+        return dict(
+            temperature=self.temperature,
+            return_entropy=True,
+            chunk_size=self.chunk_size,
+            backend=self.backend,
+        )
+
+    def _sequence_weights(self, mask: Tensor, num_items_in_batch) -> Tensor:
         """norm_b of every completion: loss = Σ_b norm_b Σ_t mask·loss_t."""
         batch = mask.shape[0]
         if self.loss_type == "grpo":
@@ -128,16 +142,16 @@ class GRPOLoss(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        completion_ids: torch.Tensor,
-        completion_mask: torch.Tensor,
-        advantages: torch.Tensor,
+        hidden: Tensor,
+        weight: Tensor,
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+        advantages: Tensor,
         *,
-        old_per_token_logps: torch.Tensor | None = None,
-        ref_per_token_logps: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
+        old_per_token_logps: Tensor | None = None,
+        ref_per_token_logps: Tensor | None = None,
+        bias: Tensor | None = None,
+        num_items_in_batch: int | Tensor | None = None,
     ) -> GRPOLossOutput:
         """Loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each
         completion token) and the LM head ``weight`` [V, D]; ``advantages`` [B].
@@ -147,14 +161,18 @@ class GRPOLoss(nn.Module):
         their ``per_token_logps`` are 0. One host sync checks the values of the mask, the advantages
         and a tensor ``num_items_in_batch``."""
         for name, tensor in (
-            ("hidden", hidden), ("weight", weight), ("completion_ids", completion_ids),
-            ("completion_mask", completion_mask), ("advantages", advantages),
-        ):  # fmt: skip
+            ("hidden", hidden),
+            ("weight", weight),
+            ("completion_ids", completion_ids),
+            ("completion_mask", completion_mask),
+            ("advantages", advantages),
+        ):
             validation.require_tensor(name, tensor)
         for name, tensor in (
-            ("old_per_token_logps", old_per_token_logps), ("ref_per_token_logps", ref_per_token_logps),
+            ("old_per_token_logps", old_per_token_logps),
+            ("ref_per_token_logps", ref_per_token_logps),
             ("bias", bias),
-        ):  # fmt: skip
+        ):
             validation.require_tensor(name, tensor, optional=True)
         if completion_ids.dim() != 2:
             raise ValueError(f"completion_ids must have shape [B, T], got {tuple(completion_ids.shape)}")
@@ -201,14 +219,17 @@ class GRPOLoss(nn.Module):
         seq_weight = self._sequence_weights(mask, num_items_in_batch)
         ref = ref_per_token_logps if self.config.beta else None
         if self.config.sequence_level:  # every log-prob of a completion is needed before its ratio
-            logps, entropy = token_logprobs(
-                hidden, weight, targets, bias, temperature=self.temperature, return_entropy=True,
-                chunk_size=self.chunk_size, backend=self.backend,
-            )  # fmt: skip
+            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self._fused_options())
             loss, sums = unchecked_grpo_token_loss(
-                logps, mask, advantages, seq_weight, self.config, old_logp=old_per_token_logps, ref_logp=ref,
+                logps,
+                mask,
+                advantages,
+                seq_weight,
+                self.config,
+                old_logp=old_per_token_logps,
+                ref_logp=ref,
                 backend=self.backend,
-            )  # fmt: skip
+            )
             log_weights = sequence_log_weights(logps.detach(), mask, old_per_token_logps)
             metrics = self._metrics(sums, mask, entropy.detach(), advantages, log_weights)
             return GRPOLossOutput(loss, metrics, logps.detach())
@@ -216,10 +237,7 @@ class GRPOLoss(nn.Module):
         # by chunk in the forward pass and the logits are built once.
         inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_per_token_logps, ref)
         objective = grpo_token_objective(inputs, self.config, self.backend)
-        result = token_objective(
-            hidden, weight, targets, objective, bias, temperature=self.temperature,
-            return_entropy=True, chunk_size=self.chunk_size, backend=self.backend,
-        )  # fmt: skip
+        result = token_objective(hidden, weight, targets, objective, bias, **self._fused_options())
         sums = torch.cat([result.loss.detach().reshape(1), result.aux])
         return GRPOLossOutput(result.loss, self._metrics(sums, mask, result.entropy), result.logprobs)
 
@@ -243,7 +261,7 @@ class GRPOLoss(nn.Module):
             }
         return metrics
 
-    def _sequence_clip_fractions(self, advantages: torch.Tensor, ratio: torch.Tensor):
+    def _sequence_clip_fractions(self, advantages: Tensor, ratio: Tensor):
         config = self.config
         if config.cispo:
             high = (ratio > config.eps_high) & (advantages > 0)

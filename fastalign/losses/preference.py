@@ -14,11 +14,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import token_logprobs, validation
 from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.ops.preference import DPO_LOSS_TYPES, dpo_pair_inputs, pair_loss
 
-IGNORE_INDEX = -100
 OBJECTIVES: tuple[str, ...] = ("dpo", "simpo", "cpo", "orpo")
 CPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo")
 
@@ -174,9 +174,15 @@ class PreferenceLoss(nn.Module):
         if kernel_type == "exo_pair" and smoothing == 0.0:
             smoothing = 1e-3  # as TRL: the EXO loss needs a non-zero ε
         return pair_loss(
-            c, r, kernel_type, beta=self.beta, label_smoothing=smoothing, discopop_tau=self.discopop_tau,
-            shift=shift, backend=self.backend,
-        )  # fmt: skip
+            c,
+            r,
+            kernel_type,
+            beta=self.beta,
+            label_smoothing=smoothing,
+            discopop_tau=self.discopop_tau,
+            shift=shift,
+            backend=self.backend,
+        )
 
     def _bco_shift(self, c: torch.Tensor, r: torch.Tensor) -> float:
         rewards = torch.cat([c, r]).detach() * self.beta
@@ -348,9 +354,13 @@ class KTOLoss(nn.Module):
         """hidden [N, T, D] of N completions; ``labels`` [N] True where desirable; reference sequence
         log-probs [N]; policy and reference log-probs of the mismatched (KL) completions [M]."""
         for name, tensor in (
-            ("hidden", hidden), ("weight", weight), ("labels", labels), ("ref_logps", ref_logps),
-            ("kl_logps", kl_logps), ("ref_kl_logps", ref_kl_logps),
-        ):  # fmt: skip
+            ("hidden", hidden),
+            ("weight", weight),
+            ("labels", labels),
+            ("ref_logps", ref_logps),
+            ("kl_logps", kl_logps),
+            ("ref_kl_logps", ref_kl_logps),
+        ):
             validation.require_tensor(name, tensor)
         if hidden.dim() != 3:
             raise ValueError(f"hidden must have shape [N, T, D], got {tuple(hidden.shape)}")
@@ -364,9 +374,13 @@ class KTOLoss(nn.Module):
                 f"kl_logps {tuple(kl_logps.shape)} and ref_kl_logps {tuple(ref_kl_logps.shape)} differ"
             )
         seq, _, _ = sequence_logprobs(
-            hidden, weight, _masked_targets(targets, loss_mask), bias, chunk_size=self.chunk_size,
+            hidden,
+            weight,
+            _masked_targets(targets, loss_mask),
+            bias,
+            chunk_size=self.chunk_size,
             backend=self.backend,
-        )  # fmt: skip
+        )
         kl = (kl_logps.float() - ref_kl_logps.float()).mean().clamp(min=0).detach()
         logratios = seq - ref_logps.float()
         desirable = labels.bool()

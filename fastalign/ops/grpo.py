@@ -6,6 +6,7 @@ The math is stated in ``fastalign/kernels/grpo.py``; the PyTorch functions here 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -203,11 +204,19 @@ def _token_loss_triton(logp, log_weight, inputs: TokenLossInputs, config: TokenL
     from fastalign.kernels import grpo as kernels
 
     return kernels.grpo_token_loss(
-        logp.contiguous(), inputs.old_logp, inputs.ref_logp,
-        None if log_weight is None else log_weight.detach().contiguous(), inputs.mask, inputs.advantage,
-        inputs.weight, beta=config.beta, eps_low=config.eps_low, eps_high=config.eps_high, delta=config.delta,
+        logp.contiguous(),
+        inputs.old_logp,
+        inputs.ref_logp,
+        None if log_weight is None else log_weight.detach().contiguous(),
+        inputs.mask,
+        inputs.advantage,
+        inputs.weight,
+        beta=config.beta,
+        eps_low=config.eps_low,
+        eps_high=config.eps_high,
+        delta=config.delta,
         cispo=config.cispo,
-    )  # fmt: skip
+    )
 
 
 class _TokenLossFunction(torch.autograd.Function):
@@ -235,22 +244,8 @@ def sequence_log_weights(
     return torch.where(mask != 0, (logp - old) * mask, 0.0).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
-def grpo_token_loss(
-    logp: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    seq_weight: torch.Tensor,
-    config: TokenLossConfig,
-    *,
-    old_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_b seq_weight_b Σ_t mask·loss_t of log-probs [B, T] (differentiable w.r.t. ``logp``), and the
-    sums [5]: L, Σ mask·kl, and the low-, high- and region-clipped token counts.
-
-    ``mask`` is a 0/1 mask [B, T] (bool or integer) and ``advantages`` [B] must be finite: one host sync
-    checks both; a ValueError names the argument."""
+def _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_logp) -> None:
+    """Types and shapes, then the mask's and the advantages' values in one host sync."""
     for name, tensor in (
         ("logp", logp),
         ("mask", mask),
@@ -272,12 +267,9 @@ def grpo_token_loss(
     checks.binary_mask("mask", mask)
     checks.finite("advantages", advantages)
     checks.raise_first()
-    return unchecked_grpo_token_loss(
-        logp, mask, advantages, seq_weight, config, old_logp=old_logp, ref_logp=ref_logp, backend=backend
-    )
 
 
-def unchecked_grpo_token_loss(
+def grpo_token_loss(
     logp: torch.Tensor,
     mask: torch.Tensor,
     advantages: torch.Tensor,
@@ -287,8 +279,16 @@ def unchecked_grpo_token_loss(
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     backend: Backend = "auto",
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``grpo_token_loss`` on inputs the caller has checked (``GRPOLoss`` does, in its one sync)."""
+    """Σ_b seq_weight_b Σ_t mask·loss_t of log-probs [B, T] (differentiable w.r.t. ``logp``), and the
+    sums [5]: L, Σ mask·kl, and the low-, high- and region-clipped token counts.
+
+    ``mask`` is a 0/1 mask [B, T] (bool or integer) and ``advantages`` [B] must be finite: one host sync
+    checks both; a ValueError names the argument. ``check_inputs=False`` skips every check, for a caller
+    that has made them already (``GRPOLoss`` does, in its own sync)."""
+    if check_inputs:
+        _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_logp)
     mask = mask.float()
     # A masked token's log-prob (NaN at padding, say) is replaced, not weighted by 0 (0·NaN is NaN).
     logp = torch.where(mask != 0, logp.float(), 0.0)
@@ -299,6 +299,10 @@ def unchecked_grpo_token_loss(
     if resolve_backend(backend, logp) == "torch":
         return _token_loss_torch(logp.reshape(-1), log_weight, inputs, config)
     return _TokenLossFunction.apply(logp.reshape(-1), log_weight, inputs, config)
+
+
+#: ``grpo_token_loss`` on inputs the caller has checked (``GRPOLoss`` does, in its one sync).
+unchecked_grpo_token_loss = functools.partial(grpo_token_loss, check_inputs=False)
 
 
 def grpo_token_objective(inputs: TokenLossInputs, config: TokenLossConfig, backend: Backend):

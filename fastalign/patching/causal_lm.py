@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import linear_cross_entropy, token_logprobs
 from fastalign.ops.backend import Backend
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -77,25 +76,22 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
             (``fastalign.losses``) trains a patched model.
         """
         shifted = kwargs.pop("shift_labels", None)
-        if labels is None and shifted is None and logprob_targets is None and head_fn is None:
-            return type(self).forward(
-                self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                logits_to_keep=logits_to_keep, **kwargs,
-            )  # fmt: skip
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        outputs = self.model(
+        inputs = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            **kwargs,
         )
+        if labels is None and shifted is None and logprob_targets is None and head_fn is None:
+            return type(self).forward(self, **inputs, logits_to_keep=logits_to_keep, **kwargs)
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        outputs = self.model(**inputs, **kwargs)
         hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
-        head = self.lm_head
+        weight, bias = self.lm_head.weight, self.lm_head.bias
         softcap = getattr(self.config, "final_logit_softcapping", None)
+        fused = dict(softcap=softcap, backend=backend)
 
         loss = None
         if labels is not None or shifted is not None:
@@ -103,16 +99,25 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
             if isinstance(num_items_in_batch, torch.Tensor):
                 num_items_in_batch = num_items_in_batch.to(hidden.device)
             loss = linear_cross_entropy(
-                hidden, head.weight, targets.to(hidden.device), head.bias, softcap=softcap,
-                num_items_in_batch=num_items_in_batch, backend=backend,
-            )  # fmt: skip
+                hidden,
+                weight,
+                targets.to(hidden.device),
+                bias,
+                num_items_in_batch=num_items_in_batch,
+                **fused,
+            )
 
         logprobs = entropy = None
         if logprob_targets is not None:
             result = token_logprobs(
-                hidden, head.weight, logprob_targets.to(hidden.device), head.bias, temperature=temperature,
-                softcap=softcap, return_entropy=return_entropy, backend=backend,
-            )  # fmt: skip
+                hidden,
+                weight,
+                logprob_targets.to(hidden.device),
+                bias,
+                temperature=temperature,
+                return_entropy=return_entropy,
+                **fused,
+            )
             logprobs, entropy = result if return_entropy else (result, None)
 
         head_output = None
@@ -122,11 +127,11 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
                     f"head_fn does not apply final_logit_softcapping ({softcap}) of "
                     f"{self.config.model_type}: use logprob_targets, which does"
                 )
-            head_output = head_fn(hidden, head.weight, head.bias)
+            head_output = head_fn(hidden, weight, bias)
 
         logits = None
         if return_logits if return_logits is not None else return_logits_default:
-            logits = head(hidden)
+            logits = self.lm_head(hidden)
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
         return FusedCausalLMOutput(

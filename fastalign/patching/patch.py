@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from fastalign.models.structure import base_model
 from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.patching.causal_lm import fused_causal_lm_forward
 from fastalign.patching.families import GATED_ACTIVATIONS, family_of
@@ -32,7 +33,7 @@ _MARK = "_fastalign_patch"
 
 def _base_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside ``model`` (itself, or under a peft wrapper)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base_model(model)
     if hasattr(inner, "config"):
         family_of(inner.config.model_type)  # an unsupported family: say so, listing the supported ones
     if not hasattr(inner, "config") or not hasattr(inner, "lm_head") or not hasattr(inner, "model"):

@@ -78,8 +78,9 @@ gradients. Allocator fragmentation (typically a few %) is not included.
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal
 
 from transformers import PretrainedConfig
@@ -151,13 +152,9 @@ class Term:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
-    """Memory of one training configuration, per GPU and per process on the host, in bytes.
-
-    The per-GPU terms add up to ``total_per_gpu``; ``fits`` compares it with ``gpu_memory_bytes``;
-    ``suggestions`` are flag changes (applied together) that make it fit, cheapest first, with the
-    resulting total in ``suggested_total_per_gpu``.
-    """
+class _Request:
+    """What a plan is asked for: the model's name and the ``plan_memory`` flags (which ``_suggest``
+    varies). The first fields of a ``MemoryPlan``, and of the ``_Setup`` its terms are computed from."""
 
     model: str
     method: str
@@ -173,6 +170,25 @@ class MemoryPlan:
     fused_loss_head: bool
     double_quant: bool
     gpu_memory_bytes: int
+
+
+_FLAGS = tuple(f.name for f in fields(_Request) if f.name != "model")
+
+
+def _flags(request: _Request) -> dict:
+    """The ``plan_memory`` keyword arguments of a request (or of the plan made for it)."""
+    return {name: getattr(request, name) for name in _FLAGS}
+
+
+@dataclass(frozen=True)
+class MemoryPlan(_Request):
+    """Memory of one training configuration, per GPU and per process on the host, in bytes.
+
+    The per-GPU terms add up to ``total_per_gpu``; ``fits`` compares it with ``gpu_memory_bytes``;
+    ``suggestions`` are flag changes (applied together) that make it fit, cheapest first, with the
+    resulting total in ``suggested_total_per_gpu``.
+    """
+
     params: int
     trainable_params: int
     # per GPU
@@ -264,6 +280,55 @@ def _quantized_bytes(params: int, double_quant: bool) -> int:
     return -(-params // 2) + absmax
 
 
+@dataclass(frozen=True)
+class _Setup(_Request):
+    """One configuration to plan: the request with the model's shapes, and the quantities that several
+    terms read."""
+
+    shape: ModelShape
+
+    @functools.cached_property
+    def regime(self) -> _Regime:
+        return _regime(self.method, self.gpus, self.bf16, self.device, self.lora_dropout)
+
+    @property
+    def full(self) -> bool:
+        return self.method == "full"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per GPU and micro-batch."""
+        return self.batch_size * self.seq_len
+
+    @functools.cached_property
+    def lora_count(self) -> int:
+        return 0 if self.full else self.shape.lora_params(self.lora_r)
+
+    @property
+    def trainable(self) -> int:
+        return self.shape.params if self.full else self.lora_count
+
+    @property
+    def nonlinear_bytes(self) -> int:
+        """Bytes per weight of what QLoRA does not quantize: embeddings, head, norms, biases."""
+        return 2 if self.bf16 else 4
+
+    @property
+    def offload(self) -> bool:
+        """Whether activations really move to the host (on CPU they are there already)."""
+        return self.offload_activations and self.device == "cuda"
+
+    @functools.cached_property
+    def layer_activations(self) -> int:
+        """Bytes one decoder layer saves for backward, per token."""
+        return _layer_activation_bytes(self.shape, self.method, self.regime, self.lora_r)
+
+    @property
+    def layer_input(self) -> int:
+        """Bytes of one layer's input per token: what checkpointing keeps."""
+        return self.regime.residual * self.shape.hidden_size
+
+
 def plan_memory(
     config: PretrainedConfig | ModelShape | str,
     *,
@@ -291,177 +356,59 @@ def plan_memory(
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
-    if isinstance(config, str):
-        label, config = resolve_model(config)
-        shape = shape_from_config(config, label)
-    elif isinstance(config, ModelShape):
-        shape = config
-    else:
-        shape = shape_from_config(config)
+    shape = _model_shape(config)
     _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device)
-    n, tokens = gpus, batch_size * seq_len
-    regime = _regime(method, gpus, bf16, device, lora_dropout)
-    h, vocab, layers = shape.hidden_size, shape.vocab_size, shape.num_layers
-    a, x = regime.compute, regime.residual
-    full = method == "full"
-    lora_count = 0 if full else shape.lora_params(lora_r)
-    lora_per_layer = lora_count // layers
-    trainable = shape.params if full else lora_count
-    quantized = layers * shape.layer_linear_params
-    nonlinear_bytes = 2 if bf16 else 4  # QLoRA's embeddings, head, norms, biases
-
-    # --- weights, adapters, gradients, optimizer (sharded) ------------------------------------------------
-    if method == "qlora":
-        bits = bits_per_param(double_quant)
-        weight_bytes = _quantized_bytes(quantized, double_quant) + nonlinear_bytes * (
-            shape.params - quantized
-        )
-        weights_how = (
-            f"NF4 {bits:.3f} bit × {_count(quantized)} linear weights + "
-            f"{'bf16' if bf16 else 'fp32'} × {_count(shape.params - quantized)} others"
-        )
-    else:
-        weight_bytes = 4 * shape.params
-        weights_how = f"fp32, 4 B × {_count(shape.params)} params" + ("" if full else " (frozen base)")
-    shard_how = f" ÷ {n} (FSDP2)" if regime.sharded else ""
-    weights = _shard(weight_bytes, n)
-    lora_params = _shard(4 * lora_count, n)
-    gradients = _shard(4 * trainable, n)
-    optimizer = _shard(8 * trainable, n)
-
-    # --- working copies of weights (not sharded) ----------------------------------------------------------
-    layer_linear = shape.layer_linear_params
-    if regime.sharded:
-        w = 2 if bf16 else 4
-        layer_gathered = (
-            _quantized_bytes(layer_linear, double_quant) + nonlinear_bytes * shape.layer_other_params
-            if method == "qlora"
-            else w * shape.layer_params
-        ) + w * lora_per_layer
-        layer_grads = (w + 4) * (shape.layer_params if full else lora_per_layer)
-        root = (nonlinear_bytes if method == "qlora" else w) * shape.root_params
-        root += (w + 4) * shape.root_params if full else 0
-        dequant = nonlinear_bytes * shape.max_linear_params if method == "qlora" else 0
-        weight_copies = root + 2 * (layer_gathered + layer_grads) + dequant
-        copies_how = f"FSDP2 gathered {'bf16' if bf16 else 'fp32'}: root unit + 2 layers" + (
-            ", their unsharded grads + fp32 reduce buffers" if full else ""
-        )
-        if dequant:
-            copies_how += " + one dequantized linear"
-    elif regime.autocast and method == "full":
-        weight_copies = 2 * layers * layer_linear + 2 * vocab * h
-        copies_how = "autocast's bf16 cache of the layers' linear weights + the head's bf16 cast"
-    elif regime.autocast and method == "lora":
-        saved = layer_linear * (1 if checkpointing else layers)
-        weight_copies = 2 * saved + 2 * lora_count + 2 * vocab * h
-        which = "1 layer" if checkpointing else "all layers"
-        copies_how = (
-            f"bf16 casts of frozen weights saved for backward ({which}) + adapters' casts + head cast"
-        )
-    elif method == "qlora":
-        weight_copies = nonlinear_bytes * shape.max_linear_params + (2 * lora_count if regime.autocast else 0)
-        copies_how = "largest linear dequantized to bf16" + (
-            " + adapters' bf16 casts" if regime.autocast else ""
-        )
-    else:
-        weight_copies, copies_how = 0, "none (fp32 compute)"
-
-    # --- activations ----------------------------------------------------------------------------------------
-    per_layer = _layer_activation_bytes(shape, method, regime, lora_r)
-    layer_input = x * h
-    offload = offload_activations and device == "cuda"
-    kept = layer_input if checkpointing else per_layer
-    in_flight = min(layers, 2) if offload else layers
-    extras = 2 * shape.head_dim * x + 4 * h + 4 + (x * h if full else 0)  # RoPE cos/sin, final norm
-    activations = tokens * (in_flight * kept + (per_layer if checkpointing else 0) + extras)
-    activations_host = tokens * layers * kept if offload else 0
-    saved_what = "layer inputs" if checkpointing else f"{per_layer:,} B/token/layer"
-    act_how = f"{saved_what} × {layers if not offload else in_flight} layers × {tokens:,} tokens"
-    act_how += " + 1 layer recomputed" if checkpointing else ""
-    act_how += f" (offloaded: {layers} layers to host)" if offload else ""
-
-    # --- loss head ------------------------------------------------------------------------------------------
-    rows = LOSS_HEAD_CHUNK_BYTES[device] // (vocab * a)
-    rows = max(1, rows - rows % 16 if rows >= 16 else rows)
-    chunk = min(tokens, rows)
-    head_accumulator = 4 * vocab * h if full and a == 2 else 0
-    workspace = chunk * vocab * 4 if device == "cpu" and a != 4 else 0  # PyTorch path: fp32 exp buffer
-    loss_head_fused = chunk * vocab * a + workspace + tokens * h * a + 20 * tokens + head_accumulator
-    loss_head_materialized = 8 * tokens * vocab
-    loss_head = loss_head_fused if fused_loss_head else loss_head_materialized
-    head_how = (
-        f"fused: {chunk:,}-token chunk of logits + grad of hidden"
-        + (" + fp32 head-grad accumulator" if head_accumulator else "")
-        if fused_loss_head
-        else f"[{tokens:,}, {vocab:,}] fp32 logits + their gradient"
+    setup = _Setup(
+        shape.name,
+        method,
+        gpus,
+        seq_len,
+        batch_size,
+        checkpointing,
+        offload_activations,
+        lora_r,
+        lora_dropout,
+        bf16,
+        device,
+        fused_loss_head,
+        double_quant,
+        gpu_memory_bytes,
+        shape,
     )
-
-    cuda_context = CUDA_CONTEXT_BYTES if device == "cuda" else 0
-    total = (
-        weights + lora_params + gradients + optimizer + weight_copies + activations + loss_head + cuda_context
-    )
-
-    # --- host ---------------------------------------------------------------------------------------------
-    # a local checkpoint is read tensor by tensor into a model already sharded (fastalign.quant.loading):
-    # the host holds about one layer (and the embeddings) of the checkpoint at a time
-    checkpoint_bytes = 2 if method == "qlora" else 4  # a bf16 checkpoint for QLoRA, fp32 otherwise
-    model_load_host = checkpoint_bytes * (shape.layer_params + shape.root_params)
-    load_how = f"{'bf16' if method == 'qlora' else 'fp32'} checkpoint streamed layer by layer"
-    host_per_process = max(model_load_host, activations_host)  # loading is over before training starts
-
-    lora_how = f"fp32, 4 B × {_count(lora_count)} (rank {lora_r}, all linear layers){shard_how}"
-    context_how = "assumed 0.75 GiB (context, cuBLAS workspace, kernels)" if cuda_context else "none on CPU"
-    sharded = regime.sharded
     terms = [
-        Term("weights", "weights", weights, 0, sharded, weights_how + shard_how),
-        Term("lora_params", "LoRA adapters", lora_params, 0, sharded, lora_how if lora_count else "none"),
-        Term("gradients", "gradients", gradients, 0, sharded, f"fp32, 4 B × {_count(trainable)}" + shard_how),
-        Term("optimizer", "optimizer (AdamW m, v)", optimizer, 0, sharded,
-             f"fp32 m and v, 8 B × {_count(trainable)}; the fp32 params are the master copy" + shard_how),
-        Term("weight_copies", "weight working copies", weight_copies, 0, False, copies_how),
-        Term("activations", "activations", activations, activations_host, False, act_how),
-        Term("loss_head", "loss head", loss_head, 0, False, head_how),
-        Term("cuda_context", "CUDA context", cuda_context, 0, False, context_how),
-        Term("model_load", "model load (host)", 0, model_load_host, False, load_how + ", before training"),
-    ]  # fmt: skip
+        _weights(setup),
+        _lora_params(setup),
+        _gradients(setup),
+        _optimizer(setup),
+        _weight_copies(setup),
+        _activations(setup),
+        _loss_head(setup),
+        _cuda_context(setup),
+        _model_load(setup),
+    ]
+    by_name = {term.name: term for term in terms}
+    total = sum(term.gpu_bytes for term in terms)
+    host = max(term.host_bytes for term in terms)  # loading is over before training starts
     plan = MemoryPlan(
         model=shape.name,
-        method=method,
-        gpus=gpus,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        checkpointing=checkpointing,
-        offload_activations=offload_activations,
-        lora_r=lora_r,
-        lora_dropout=lora_dropout,
-        bf16=bf16,
-        device=device,
-        fused_loss_head=fused_loss_head,
-        double_quant=double_quant,
-        gpu_memory_bytes=gpu_memory_bytes,
+        **_flags(setup),
         params=shape.params,
-        trainable_params=trainable,
-        weights=weights,
-        lora_params=lora_params,
-        gradients=gradients,
-        optimizer=optimizer,
-        weight_copies=weight_copies,
-        activations=activations,
-        loss_head=loss_head,
-        cuda_context=cuda_context,
+        trainable_params=setup.trainable,
+        # the per-GPU fields, named after their terms (the model load is host memory only)
+        **{term.name: term.gpu_bytes for term in terms if term.name != "model_load"},
         total_per_gpu=total,
-        activations_host=activations_host,
-        model_load_host=model_load_host,
-        host_per_process=host_per_process,
-        host_total=host_per_process * n,
-        layer_activation_bytes_per_token=per_layer,
-        layer_input_bytes_per_token=layer_input,
-        loss_head_fused=loss_head_fused,
-        loss_head_materialized=loss_head_materialized,
+        activations_host=by_name["activations"].host_bytes,
+        model_load_host=by_name["model_load"].host_bytes,
+        host_per_process=host,
+        host_total=host * gpus,
+        layer_activation_bytes_per_token=setup.layer_activations,
+        layer_input_bytes_per_token=setup.layer_input,
+        loss_head_fused=_fused_loss_head_bytes(setup),
+        loss_head_materialized=_materialized_loss_head_bytes(setup),
         fits=total <= gpu_memory_bytes,
         terms=terms,
     )
-    notes = _notes(plan, shape, offload)
+    notes = _notes(plan, setup)
     if not suggest or plan.fits:
         return replace(plan, notes=notes)
     changes, fitting = _suggest(shape, plan)
@@ -471,6 +418,175 @@ def plan_memory(
             "smaller micro-batches) fits: shorten --seq-len"
         )
     return replace(plan, suggestions=changes, suggested_total_per_gpu=fitting, notes=notes)
+
+
+# --------------------------------------------------------------------------------------------------
+# The terms, in the order of the plan's table (what each holds: the module docstring).
+
+
+def _sharded(setup: _Setup, name: str, label: str, total_bytes: int, how: str) -> Term:
+    """A term that FSDP2 divides over the GPUs."""
+    sharded = setup.regime.sharded
+    how += f" ÷ {setup.gpus} (FSDP2)" if sharded else ""
+    return Term(name, label, _shard(total_bytes, setup.gpus), 0, sharded, how)
+
+
+def _weights(setup: _Setup) -> Term:
+    shape = setup.shape
+    if setup.method != "qlora":
+        how = f"fp32, 4 B × {_count(shape.params)} params" + ("" if setup.full else " (frozen base)")
+        return _sharded(setup, "weights", "weights", 4 * shape.params, how)
+    quantized = shape.num_layers * shape.layer_linear_params
+    others = shape.params - quantized
+    how = (
+        f"NF4 {bits_per_param(setup.double_quant):.3f} bit × {_count(quantized)} linear weights + "
+        f"{'bf16' if setup.bf16 else 'fp32'} × {_count(others)} others"
+    )
+    weight_bytes = _quantized_bytes(quantized, setup.double_quant) + setup.nonlinear_bytes * others
+    return _sharded(setup, "weights", "weights", weight_bytes, how)
+
+
+def _lora_params(setup: _Setup) -> Term:
+    if not setup.lora_count:
+        return Term("lora_params", "LoRA adapters", 0, 0, setup.regime.sharded, "none")
+    how = f"fp32, 4 B × {_count(setup.lora_count)} (rank {setup.lora_r}, all linear layers)"
+    return _sharded(setup, "lora_params", "LoRA adapters", 4 * setup.lora_count, how)
+
+
+def _gradients(setup: _Setup) -> Term:
+    how = f"fp32, 4 B × {_count(setup.trainable)}"
+    return _sharded(setup, "gradients", "gradients", 4 * setup.trainable, how)
+
+
+def _optimizer(setup: _Setup) -> Term:
+    how = f"fp32 m and v, 8 B × {_count(setup.trainable)}; the fp32 params are the master copy"
+    return _sharded(setup, "optimizer", "optimizer (AdamW m, v)", 8 * setup.trainable, how)
+
+
+def _weight_copies(setup: _Setup) -> Term:
+    copies, how = _gathered_copies(setup) if setup.regime.sharded else _cast_copies(setup)
+    return Term("weight_copies", "weight working copies", copies, 0, False, how)
+
+
+def _gathered_copies(setup: _Setup) -> tuple[int, str]:
+    """FSDP2: the root unit and two layer units gathered (computing + prefetching), with, for trained
+    weights, their unsharded gradients and fp32 reduce buffers."""
+    shape, qlora, full = setup.shape, setup.method == "qlora", setup.full
+    w = 2 if setup.bf16 else 4
+    lora_per_layer = setup.lora_count // shape.num_layers
+    if qlora:
+        quantized = _quantized_bytes(shape.layer_linear_params, setup.double_quant)
+        layer_gathered = quantized + setup.nonlinear_bytes * shape.layer_other_params
+    else:
+        layer_gathered = w * shape.layer_params
+    layer_gathered += w * lora_per_layer
+    layer_grads = (w + 4) * (shape.layer_params if full else lora_per_layer)
+    root = (setup.nonlinear_bytes if qlora else w) * shape.root_params
+    root += (w + 4) * shape.root_params if full else 0
+    dequant = setup.nonlinear_bytes * shape.max_linear_params if qlora else 0
+    how = f"FSDP2 gathered {'bf16' if setup.bf16 else 'fp32'}: root unit + 2 layers"
+    how += ", their unsharded grads + fp32 reduce buffers" if full else ""
+    how += " + one dequantized linear" if dequant else ""
+    return root + 2 * (layer_gathered + layer_grads) + dequant, how
+
+
+def _cast_copies(setup: _Setup) -> tuple[int, str]:
+    """One process: autocast's casts of the weights, or QLoRA's dequantized weight."""
+    shape, autocast = setup.shape, setup.regime.autocast
+    head_cast = 2 * shape.vocab_size * shape.hidden_size
+    if autocast and setup.method == "full":
+        copies = 2 * shape.num_layers * shape.layer_linear_params + head_cast
+        return copies, "autocast's bf16 cache of the layers' linear weights + the head's bf16 cast"
+    if autocast and setup.method == "lora":
+        saved = shape.layer_linear_params * (1 if setup.checkpointing else shape.num_layers)
+        which = "1 layer" if setup.checkpointing else "all layers"
+        how = f"bf16 casts of frozen weights saved for backward ({which}) + adapters' casts + head cast"
+        return 2 * saved + 2 * setup.lora_count + head_cast, how
+    if setup.method == "qlora":
+        copies = setup.nonlinear_bytes * shape.max_linear_params + (2 * setup.lora_count if autocast else 0)
+        return copies, "largest linear dequantized to bf16" + (" + adapters' bf16 casts" if autocast else "")
+    return 0, "none (fp32 compute)"
+
+
+def _activations(setup: _Setup) -> Term:
+    shape, tokens, layers = setup.shape, setup.tokens, setup.shape.num_layers
+    per_layer, checkpointing, offload = setup.layer_activations, setup.checkpointing, setup.offload
+    x, h = setup.regime.residual, shape.hidden_size
+    kept = setup.layer_input if checkpointing else per_layer
+    in_flight = min(layers, 2) if offload else layers
+    extras = 2 * shape.head_dim * x + 4 * h + 4 + (x * h if setup.full else 0)  # RoPE cos/sin, final norm
+    activations = tokens * (in_flight * kept + (per_layer if checkpointing else 0) + extras)
+    host = tokens * layers * kept if offload else 0
+    saved_what = "layer inputs" if checkpointing else f"{per_layer:,} B/token/layer"
+    how = f"{saved_what} × {layers if not offload else in_flight} layers × {tokens:,} tokens"
+    how += " + 1 layer recomputed" if checkpointing else ""
+    how += f" (offloaded: {layers} layers to host)" if offload else ""
+    return Term("activations", "activations", activations, host, False, how)
+
+
+def _loss_head_chunk(setup: _Setup) -> int:
+    """Tokens per chunk of the fused head, as ``fastalign.ops.linear_cross_entropy.default_chunk_size``."""
+    rows = LOSS_HEAD_CHUNK_BYTES[setup.device] // (setup.shape.vocab_size * setup.regime.compute)
+    rows = max(1, rows - rows % 16 if rows >= 16 else rows)
+    return min(setup.tokens, rows)
+
+
+def _head_grad_accumulator(setup: _Setup) -> int:
+    """The fp32 accumulator of a trainable head's weight gradient when the head runs in bf16."""
+    shape = setup.shape
+    return 4 * shape.vocab_size * shape.hidden_size if setup.full and setup.regime.compute == 2 else 0
+
+
+def _fused_loss_head_bytes(setup: _Setup) -> int:
+    shape, tokens, a = setup.shape, setup.tokens, setup.regime.compute
+    chunk = _loss_head_chunk(setup) * shape.vocab_size
+    workspace = chunk * 4 if setup.device == "cpu" and a != 4 else 0  # PyTorch path: fp32 exp buffer
+    hidden_grad = tokens * shape.hidden_size * a
+    return chunk * a + workspace + hidden_grad + 20 * tokens + _head_grad_accumulator(setup)
+
+
+def _materialized_loss_head_bytes(setup: _Setup) -> int:
+    """HF's own loss: the fp32 logits [T, V] and their gradient."""
+    return 8 * setup.tokens * setup.shape.vocab_size
+
+
+def _loss_head(setup: _Setup) -> Term:
+    if not setup.fused_loss_head:
+        how = f"[{setup.tokens:,}, {setup.shape.vocab_size:,}] fp32 logits + their gradient"
+        return Term("loss_head", "loss head", _materialized_loss_head_bytes(setup), 0, False, how)
+    how = f"fused: {_loss_head_chunk(setup):,}-token chunk of logits + grad of hidden"
+    how += " + fp32 head-grad accumulator" if _head_grad_accumulator(setup) else ""
+    return Term("loss_head", "loss head", _fused_loss_head_bytes(setup), 0, False, how)
+
+
+def _cuda_context(setup: _Setup) -> Term:
+    if setup.device != "cuda":
+        return Term("cuda_context", "CUDA context", 0, 0, False, "none on CPU")
+    how = "assumed 0.75 GiB (context, cuBLAS workspace, kernels)"
+    return Term("cuda_context", "CUDA context", CUDA_CONTEXT_BYTES, 0, False, how)
+
+
+def _model_load(setup: _Setup) -> Term:
+    """A local checkpoint is read tensor by tensor into a model already sharded (fastalign.quant.loading):
+    the host holds about one layer (and the embeddings) of the checkpoint at a time, bf16 for QLoRA and
+    fp32 otherwise."""
+    shape, qlora = setup.shape, setup.method == "qlora"
+    host = (2 if qlora else 4) * (shape.layer_params + shape.root_params)
+    how = f"{'bf16' if qlora else 'fp32'} checkpoint streamed layer by layer, before training"
+    return Term("model_load", "model load (host)", 0, host, False, how)
+
+
+# --------------------------------------------------------------------------------------------------
+# Input, notes and suggestions.
+
+
+def _model_shape(config: PretrainedConfig | ModelShape | str) -> ModelShape:
+    if isinstance(config, str):
+        label, config = resolve_model(config)
+        return shape_from_config(config, label)
+    if isinstance(config, ModelShape):
+        return config
+    return shape_from_config(config)
 
 
 def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device) -> None:
@@ -491,7 +607,7 @@ def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memor
         raise PlanError("device", f"must be 'cuda' or 'cpu', got {device!r}")
 
 
-def _notes(plan: MemoryPlan, shape: ModelShape, offload: bool) -> list[str]:
+def _notes(plan: MemoryPlan, setup: _Setup) -> list[str]:
     notes = []
     if plan.method == "lora":
         notes.append(
@@ -499,14 +615,14 @@ def _notes(plan: MemoryPlan, shape: ModelShape, offload: bool) -> list[str]:
             " per GPU; bf16 would halve it"
         )
     if plan.method != "full" and plan.lora_dropout > 0:
-        no_dropout = plan_memory(shape, **{**_inputs(plan), "lora_dropout": 0.0}, suggest=False)
+        no_dropout = plan_memory(setup.shape, **{**_flags(setup), "lora_dropout": 0.0}, suggest=False)
         saved = plan.activations - no_dropout.activations
         if saved > 0:
             notes.append(
                 f"lora_dropout {plan.lora_dropout:g}: peft saves a dropout copy and mask of every adapter "
                 f"input; --lora-dropout 0 saves {format_bytes(saved)} of activations"
             )
-    if plan.offload_activations and not offload:
+    if plan.offload_activations and not setup.offload:
         notes.append("offloading has no effect on CPU (the tensors are in host memory already)")
     if not plan.fused_loss_head:
         notes.append(
@@ -514,13 +630,6 @@ def _notes(plan: MemoryPlan, shape: ModelShape, offload: bool) -> list[str]:
             f"{format_bytes(plan.loss_head_fused)} instead of {format_bytes(plan.loss_head)}"
         )
     return notes
-
-
-def _inputs(plan: MemoryPlan) -> dict:
-    """The ``plan_memory`` keyword arguments a plan was made with."""
-    keys = "method gpus seq_len batch_size checkpointing offload_activations lora_r lora_dropout"
-    keys += " gpu_memory_bytes bf16 device fused_loss_head double_quant"
-    return {key: getattr(plan, key) for key in keys.split()}
 
 
 def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None]:
@@ -531,7 +640,7 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
     global batch stays the same with gradient accumulation). Once something fits, changes it no longer
     needs are dropped again, the dearest first.
     """
-    original = _inputs(plan)
+    original = _flags(plan)
     inputs = dict(original)
     changed: list[str] = []  # keys of inputs, in the order they were changed
     batch_sizes = [plan.batch_size]

@@ -88,7 +88,7 @@ BUILTIN_SHAPES: dict[str, dict] = {
 
 
 def _tiny_names() -> tuple[str, ...]:
-    from fastalign.testing import TINY_MODEL_TYPES
+    from fastalign.builtin import TINY_MODEL_TYPES
 
     return tuple(f"tiny-{family}" for family in TINY_MODEL_TYPES)
 
@@ -100,6 +100,14 @@ def shape_names() -> tuple[str, ...]:
 
 #: Config attributes that mark a mixture-of-experts model (the planner assumes one dense MLP per layer).
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+#: The sizes every Llama-style config has: ``ModelShape`` field ← config attribute.
+_REQUIRED_SIZES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+}
 
 
 @dataclass(frozen=True)
@@ -199,25 +207,21 @@ def shape_from_config(config: PretrainedConfig, name: str | None = None) -> Mode
                 "config",
                 f"{label} is a mixture-of-experts model ({field}); the planner models dense decoders only",
             )
-    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    missing = [field for field in needed if not getattr(config, field, None)]
+    missing = [attribute for attribute in _REQUIRED_SIZES.values() if not getattr(config, attribute, None)]
     if missing:
         raise PlanError(
             "config",
             f"{label} ({config.model_type}) is not a Llama-style decoder: its config "
             f"has no {', '.join(missing)}",
         )
-    heads = config.num_attention_heads
+    sizes = {field: getattr(config, attribute) for field, attribute in _REQUIRED_SIZES.items()}
+    heads = sizes["num_heads"]
     model_type = config.model_type
     attention_bias = bool(getattr(config, "attention_bias", False))
     return ModelShape(
         name=label,
         model_type=model_type,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
+        **sizes,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -237,7 +241,7 @@ def builtin_config(name: str) -> PretrainedConfig:
         fields = dict(BUILTIN_SHAPES[name])
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     if name in _tiny_names():
-        from fastalign.testing import tiny_config
+        from fastalign.builtin import tiny_config
 
         return tiny_config(name.removeprefix("tiny-"))
     raise PlanError("config", _unknown_name(name))

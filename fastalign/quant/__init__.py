@@ -8,21 +8,14 @@ from fastalign.quant.four_bit_linear import (
     quantize_linear,
     quantize_model,
 )
-from fastalign.quant.loading import (
-    checkpoint_tensors,
-    empty_model,
-    fill_model,
-    load_4bit_model,
-    random_4bit_model,
-)
+from fastalign.quant.loading import empty_4bit_model, fill_4bit_model, load_4bit_model, random_4bit_model
 
 __all__ = [
     "FourBitLinear",
     "QuantOptions",
-    "checkpoint_tensors",
     "dequantize_model",
-    "empty_model",
-    "fill_model",
+    "empty_4bit_model",
+    "fill_4bit_model",
     "load_4bit_model",
     "quantize_linear",
     "quantize_model",

@@ -23,9 +23,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from fastalign.models.structure import decoder_layers
 from fastalign.ops.backend import Backend
 from fastalign.ops.nf4 import FourBitState, linear_4bit, quantize_4bit
-from fastalign.train.memory import decoder_layers
 
 QUANT_TYPES: tuple[str, ...] = ("nf4", "fp4")
 
@@ -87,13 +87,16 @@ class FourBitLinear(nn.Linear):
     @classmethod
     def placeholder(cls, linear: nn.Linear, options: QuantOptions) -> FourBitLinear:
         """A meta-device stand-in for ``linear`` in 4 bits: its bytes and scales are filled later
-        (``fastalign.quant.fill_model``), after LoRA wrapping and FSDP2 sharding if any."""
+        (``fastalign.quant.fill_4bit_model``), after LoRA wrapping and FSDP2 sharding if any."""
         meta = torch.device("meta")
         state = FourBitState(
-            absmax=torch.empty(0, device=meta), code=torch.empty(16, device=meta),
-            shape=(linear.out_features, linear.in_features), dtype=options.dtype,
-            blocksize=options.blocksize, quant_type=options.quant_type,
-        )  # fmt: skip
+            absmax=torch.empty(0, device=meta),
+            code=torch.empty(16, device=meta),
+            shape=(linear.out_features, linear.in_features),
+            dtype=options.dtype,
+            blocksize=options.blocksize,
+            quant_type=options.quant_type,
+        )
         packed = torch.empty(
             (linear.in_features * linear.out_features + 1) // 2, dtype=torch.uint8, device=meta
         )
@@ -160,8 +163,13 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> n
     the base of a merged export (LoRA merged into dense weights)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, FourBitLinear):
-            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=module.weight.device, dtype=dtype)  # fmt: skip
+            dense = nn.Linear(
+                module.in_features,
+                module.out_features,
+                bias=module.bias is not None,
+                device=module.weight.device,
+                dtype=dtype,
+            )
             with torch.no_grad():
                 dense.weight.copy_(module.dequantize(dtype))
                 if module.bias is not None:

@@ -1,236 +1,65 @@
-"""Models that never exist whole in memory: checkpoints loaded layer by layer (in 4 bits, or dense),
-and random-weight models of any published shape built directly in 4 bits.
+"""4-bit models that never exist whole in memory: checkpoints loaded layer by layer in 4 bits, and
+random-weight models of any published shape built directly in 4 bits.
 
-``empty_model`` builds the model on the meta device (no memory), with ``FourBitLinear`` placeholders
-when quantized; ``fill_model`` then materializes it, one module at a time as its tensors arrive — read
-one at a time from the safetensors shards (memory-mapped), or drawn at random — quantizing each linear
-layer as soon as its weight is there. Peak host memory stays near one shard and one layer, and
-device memory near the final 4-bit footprint.
-
-Between the two, the skeleton can be wrapped with LoRA and sharded with FSDP2 (the trainer does): each
-rank then reads (and quantizes) every layer but keeps only its own shard, so no rank ever holds the
-whole model — not 70B in fp32, nor even in NF4 (~37 GB: more than a 24 GB GPU). Rank 0 loading and
-broadcasting would read the disk once instead of N times, but needs a broadcast per tensor and rank 0's
-host memory for each layer; reading is the cheaper side on a local or cached file system.
+The dense streaming loader (``fastalign.models.streaming``) does the work: ``empty_4bit_model`` is its
+meta-device skeleton with ``FourBitLinear`` placeholders in the decoder layers, and ``fill_4bit_model``
+its ``fill_model`` quantizing each placeholder's weight as soon as it arrives, so no layer is ever held
+in full precision longer than it takes to quantize it, and device memory stays near the final 4-bit
+footprint. Between the two, the skeleton may be wrapped with LoRA and sharded with FSDP2.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
-from safetensors import SafetensorError, safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
+from fastalign.models.streaming import checkpoint_tensors, empty_model, fill_model
 from fastalign.quant.four_bit_linear import FourBitLinear, QuantOptions, is_quantized_target, layer_prefixes
 
-_INDEX = "model.safetensors.index.json"
 
-
-def _empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    """Parameters on the meta device; buffers (rotary tables, embedding scales: computed, not loaded)
-    real, as the model's constructor computes them."""
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _tie_embeddings(model)  # init_empty_weights gives the head a meta Parameter of its own
-    return model
-
-
-def _tie_embeddings(model: nn.Module) -> None:
-    """With ``tie_word_embeddings`` the LM head's weight *is* the input embedding's, one Parameter (so
-    ``named_parameters``, FSDP2 and the optimizer see it once). ``init_empty_weights`` and ``to_empty``
-    both create a separate tensor per module and so untie them: this ties them again (the embedding's
-    Parameter is the one kept: FSDP2 manages a tied weight under its first owner, the embedding)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not getattr(base.config, "tie_word_embeddings", False):
-        return
-    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
-    if head is not None and head.weight is not embedding.weight:
-        head.weight = embedding.weight
-
-
-def empty_model(config: PretrainedConfig, dtype: torch.dtype, quantization: QuantOptions | None) -> nn.Module:
-    """The causal LM of ``config`` on the meta device (no memory until ``fill_model``), its decoder
-    layers' linear layers ``FourBitLinear`` placeholders when ``quantization`` is given."""
-    model = _empty_model(config, dtype)
-    if quantization is None:
-        return model
-    options = quantization
+def empty_4bit_model(config: PretrainedConfig, options: QuantOptions) -> nn.Module:
+    """``empty_model`` of ``config`` in ``options.dtype``, its decoder layers' linear layers
+    ``FourBitLinear`` placeholders (their bytes and scales come with ``fill_4bit_model``)."""
+    model = empty_model(config, options.dtype)
     prefixes = layer_prefixes(model)
     for name, module in list(model.named_modules()):
         if is_quantized_target(name, module, prefixes):
-            _replace(model, name, FourBitLinear.placeholder(module, options))
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, FourBitLinear.placeholder(module, options))
     return model
 
 
-def _shard_files(path: Path) -> dict[str, Path]:
-    """Tensor name → the safetensors file holding it (one file, or the shards of an index)."""
-    index = path / _INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise ValueError(f"{path} has neither model.safetensors nor {_INDEX}")
-    return {name: single for name in _keys(single)}
+def _quantize_on_arrival(
+    options: QuantOptions, module: nn.Module, attribute: str, tensor: torch.Tensor
+) -> torch.Tensor:
+    """A ``FourBitLinear``'s weight as its packed bytes (its scales set on the module); anything else as
+    it is."""
+    if not (isinstance(module, FourBitLinear) and attribute == "weight"):
+        return tensor
+    packed, module.quant_state = options.quantize(tensor)
+    return packed
 
 
-def _keys(file: Path) -> list[str]:
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            return list(handle.keys())
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"cannot read safetensors file {file}: {error}") from None
-
-
-def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint at ``path``, one at a time, file by file (each file opened once,
-    memory-mapped). Errors name a missing shard, a tensor the index promises but the shard lacks, or an
-    unreadable file."""
-    by_file: dict[Path, list[str]] = {}
-    for name, file in _shard_files(Path(path)).items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        if not file.is_file():
-            raise ValueError(f"checkpoint shard {file.name} (holding {names[0]}, ...) is missing")
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                available = set(handle.keys())
-                for name in names:
-                    if name not in available:
-                        raise ValueError(
-                            f"checkpoint shard {file.name} does not hold {name} as its index says"
-                        )
-                    yield name, handle.get_tensor(name)
-        except SafetensorError as error:
-            raise ValueError(f"cannot read safetensors file {file}: {error}") from None
-
-
-def _checkpoint_name(name: str) -> str:
-    """A parameter's name as the checkpoint has it: without peft's wrapper prefix and ``base_layer``."""
-    return name.removeprefix("base_model.model.").replace(".base_layer", "")
-
-
-def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy ``full`` into ``param``, or, for an FSDP2-sharded parameter, only this rank's dim-0 chunk."""
-    if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        chunks = full.chunk(mesh.size(), dim=0)  # FSDP2's Shard(0) layout, torch.chunk's split
-        rank = mesh.get_local_rank()
-        full = chunks[rank] if rank < len(chunks) else full[:0]
-        param = param.to_local()
-    if param.shape != full.shape:
-        raise ValueError(
-            f"a checkpoint tensor has shape {tuple(full.shape)}, the model expects {tuple(param.shape)}"
-        )
-    param.copy_(full)
-
-
-class _Filler:
-    """Fills a materialized skeleton module by module: a module is written once all its own parameters
-    arrived (a layer's weight and bias may come in any order, from different shards)."""
-
-    def __init__(
-        self, model: nn.Module, dtype: torch.dtype, quantization: QuantOptions | None, device: torch.device
-    ):
-        self.dtype, self.quantization, self.device = dtype, quantization, device
-        self.modules: dict[str, nn.Module] = {}
-        self.expected: dict[str, set[str]] = {}
-        for name, _ in model.named_parameters():
-            if "lora_" in name:
-                continue
-            module_name, _, attribute = _checkpoint_name(name).rpartition(".")
-            self.modules[module_name] = model.get_submodule(name.rpartition(".")[0])
-            self.expected.setdefault(module_name, set()).add(attribute)
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
-        self.filled: set[str] = set()
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        module_name, _, attribute = name.rpartition(".")
-        if attribute not in self.expected.get(module_name, ()):
-            return  # a tensor the model does not use (a stale rotary buffer): ignored, as transformers does
-        received = self.pending.setdefault(module_name, {})
-        received[attribute] = tensor
-        if set(received) == self.expected[module_name]:
-            self.write(self.modules[module_name], self.pending.pop(module_name))
-            self.filled.add(module_name)
-
-    def write(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        dtype = self.dtype
-        if isinstance(module, FourBitLinear):
-            weight = tensors.pop("weight").to(self.device, dtype)
-            packed, module.quant_state = self.quantization.quantize(weight)
-            _assign(module.weight, packed)
-        for attribute, tensor in tensors.items():
-            target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-            _assign(getattr(module, attribute), tensor.to(self.device, target_dtype))
-
-    def missing(self) -> list[str]:
-        return [f"{name}.{attribute}" for name in self.expected if name not in self.filled
-                for attribute in sorted(self.expected[name])]  # fmt: skip
-
-
-def _init_lora(model: nn.Module, seed: int) -> None:
-    """peft's default LoRA initialization (A: Kaiming-uniform with a = √5, B: zeros), drawn whole on the
-    CPU from ``seed`` whatever the sharding, so every process count starts from the same adapters."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        if "lora_" in name and not ("lora_A" in name or "lora_B" in name):
-            raise ValueError(
-                f"{name}: only LoRA's A and B matrices of linear layers are initialized on a 4-bit model "
-                "loaded layer by layer (no embedding adapters or DoRA): check lora_target_modules"
-            )
-        if "lora_A" in name:
-            bound = 1.0 / math.sqrt(param.shape[1])
-            full = (torch.rand(param.shape, generator=generator) * 2 - 1) * bound
-        elif "lora_B" in name:
-            full = torch.zeros(param.shape)
-        else:
-            continue
-        _assign(param, full.to(param.device, param.dtype))
-
-
-@torch.no_grad()
-def fill_model(
+def fill_4bit_model(
     model: nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],
+    options: QuantOptions,
     *,
-    dtype: torch.dtype,
-    quantization: QuantOptions | None,
     device: torch.device | str,
     source: str,
     seed: int = 0,
 ) -> nn.Module:
-    """Materialize a model from ``empty_model`` — as it is, or wrapped by peft and sharded by FSDP2
-    since — on ``device`` from ``tensors`` (name, full tensor) in checkpoint naming, in ``dtype``
-    (``FourBitLinear`` layers quantized with ``quantization``); LoRA adapters get their initialization
-    from ``seed``. Errors name the first tensor ``source`` lacks."""
-    device = torch.device(device)
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # to_empty wipes them
-    model.to_empty(device=device)
-    _tie_embeddings(model)
-    for name, buffer in model.named_buffers():
-        buffer.copy_(buffers[name])
-    filler = _Filler(model, dtype, quantization, device)
-    for name, tensor in tensors:
-        filler.add(name, tensor)
-    missing = filler.missing()
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{source} is missing tensor {missing[0]}{more}")
-    _init_lora(model, seed)
-    return model
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, module)
+    """``fill_model`` for a skeleton of ``empty_4bit_model`` (maybe LoRA-wrapped and sharded since):
+    each ``FourBitLinear`` quantized with ``options`` as its weight arrives, the rest in ``options.dtype``."""
+    quantize = functools.partial(_quantize_on_arrival, options)
+    return fill_model(
+        model, tensors, dtype=options.dtype, device=device, source=source, seed=seed, convert=quantize
+    )
 
 
 def load_4bit_model(
@@ -239,11 +68,10 @@ def load_4bit_model(
     """The causal LM saved at ``path`` (config.json + safetensors, one file or sharded) with its
     decoder layers' linear layers in 4 bits, loaded layer by layer (the rest in ``options.dtype``).
     Errors name a missing shard, a tensor missing from the checkpoint, or an unreadable file."""
-    config = AutoConfig.from_pretrained(path)
-    return fill_model(
-        empty_model(config, options.dtype, options), checkpoint_tensors(path), dtype=options.dtype,
-        quantization=options, device=device, source=f"checkpoint {path}", seed=seed,
-    )  # fmt: skip
+    model = empty_4bit_model(AutoConfig.from_pretrained(path), options)
+    return fill_4bit_model(
+        model, checkpoint_tensors(path), options, device=device, source=f"checkpoint {path}", seed=seed
+    )
 
 
 def _random_tensors(model: nn.Module, config: PretrainedConfig, device: torch.device):
@@ -268,8 +96,7 @@ def random_4bit_model(
     """A random-weight causal LM of ``config``'s shape (e.g. Llama-3-70B's) built directly in 4 bits,
     one module at a time, for benchmarks without downloads: never more than one layer in full precision."""
     torch.manual_seed(seed)
-    model = empty_model(config, options.dtype, options)
-    return fill_model(
-        model, _random_tensors(model, config, torch.device(device)), dtype=options.dtype,
-        quantization=options, device=device, source=f"random {config.model_type} model", seed=seed,
-    )  # fmt: skip
+    model = empty_4bit_model(config, options)
+    tensors = _random_tensors(model, config, torch.device(device))
+    source = f"random {config.model_type} model"
+    return fill_4bit_model(model, tensors, options, device=device, source=source, seed=seed)

@@ -84,9 +84,13 @@ class ProgressBar(Callback):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(
-            total=engine.schedule.max_steps, initial=engine.state.step, disable=not engine.ctx.is_main,
-            desc="train", unit="step", dynamic_ncols=True,
-        )  # fmt: skip
+            total=engine.schedule.max_steps,
+            initial=engine.state.step,
+            disable=not engine.ctx.is_main,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
 
     def on_step_end(self, engine: Engine, metrics: dict) -> None:
         self.bar.update(1)

@@ -32,6 +32,8 @@ from fastalign.train.distributed import DistributedContext
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+#: The directory of a checkpoint that holds the objective's own state (``Objective.state_dict``).
+OBJECTIVE_STATE = "objective"
 #: Where the trainer state keeps the run's config (a dict of ``TrainConfig`` fields, as given).
 CONFIG_KEY = "config"
 
@@ -140,8 +142,10 @@ def save_checkpoint(
     trainer_state: dict,
     ctx: DistributedContext,
     save_total_limit: int,
+    objective_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``checkpoint-<step>`` atomically (every rank calls this); returns its path."""
+    """Write ``checkpoint-<step>`` atomically (every rank calls this); returns its path. The objective's
+    state (tensors it carries across steps, possibly sharded) goes into ``objective/`` beside the model."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
     try:
@@ -152,6 +156,8 @@ def save_checkpoint(
         _barrier(ctx)
         model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
         _quiet_dcp(dcp.save, {"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        if objective_state:
+            _quiet_dcp(dcp.save, objective_state, checkpoint_id=str(tmp / OBJECTIVE_STATE))
         torch.save(_rng_state(), tmp / f"rng-{ctx.rank}.pt")
         _barrier(ctx)
         if ctx.is_main:
@@ -195,23 +201,33 @@ def _beyond_limit(checkpoints: list[Path], limit: int, step: int) -> list[Path]:
 
 
 def load_checkpoint(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: DistributedContext
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ctx: DistributedContext,
+    objective_state: dict[str, torch.Tensor] | None = None,
 ) -> dict:
-    """Restore model, optimizer and this rank's RNG from ``path``; returns its trainer state."""
+    """Restore model, optimizer, the objective's state (loaded in place into ``objective_state``'s
+    tensors) and this rank's RNG from ``path``; returns its trainer state."""
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
-    try:
-        _quiet_dcp(dcp.load, state, checkpoint_id=str(path))
-    except CheckpointException as error:
-        reasons = {
-            str(failure).strip().splitlines()[0] for failure, _ in error.failures.values() if str(failure)
-        }
-        raise CheckpointMismatchError("; ".join(sorted(reasons)) or type(error).__name__) from None
+    _load(state, path)
+    if objective_state:
+        if not (path / OBJECTIVE_STATE).is_dir():
+            raise ValueError(
+                f"resume_from_checkpoint {str(path)!r} holds no objective state ({OBJECTIVE_STATE}/: "
+                f"{', '.join(sorted(objective_state)[:2])}, ...), which this run carries across steps: it "
+                "was saved by a run without it; resume from one of this run's checkpoints, or start a new run"
+            )
+        _load(objective_state, path / OBJECTIVE_STATE)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
         options=_OPTIONS,
-    )  # fmt: skip
+    )
     rng_file = path / f"rng-{ctx.rank}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)
@@ -219,6 +235,17 @@ def load_checkpoint(
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return json.loads((path / TRAINER_STATE).read_text())
+
+
+def _load(state: dict, path: Path) -> None:
+    """``dcp.load`` into ``state``'s tensors; a misfit is a ``CheckpointMismatchError`` naming why."""
+    try:
+        _quiet_dcp(dcp.load, state, checkpoint_id=str(path))
+    except CheckpointException as error:
+        reasons = {
+            str(failure).strip().splitlines()[0] for failure, _ in error.failures.values() if str(failure)
+        }
+        raise CheckpointMismatchError("; ".join(sorted(reasons)) or type(error).__name__) from None
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -12,7 +12,7 @@ import typing
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -128,8 +128,6 @@ class ConfigError(ValueError):
     """A config problem, said in one line that names the key (and the file), so a CLI can print it as is."""
 
 
-#: What ``fastalign train`` trains: each objective has its recipe in ``fastalign.train.recipes``.
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "cpo", "kto", "grpo", "rloo")
 #: Learning-rate schedules that ``run_sft`` builds (each after its warmup).
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 #: Where metrics can be reported besides ``metrics.jsonl``.
@@ -138,11 +136,22 @@ REPORT_TO = ("tensorboard", "wandb")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 _NULL = ("none", "null")
 _ON_THE_COMMAND_LINE = "on the command line"
-_POSITIVE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-             "max_length", "logging_steps", "learning_rate")  # fmt: skip
+_POSITIVE = (
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "max_length",
+    "logging_steps",
+    "learning_rate",
+)
 #: What picks within a Hub model or dataset: a name (or null, the default, where allowed), never blank.
-_NOT_BLANK = ("model_revision", "dataset_config", "dataset_train_split", "dataset_test_split",
-              "dataset_revision")  # fmt: skip
+_NOT_BLANK = (
+    "model_revision",
+    "dataset_config",
+    "dataset_train_split",
+    "dataset_test_split",
+    "dataset_revision",
+)
 
 
 def _finite(value: object) -> bool:
@@ -400,8 +409,12 @@ def _as_int(raw: object) -> int:
     raise _Mismatch
 
 
-_WORDS = {bool: ("a boolean", "booleans"), int: ("an integer", "integers"),
-          float: ("a number", "numbers"), str: ("a string", "strings")}  # fmt: skip
+_WORDS = {
+    bool: ("a boolean", "booleans"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string", "strings"),
+}
 
 
 def _describe(kind: Any, plural: bool = False) -> str:
@@ -448,3 +461,17 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
             for key in ("max_steps", "num_train_epochs")
         )
         raise ConfigError(f"config key 'max_steps' or 'num_train_epochs' must be positive, got {got}")
+
+
+OptionsT = TypeVar("OptionsT")
+
+
+def options_from(config: TrainConfig, cls: type[OptionsT], **defaults: Any) -> OptionsT:
+    """``cls`` (an objective's options dataclass) with each field read from the config key of its name; a
+    key the config leaves None takes the objective's default from ``defaults`` (TRL's, which differ by
+    objective)."""
+    values = {}
+    for option in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = getattr(config, option.name)
+        values[option.name] = defaults[option.name] if value is None and option.name in defaults else value
+    return cls(**values)

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from fastalign.train.memory import decoder_layers
+from fastalign.models.structure import decoder_layers
 
 #: Whether ``init_distributed`` created the default process group (so ``shutdown_distributed`` may end it).
 _created_group = False

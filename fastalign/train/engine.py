@@ -10,8 +10,11 @@ A run that diverges ends with a one-line ``NonFiniteLossError`` (a ValueError) n
 trains on: weights that are not finite are never saved, and the checkpoint holding the weights that gave
 a non-finite loss is set aside as ``checkpoint-<step>.diverged`` (``resume_from_checkpoint: latest``
 would only diverge again). A run that collapses (loss ln V, gradient norm 0) trains on, with a warning.
-Logging, evaluation and checkpointing are callbacks
-(``fastalign.train.callbacks``), so users add behaviour without editing the loop.
+
+A checkpoint holds the model, the optimizer, the RNG, the data position and the objective's own state
+(``Objective.state_dict``: a running mean, a synced reference), so a resumed run continues exactly.
+Where metrics go (JSONL, progress bar, TensorBoard, W&B) and anything else users add are callbacks
+(``fastalign.train.callbacks``), so behaviour is added without editing the loop.
 """
 
 from __future__ import annotations
@@ -25,14 +28,17 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastalign.train import checkpoint
-from fastalign.train.batches import FILLER_KEY, BatchPosition, MicroBatches
+from fastalign.train.batches import FILLER_KEY, BatchPosition
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
 from fastalign.train.metrics import peak_memory_gib
-from fastalign.train.objectives.base import Objective
+
+if TYPE_CHECKING:  # objectives import the engine's Callback and autocast
+    from fastalign.train.objectives.base import BatchSource, Objective
 
 
 class NonFiniteLossError(RuntimeError, ValueError):
@@ -94,7 +100,7 @@ class Engine:
         objective: Objective,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        batches: MicroBatches,
+        batches: BatchSource,
         schedule: Schedule,
         ctx: DistributedContext,
         *,
@@ -120,7 +126,9 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------
     def resume(self, path: str | Path) -> None:
-        data = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.ctx)
+        objective_state = self.objective.state_dict()  # loaded in place
+        data = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.ctx, objective_state)
+        self.objective.load_state_dict(objective_state)
         self.state = TrainerState.from_dict(data)
         self.scheduler.load_state_dict(self.state.scheduler)
 
@@ -136,9 +144,15 @@ class Engine:
         if self.run_config is not None:
             trainer_state[checkpoint.CONFIG_KEY] = self.run_config
         path = checkpoint.save_checkpoint(
-            self.output_dir, self.state.step, self.model, self.optimizer, trainer_state, self.ctx,
+            self.output_dir,
+            self.state.step,
+            self.model,
+            self.optimizer,
+            trainer_state,
+            self.ctx,
             self.schedule.save_total_limit,
-        )  # fmt: skip
+            objective_state=self.objective.state_dict(),
+        )
         self._call("on_save", path)
         return path
 
@@ -170,11 +184,10 @@ class Engine:
         """One optimizer step; returns its metrics (global over ranks)."""
         start = time.perf_counter()
         micro_batches = self.batches.step_batches(self.state.position)
-        step_metrics: dict[str, float] = {}
-        prepare = getattr(self.objective, "prepare_step", None)
-        if prepare is not None:
-            with self._autocast():
-                micro_batches, step_metrics = prepare(self.model, micro_batches, self.state.step)
+        with self._autocast():
+            micro_batches, step_metrics = self.objective.prepare_step(
+                self.model, micro_batches, self.state.step
+            )
         local_items = sum(self.objective.loss_tokens(batch) for batch in micro_batches)
         num_items = all_reduce_sum(local_items, self.ctx).clamp_min(1)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -209,9 +222,13 @@ class Engine:
         self.state.tokens_seen += tokens
         objective_metrics = {**self._global_sums(objective_sums), **step_metrics}
         metrics = {
-            "loss": loss_value, "grad_norm": grad_norm, "learning_rate": learning_rate, "tokens": tokens,
-            "seconds": time.perf_counter() - start, **objective_metrics,
-        }  # fmt: skip
+            "loss": loss_value,
+            "grad_norm": grad_norm,
+            "learning_rate": learning_rate,
+            "tokens": tokens,
+            "seconds": time.perf_counter() - start,
+            **objective_metrics,
+        }
         for key in ("loss", "tokens", "seconds"):
             self._window[key] += metrics[key]
         self._window["steps"] += 1
@@ -251,15 +268,17 @@ class Engine:
         seconds = max(window["seconds"], 1e-9)
         logs = {
             "step": self.state.step,
-            "epoch": round(self.state.position.epoch + self.state.position.step_in_epoch
-                           / self.batches.steps_per_epoch, 4),
+            "epoch": round(
+                self.state.position.epoch + self.state.position.step_in_epoch / self.batches.steps_per_epoch,
+                4,
+            ),
             "loss": window["loss"] / window["steps"],
             "grad_norm": window["grad_norm"],
             "learning_rate": window["learning_rate"],
             "tokens_per_second": window["tokens"] / seconds,
             "step_seconds": seconds / window["steps"],
             "peak_memory_gib": round(peak_memory_gib(self.ctx.device), 3),
-        }  # fmt: skip
+        }
         if self.flops_per_token and self.peak_flops:
             logs["mfu"] = (
                 logs["tokens_per_second"] * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
@@ -297,8 +316,11 @@ class Engine:
 
     def _last_good_checkpoint(self) -> str:
         """The newest checkpoint before this step's weights, in words: its weights gave finite steps."""
-        found = [p for p in checkpoint.list_checkpoints(self.output_dir)
-                 if (checkpoint.checkpoint_step(p) or 0) < self.state.step]  # fmt: skip
+        found = [
+            p
+            for p in checkpoint.list_checkpoints(self.output_dir)
+            if (checkpoint.checkpoint_step(p) or 0) < self.state.step
+        ]
         if found:
             return f"the last good checkpoint is {found[-1]} (resume_from_checkpoint: latest picks it)"
         return (
@@ -345,8 +367,9 @@ class Engine:
                 f"step {self.state.step + 1}: loss {loss:.4f} = ln {vocab} (uniform over the vocabulary) and "
                 f"gradient norm 0: the run has collapsed and no longer learns; check learning_rate, "
                 f"weight_decay and the data",
-                UserWarning, stacklevel=3,
-            )  # fmt: skip
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

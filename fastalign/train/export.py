@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from fastalign.models.structure import base_model
 from fastalign.patching import unpatch_model
 from fastalign.train.checkpoint import DiskFullError, fsync_dir, is_disk_full
 from fastalign.train.distributed import DistributedContext
@@ -85,7 +86,7 @@ def move_into_place(staging: Path, output_dir: Path) -> None:
 def _tied_head_key(model: torch.nn.Module) -> str | None:
     """The state-dict key of the LM head's weight when it is tied to the input embedding (a gathered
     full state dict holds it under both names), else None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     head = base.get_output_embeddings()
     if head is None or head.weight is not base.get_input_embeddings().weight:
         return None

@@ -16,26 +16,28 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from fastalign.builtin import BUILTIN_DATASETS, TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
 from fastalign.errors import one_line
-from fastalign.quant import (
-    QuantOptions,
-    checkpoint_tensors,
-    empty_model,
-    fill_model,
-    load_4bit_model,
-    quantize_model,
-)
-from fastalign.testing import BUILTIN_DATASETS, TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
+from fastalign.models.streaming import checkpoint_tensors, empty_model, fill_model
+from fastalign.quant import QuantOptions, empty_4bit_model, fill_4bit_model, load_4bit_model, quantize_model
 
 #: Built-in model names: ``tiny-<family>``, random weights, the offline tokenizer (no download).
 BUILTIN_MODELS = tuple(f"tiny-{family}" for family in TINY_MODEL_TYPES)
 #: The files of a Hub model that training reads: config, weights, tokenizer, chat template. Weights only
 #: as safetensors: unpickling a ``.bin`` checkpoint can run arbitrary code, so none is ever fetched.
 HUB_MODEL_FILES = [
-    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.tiktoken",
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
     "chat_template*",
-]  # fmt: skip
+]
 
 
 def resolve_model(
@@ -65,9 +67,14 @@ def resolve_model(
             )
         return Path(name)
     snapshot = _hub_snapshot(
-        name, "model", revision, HUB_MODEL_FILES, key=key, revision_key="model_revision",
+        name,
+        "model",
+        revision,
+        HUB_MODEL_FILES,
+        key=key,
+        revision_key="model_revision",
         tried="not a local model directory or a built-in model",
-    )  # fmt: skip
+    )
     if not (snapshot / "config.json").is_file():
         raise ValueError(f"{key} {name!r}: its Hub snapshot {snapshot} has no config.json")
     if not any(snapshot.glob("model*.safetensors")):
@@ -105,7 +112,12 @@ def load_model_and_tokenizer(
         path = resolved
         tokenizer = _load_tokenizer(path)
         if not materialize:
-            model = empty_model(AutoConfig.from_pretrained(path), _dtype(quantization), quantization)
+            config = AutoConfig.from_pretrained(path)
+            model = (
+                empty_model(config, torch.float32)
+                if quantization is None
+                else empty_4bit_model(config, quantization)
+            )
         elif quantization is not None:
             model = load_4bit_model(path, quantization, device=device)
         else:
@@ -171,11 +183,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.t
 _TOKENIZER_PROBE = "Hello world, the model learns."
 
 
-def _dtype(quantization: QuantOptions | None) -> torch.dtype:
-    """fp32 weights, or with 4-bit layers the dtype of the frozen rest."""
-    return torch.float32 if quantization is None else quantization.dtype
-
-
 def materialize_model(
     model: torch.nn.Module,
     name_or_path: str | Path,
@@ -191,10 +198,11 @@ def materialize_model(
     keeps its own shard. A model that is already materialized is returned as it is."""
     if not any(param.is_meta for param in model.parameters()):
         return model
-    return fill_model(
-        model, checkpoint_tensors(resolve_model(name_or_path, revision)), dtype=_dtype(quantization),
-        quantization=quantization, device=device, source=f"checkpoint {name_or_path}", seed=seed,
-    )  # fmt: skip
+    tensors = checkpoint_tensors(resolve_model(name_or_path, revision))
+    source = f"checkpoint {name_or_path}"
+    if quantization is None:
+        return fill_model(model, tensors, dtype=torch.float32, device=device, source=source, seed=seed)
+    return fill_4bit_model(model, tensors, quantization, device=device, source=source, seed=seed)
 
 
 def is_hub_dataset(name_or_path: str) -> bool:
@@ -266,9 +274,14 @@ def _hub_dataset_rows(
         raise ValueError(f"{key} {repo_id!r} ({picked}): {one_line(error)}") from None
     if rows is None:
         snapshot = _hub_snapshot(
-            repo_id, "dataset", revision, None, key=key, revision_key="dataset_revision",
+            repo_id,
+            "dataset",
+            revision,
+            None,
+            key=key,
+            revision_key="dataset_revision",
             tried=f"{tried}, nor in the datasets cache",
-        )  # fmt: skip
+        )
         try:
             rows = datasets.load_dataset(str(snapshot), config, split=split)
         except (FileNotFoundError, ValueError) as error:

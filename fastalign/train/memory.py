@@ -23,19 +23,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """``model`` itself, or the transformers model under a peft wrapper."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a causal LM: the first ``nn.ModuleList`` named ``layers`` (peft-aware)."""
-    inner = _causal_lm(model)
-    for name, module in inner.named_modules():
-        if name.rpartition(".")[2] == "layers" and isinstance(module, nn.ModuleList):
-            return list(module)
-    raise ValueError(f"found no decoder layers (an nn.ModuleList named 'layers') in {type(inner).__name__}")
+from fastalign.models.structure import base_model, decoder_layers
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -44,7 +32,7 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     Non-reentrant checkpointing works with frozen embeddings (LoRA) and with FSDP2; a KV cache is of
     no use in training and is incompatible with recomputation, so ``use_cache`` goes off.
     """
-    inner = _causal_lm(model)
+    inner = base_model(model)
     kwargs = {"use_reentrant": False}
     if hasattr(inner, "activation_checkpointing_enable"):  # newer transformers; the old name warns
         inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -54,9 +54,10 @@ def quant_options(config: TrainConfig) -> QuantOptions | None:
     if not config.quantization:
         return None
     return QuantOptions(
-        quant_type=config.quantization, double_quant=config.bnb_4bit_use_double_quant,
+        quant_type=config.quantization,
+        double_quant=config.bnb_4bit_use_double_quant,
         dtype=torch.bfloat16 if config.bf16 else torch.float32,  # the frozen unquantized rest
-    )  # fmt: skip
+    )
 
 
 def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:
@@ -85,9 +86,12 @@ def _add_lora(model, config: TrainConfig):
 
     targets = config.lora_target_modules
     lora = peft.LoraConfig(
-        r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
-    )  # fmt: skip
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        task_type="CAUSAL_LM",
+    )
     try:
         return peft.get_peft_model(model, lora)
     except ValueError as error:  # e.g. target modules not found: name the config key

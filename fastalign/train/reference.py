@@ -1,5 +1,8 @@
 """The reference policy of DPO-family, KTO and GRPO training, three ways, and TR-DPO's reference sync.
 
+``ReferenceOptions`` are the config keys that choose among them (TRL's names), checked together once;
+``setup_reference`` is what an objective with a reference calls in its ``setup``.
+
 - ``FrozenReference``: a separate frozen model (sharded like the policy under FSDP2).
 - ``AdapterDisabledReference``: the policy itself with its LoRA adapters switched off — the base
   model *is* the reference, so LoRA training keeps no second copy in memory.
@@ -12,15 +15,22 @@ Every log-prob goes through the patched model's fused head (``logprob_targets``)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fastalign.patching.causal_lm import shift_labels
+from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
-from fastalign.train.engine import Callback, Engine
+from fastalign.train.engine import Callback, Engine, autocast
+
+if TYPE_CHECKING:  # the objectives import this module
+    from fastalign.train.objectives.base import RunParts
 
 
 def token_logprobs_of(
@@ -32,11 +42,9 @@ def token_logprobs_of(
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, S] log p(targets[:, t]) at each position t from a patched model (0 where the target is -100)."""
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        logprob_targets=targets, temperature=temperature,
-    )  # fmt: skip
-    return out.token_logprobs
+    # by keyword: a peft model's third positional argument is inputs_embeds
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    return model(**inputs, logprob_targets=targets, temperature=temperature).token_logprobs
 
 
 def sequence_logprobs_of(model: nn.Module, input_ids, attention_mask, labels) -> torch.Tensor:
@@ -64,7 +72,8 @@ class Reference:
 
     @torch.no_grad()
     def sequence_logprobs(self, input_ids, attention_mask, labels) -> torch.Tensor:
-        return self.token_logprobs(input_ids, attention_mask, shift_labels(labels)).sum(-1)
+        with self._context():
+            return sequence_logprobs_of(self.model, input_ids, attention_mask, labels)
 
 
 class FrozenReference(Reference):
@@ -144,3 +153,83 @@ class SyncReference(Callback):
         if engine.state.step % self.steps == 0:
             for param, ref_param in self.pairs:
                 ref_param.lerp_(param.to(ref_param.dtype), self.alpha)
+
+
+@dataclass(frozen=True)
+class ReferenceOptions:
+    """Which reference a run uses (TRL's DPOConfig names): LoRA without ``ref_model_name_or_path`` uses
+    the adapter-disabled policy, otherwise a frozen model (the policy's initial weights unless
+    ``ref_model_name_or_path``); ``precompute_ref_log_probs`` computes its log-probs once and drops it;
+    ``sync_ref_model`` mixes the policy into it every ``ref_model_sync_steps`` steps (TR-DPO)."""
+
+    ref_model_name_or_path: str | None
+    precompute_ref_log_probs: bool
+    sync_ref_model: bool
+    ref_model_mixup_alpha: float
+    ref_model_sync_steps: int
+    use_peft: bool  # the runner's key, read here for the checks below
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> ReferenceOptions:
+        return options_from(config, cls)
+
+    @classmethod
+    def config_keys(cls) -> set[str]:
+        """The keys that are the reference's own (``use_peft`` is everyone's)."""
+        return set(cls.__dataclass_fields__) - {"use_peft"}
+
+    def __post_init__(self) -> None:
+        if self.precompute_ref_log_probs and self.sync_ref_model:
+            raise ConfigError(
+                "config keys 'precompute_ref_log_probs' and 'sync_ref_model' exclude each other"
+            )
+        if self.sync_ref_model and self.use_peft:
+            raise ConfigError(
+                "config key 'sync_ref_model' mixes the policy's weights into the reference: it needs full "
+                "fine-tuning (use_peft: false), where both models have the same parameters"
+            )
+
+
+def reference_model(model: nn.Module, options: ReferenceOptions, parts: RunParts) -> Reference:
+    """The reference policy for ``model`` (see ``ReferenceOptions``)."""
+    if options.use_peft and options.ref_model_name_or_path is None:
+        return AdapterDisabledReference(model)
+    return FrozenReference(parts.load_frozen_model(options.ref_model_name_or_path))
+
+
+def setup_reference(
+    model: nn.Module,
+    options: ReferenceOptions,
+    parts: RunParts,
+    examples: tuple[list, list],
+    sequences: Callable[[Sequence], SequenceInputs],
+) -> tuple[Reference | None, tuple[list, list], list[Callback]]:
+    """The reference for training (None once precomputed into the train and evaluation examples, which
+    are returned with their log-probs attached) and the callbacks it needs (TR-DPO's sync)."""
+    reference = reference_model(model, options, parts)
+    if options.precompute_ref_log_probs:
+        with autocast(parts.ctx.device, parts.autocast_dtype):  # as under the engine
+            examples = tuple(
+                precompute_reference(part, reference, sequences, _attach, parts.eval_batch_size, parts.ctx)
+                for part in examples
+            )
+        return None, examples, []
+    if options.sync_ref_model:
+        sync = SyncReference(
+            model, reference.model, options.ref_model_mixup_alpha, options.ref_model_sync_steps
+        )
+        return reference, examples, [sync]
+    return reference, examples, []
+
+
+def reference_state(reference: Reference | None, options: ReferenceOptions) -> dict[str, torch.Tensor]:
+    """What a checkpoint must keep of the reference: nothing for a fixed one; a synced one's weights
+    (TR-DPO: they follow the policy), as its state-dict tensors (sharded like the policy under FSDP2),
+    which a resume loads in place."""
+    if reference is None or not options.sync_ref_model:
+        return {}
+    return {f"reference.{name}": value for name, value in reference.model.state_dict().items()}
+
+
+def _attach(example, values: dict[str, float]):
+    return dataclasses.replace(example, **values)

@@ -66,11 +66,18 @@ def generate_completions(
     model.eval()
     try:
         output = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, top_k=0,
-            temperature=options.temperature, top_p=options.top_p,
-            max_new_tokens=options.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, use_cache=True, synced_gpus=ctx.enabled,
-        )  # fmt: skip
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            do_sample=True,
+            top_k=0,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            max_new_tokens=options.max_completion_length,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            use_cache=True,
+            synced_gpus=ctx.enabled,
+        )
     finally:
         model.train(was_training)
     completion_ids = output[:, prompt_ids.shape[1] :]
@@ -147,9 +154,12 @@ def score_completions(
     weights = None if scoring.reward_weights is None else torch.tensor(scoring.reward_weights)
     rewards = combine_rewards(rewards_per_func, weights)
     result = group_advantages(
-        rewards, scoring.num_generations, scale_rewards=scoring.scale_rewards,
-        advantage_estimator=scoring.advantage_estimator, backend="torch",
-    )  # fmt: skip
+        rewards,
+        scoring.num_generations,
+        scale_rewards=scoring.scale_rewards,
+        advantage_estimator=scoring.advantage_estimator,
+        backend="torch",
+    )
     start = ctx.rank * local.shape[0]
     groups = result.group_std.numel()
     metrics = {

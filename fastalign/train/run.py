@@ -3,9 +3,9 @@ many (``torchrun``).
 
 Reads top to bottom: set up processes and seed; check the output directory (and the checkpoint to
 resume) before anything loads (``fastalign.train.run_dir``: one run per directory); load model and
-tokenizer; patch, LoRA, memory savers, sharding; the objective's recipe tokenizes the data and builds the
-objective (with its reference); batches; optimizer and schedule; resume; train; export. What differs
-between SFT, the preference objectives and GRPO lives in ``fastalign.train.recipes``.
+tokenizer; patch, LoRA, memory savers, sharding; the objective tokenizes the data and sets itself up
+(with its reference); batches; optimizer and schedule; resume; train; export. What differs between
+objectives lives in each one's own file, ``fastalign.train.objectives.<name>``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ from fastalign.train.engine import Callback, Engine, Schedule
 from fastalign.train.export import export_model
 from fastalign.train.loading import is_hub_dataset, load_dataset_rows, load_model_and_tokenizer, resolve_model
 from fastalign.train.metrics import peak_flops, training_flops_per_token
-from fastalign.train.policy import autocast_dtype, prepare_policy, quant_options
-from fastalign.train.recipes import Recipe, make_recipe
+from fastalign.train.objectives import make_objective
+from fastalign.train.objectives.base import BatchPlan, Objective, RunParts
+from fastalign.train.policy import autocast_dtype, load_frozen_model, prepare_policy, quant_options
 from fastalign.train.run_dir import check_output_dir, check_resume_length, resume, start_writing
 
 
-def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] | None = None) -> Path:
-    """Train ``objective`` ('sft', 'dpo', 'orpo', 'simpo', 'cpo', 'kto', 'grpo', 'rloo'), save the final
-    model (or adapter) in ``config.output_dir``, and return that path."""
+def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | None = None) -> Path:
+    """Train objective ``name`` (a key of ``fastalign.train.objectives.OBJECTIVES``: 'sft', 'dpo', 'orpo',
+    'simpo', 'cpo', 'kto', 'grpo', 'rloo'), save the final model (or adapter) in ``config.output_dir``,
+    and return that path."""
     ctx = init_distributed()
     try:
         check_config(config)  # a TrainConfig built in code skips load_config's checks
@@ -51,24 +53,25 @@ def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] 
         model, tokenizer = load_model_and_tokenizer(
             config.model_name_or_path, quant_options(config), ctx.device, materialize=False
         )
-        recipe = make_recipe(objective, config, tokenizer, ctx)  # checks the config before any work
-        model = prepare_policy(model, config, ctx, needs_fused_head=recipe.needs_fused_head)
+        objective = make_objective(name, config, ctx)  # checks the config before any work
+        model = prepare_policy(model, config, ctx, needs_fused_head=objective.needs_fused_head)
 
-        train_examples, eval_examples = _tokenized_splits(config, recipe)
-        objective_, train_examples, eval_examples, recipe_callbacks = recipe.build_objective(
-            model, train_examples, eval_examples
-        )
-        batches = recipe.batches(train_examples)
+        train_examples, eval_examples = _tokenized_splits(config, objective, tokenizer)
+        prepared = objective.setup(model, train_examples, eval_examples, _run_parts(config, tokenizer, ctx))
+        batches = objective.batches(prepared.train, tokenizer, BatchPlan.from_config(config, tokenizer, ctx))
         max_steps = (
             config.max_steps
             if config.max_steps > 0
             else max(1, int(config.num_train_epochs * batches.steps_per_epoch))
         )
         optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-            weight_decay=config.weight_decay, fused=ctx.device.type == "cuda",
-        )  # fmt: skip
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            weight_decay=config.weight_decay,
+            fused=ctx.device.type == "cuda",
+        )
         warmup = config.warmup_steps or round(config.warmup_ratio * max_steps)
         # transformers' "constant" ignores num_warmup_steps; the warmup a config asks for is kept
         schedule_name = (
@@ -80,28 +83,44 @@ def run_training(config: TrainConfig, objective: str, callbacks: list[Callback] 
         if resume_path is not None:
             check_resume_length(resume_path, max_steps)
         engine = Engine(
-            model, objective_, optimizer, scheduler, batches,
-            Schedule(max_steps, config.max_grad_norm, config.logging_steps, config.eval_steps,
-                     config.save_steps, config.save_total_limit),
-            ctx, output_dir=output_dir,
-            eval_batches=evaluation_batches(
-                eval_examples, config.per_device_eval_batch_size, tokenizer.pad_token_id, ctx.rank,
-                ctx.world_size, collate=recipe.collate,
+            model,
+            objective,
+            optimizer,
+            scheduler,
+            batches,
+            Schedule(
+                max_steps,
+                config.max_grad_norm,
+                config.logging_steps,
+                config.eval_steps,
+                config.save_steps,
+                config.save_total_limit,
             ),
-            callbacks=_callbacks(given, output_dir) + recipe_callbacks + list(callbacks or []),
+            ctx,
+            output_dir=output_dir,
+            eval_batches=evaluation_batches(
+                prepared.evaluation,
+                config.per_device_eval_batch_size,
+                tokenizer.pad_token_id,
+                ctx.rank,
+                ctx.world_size,
+                collate=objective.collate(tokenizer),
+            ),
+            callbacks=_callbacks(given, output_dir) + prepared.callbacks + list(callbacks or []),
             flops_per_token=training_flops_per_token(model, config.max_length),
             peak_flops=peak_flops(ctx.device),
             autocast_dtype=autocast_dtype(config, ctx),
             run_config=asdict(given),
-        )  # fmt: skip
+        )
         if resume_path is not None:
             resume(engine, resume_path, given)  # before anything is written: a misfit changes no file
         if ctx.is_main:
             start_writing(given, output_dir, clear=earlier_files)
         engine.train()
-        evaluated = any(row.get("step") == engine.state.step and "eval_loss" in row
-                        for row in engine.state.log_history)  # fmt: skip
-        if eval_examples and not evaluated:
+        evaluated = any(
+            row.get("step") == engine.state.step and "eval_loss" in row for row in engine.state.log_history
+        )
+        if prepared.evaluation and not evaluated:
             engine.evaluate()  # a final evaluation, unless the last step just had one
         export_model(model, tokenizer, output_dir, ctx)
         return output_dir
@@ -122,21 +141,37 @@ def _with_local_model(config: TrainConfig) -> TrainConfig:
     local = str(resolve_model(config.model_name_or_path, config.model_revision))
     same = config.ref_model_name_or_path == config.model_name_or_path
     return dataclasses.replace(
-        config, model_name_or_path=local, model_revision=None,
+        config,
+        model_name_or_path=local,
+        model_revision=None,
         ref_model_name_or_path=local if same else config.ref_model_name_or_path,
-    )  # fmt: skip
+    )
 
 
-def _tokenized_splits(config: TrainConfig, recipe: Recipe) -> tuple[list, list]:
+def _run_parts(config: TrainConfig, tokenizer, ctx) -> RunParts:
+    def load_frozen(name_or_path: str | None) -> torch.nn.Module:
+        return load_frozen_model(name_or_path or config.model_name_or_path, config, ctx)
+
+    return RunParts(
+        tokenizer,
+        ctx,
+        load_frozen,
+        config.use_peft,
+        autocast_dtype(config, ctx),
+        config.per_device_eval_batch_size,
+    )
+
+
+def _tokenized_splits(config: TrainConfig, objective: Objective, tokenizer) -> tuple[list, list]:
     """Training and evaluation examples. A Hub dataset trains on its ``dataset_train_split``; a Hub
     ``eval_dataset_name`` evaluates on its ``dataset_test_split`` (naming ``dataset_name`` itself gives
     TRL's evaluation on the same dataset's test split); ``dataset_config`` and ``dataset_revision`` apply
     to both. Without ``eval_dataset_name``, ``eval_split_ratio`` holds out a share of the training rows."""
-    name = config.dataset_name or recipe.default_dataset
-    examples = recipe.tokenize(_rows(config, name, "dataset_name", config.dataset_train_split))
+    name = config.dataset_name or objective.default_dataset
+    examples = objective.tokenize(_rows(config, name, "dataset_name", config.dataset_train_split), tokenizer)
     if config.eval_dataset_name:
-        return examples, recipe.tokenize(
-            _rows(config, config.eval_dataset_name, "eval_dataset_name", config.dataset_test_split)
+        return examples, objective.tokenize(
+            _rows(config, config.eval_dataset_name, "eval_dataset_name", config.dataset_test_split), tokenizer
         )
     if config.eval_split_ratio > 0:
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
@@ -160,13 +195,21 @@ def _check_hub_dataset_keys(config: TrainConfig) -> None:
     defaults = TrainConfig()
     either = "neither dataset_name nor eval_dataset_name is"
     checks = (  # key, whether it is set, which dataset it picks within, whether that is a Hub dataset
-        ("dataset_train_split", config.dataset_train_split != defaults.dataset_train_split,
-         "dataset_name is not", train),
-        ("dataset_test_split", config.dataset_test_split != defaults.dataset_test_split,
-         "eval_dataset_name is not", evaluate),
+        (
+            "dataset_train_split",
+            config.dataset_train_split != defaults.dataset_train_split,
+            "dataset_name is not",
+            train,
+        ),
+        (
+            "dataset_test_split",
+            config.dataset_test_split != defaults.dataset_test_split,
+            "eval_dataset_name is not",
+            evaluate,
+        ),
         ("dataset_config", config.dataset_config is not None, either, train or evaluate),
         ("dataset_revision", config.dataset_revision is not None, either, train or evaluate),
-    )  # fmt: skip
+    )
     for key, is_set, within, is_hub in checks:
         if is_set and not is_hub:
             raise ConfigError(

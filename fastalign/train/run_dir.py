@@ -28,11 +28,22 @@ from fastalign.train.engine import Engine
 #: Keys a resumed run may change: they decide what is logged, evaluated and saved, and where, and how
 #: memory is saved (same losses) — not what is trained. Every other key is compared with the config saved
 #: in the checkpoint, and a change is refused: a resumed run trains as the checkpoint's run did.
-RESUME_SAFE_KEYS = frozenset({
-    "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "eval_steps",
-    "save_steps", "save_total_limit", "report_to", "loss_curve_png", "per_device_eval_batch_size",
-    "gradient_checkpointing", "activation_offloading",
-})  # fmt: skip
+RESUME_SAFE_KEYS = frozenset(
+    {
+        "output_dir",
+        "resume_from_checkpoint",
+        "overwrite_output_dir",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "save_total_limit",
+        "report_to",
+        "loss_curve_png",
+        "per_device_eval_batch_size",
+        "gradient_checkpointing",
+        "activation_offloading",
+    }
+)
 #: Keys that set the run's length: they may change on resume (to extend or shorten a run) only where the
 #: learning-rate schedule does not depend on the length — constant, with no warmup_ratio.
 LENGTH_KEYS = ("max_steps", "num_train_epochs")
@@ -152,7 +163,7 @@ def _changed_keys(saved: dict, current: dict) -> list[tuple[str, object, object]
     defaults = asdict(TrainConfig())
     schedule_fixed = current["lr_scheduler_type"] == "constant" and (
         current["warmup_steps"] > 0 or current["warmup_ratio"] == 0
-    )  # fmt: skip
+    )
     changed = []
     for key, value in current.items():
         if key in RESUME_SAFE_KEYS or (key in LENGTH_KEYS and schedule_fixed):

@@ -10,9 +10,24 @@ from fastalign.cli.main import main
 
 def test_bench_runs_a_quick_kernel_and_writes_its_json(tmp_path, capsys):
     status = main(
-        ["bench", "kernels", "--quick", "--only", "rms_norm", "--providers", "fastalign-torch", "torch-eager",
-         "fastalign-triton", "--out", str(tmp_path), "--allow-noisy", "--no-report", "--threads", "1"]
-    )  # fmt: skip
+        [
+            "bench",
+            "kernels",
+            "--quick",
+            "--only",
+            "rms_norm",
+            "--providers",
+            "fastalign-torch",
+            "torch-eager",
+            "fastalign-triton",
+            "--out",
+            str(tmp_path),
+            "--allow-noisy",
+            "--no-report",
+            "--threads",
+            "1",
+        ]
+    )
     assert status == 0, capsys.readouterr().err
     (path,) = tmp_path.glob("rms_norm-*.json")
     result = json.loads(path.read_text())

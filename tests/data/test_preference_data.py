@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from fastalign.builtin import tiny_tokenizer
 from fastalign.data import (
     KTOCollator,
     PreferenceCollator,
@@ -15,7 +16,6 @@ from fastalign.data import (
     tokenize_preference_dataset,
     tokenize_prompt_dataset,
 )
-from fastalign.testing import tiny_tokenizer
 
 QUESTION = "What is 3 plus 4?"  # 6 tokens
 USER = {"role": "user", "content": QUESTION}

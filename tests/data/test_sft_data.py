@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.data import (
     PackedCollator,
     PaddingCollator,
@@ -14,7 +15,6 @@ from fastalign.data import (
     pack_best_fit_decreasing,
     tokenize_sft_dataset,
 )
-from fastalign.testing import tiny_model, tiny_tokenizer
 
 PROMPT_COMPLETION = [
     {"prompt": "What is 3 plus 4?", "completion": " The answer is 7."},

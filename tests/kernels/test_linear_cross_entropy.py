@@ -359,9 +359,11 @@ def _escape(text: str) -> str:
 # 2-word vocabulary with one target at logit margin ~10: a loss of 5e-5 computed as lse − z in fp32 has an
 # absolute error ~1e-6 (fp32 rounding of ~10), 7e-4 relative — the float limit, not a kernel error.
 @settings(
-    max_examples=25, deadline=None, derandomize=True,
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
-)  # fmt: skip
+)
 @given(
     n_tokens=st.integers(1, 40),
     vocab=st.integers(2, 200),

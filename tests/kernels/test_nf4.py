@@ -58,8 +58,14 @@ def test_high_nibble_is_the_first_element(quant_type, backend):
     code = code_table(quant_type, DEVICE)
     j = torch.arange(16, device=DEVICE)
     assert torch.equal(out, 2.0 * torch.stack((code[j], code[15 - j]), dim=1).reshape(-1))
-    quant_state = bnb.QuantState(absmax=absmax.cpu(), shape=(32,), dtype=torch.float32, blocksize=32,
-                                 code=code.cpu(), quant_type=quant_type)  # fmt: skip
+    quant_state = bnb.QuantState(
+        absmax=absmax.cpu(),
+        shape=(32,),
+        dtype=torch.float32,
+        blocksize=32,
+        code=code.cpu(),
+        quant_type=quant_type,
+    )
     assert _same_bits(out.cpu(), _bnb_dequantize(packed.cpu().view(-1, 1), quant_state))
 
 
@@ -85,13 +91,27 @@ def test_dequantize_equals_bitsandbytes(backend, quant_type, double_quant, shape
 
     state = state_from_bitsandbytes(quant_state).to(DEVICE)
     out = dequantize_4bit(
-        packed.to(DEVICE), state.absmax, state.code, shape, dtype, blocksize, nested=state.nested,
+        packed.to(DEVICE),
+        state.absmax,
+        state.code,
+        shape,
+        dtype,
+        blocksize,
+        nested=state.nested,
         backend=backend,
-    )  # fmt: skip
+    )
     assert _same_bits(out.cpu(), expected)
     if dtype == torch.float32:  # into another dtype: the fp32 product rounded once
-        bf16 = dequantize_4bit(packed.to(DEVICE), state.absmax, quant_type, shape, torch.bfloat16, blocksize,
-                               nested=state.nested, backend=backend)  # fmt: skip
+        bf16 = dequantize_4bit(
+            packed.to(DEVICE),
+            state.absmax,
+            quant_type,
+            shape,
+            torch.bfloat16,
+            blocksize,
+            nested=state.nested,
+            backend=backend,
+        )
         assert _same_bits(bf16.cpu(), expected.to(torch.bfloat16))
 
 

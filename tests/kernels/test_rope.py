@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from fastalign.builtin import tiny_config
 from fastalign.ops import apply_rotary_pos_emb
 from fastalign.ops.rope import rope_reference
-from fastalign.testing import tiny_config
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference
 

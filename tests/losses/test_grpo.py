@@ -32,9 +32,22 @@ def make_batch(dtype, seed=0):
 
 
 def trl_reference(
-    hidden, weight, ids, mask, advantages, old, ref, *, loss_type, level, beta, epsilon, epsilon_high,
-    delta=None, num_items_in_batch=None,
-):  # fmt: skip
+    hidden,
+    weight,
+    ids,
+    mask,
+    advantages,
+    old,
+    ref,
+    *,
+    loss_type,
+    level,
+    beta,
+    epsilon,
+    epsilon_high,
+    delta=None,
+    num_items_in_batch=None,
+):
     """TRL GRPOTrainer._compute_loss, written out in float64 from hidden states."""
     h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
@@ -100,9 +113,12 @@ def test_matches_trl_formulas_fp32(backend, loss_type, level, beta, with_old):
     options = dict(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=epsilon_high)
     count = 40 if loss_type in ("dapo", "cispo") else None  # the step's token count: dapo/cispo only
     loss_fn = GRPOLoss(
-        **options, importance_sampling_level=level, temperature=TEMPERATURE, max_completion_length=MAX_LEN,
+        **options,
+        importance_sampling_level=level,
+        temperature=TEMPERATURE,
+        max_completion_length=MAX_LEN,
         backend=backend,
-    )  # fmt: skip
+    )
     old = old if with_old else None
     out = loss_fn(
         hidden,
@@ -204,9 +220,14 @@ def test_memory_is_independent_of_the_vocabulary(backend):
         loss_fn = GRPOLoss(beta=0.04, importance_sampling_level=level, chunk_size=chunk, backend=backend)
         with _RecordAllocations() as recorder:
             out = loss_fn(
-                hidden, weight, ids, mask, torch.randn(batch, device=DEVICE), old_per_token_logps=old,
+                hidden,
+                weight,
+                ids,
+                mask,
+                torch.randn(batch, device=DEVICE),
+                old_per_token_logps=old,
                 ref_per_token_logps=old,
-            )  # fmt: skip
+            )
             out.loss.backward()
         fp32 = 4
         assert recorder.largest <= max(2 * chunk * vocab, vocab * D, batch * length * D) * fp32

@@ -89,9 +89,14 @@ def reference_loss(
 def run_dpo(backend, dtype, loss_type, loss_weights=None, reference="hidden", seed=0, scale=1.0):
     hidden, weight, targets, mask, ref_hidden = make_batch(dtype, seed, scale)
     loss_fn = PreferenceLoss(
-        loss_type=loss_type, loss_weights=loss_weights, beta=BETA, label_smoothing=SMOOTHING,
-        discopop_tau=TAU, reference_free=reference == "free", backend=backend,
-    )  # fmt: skip
+        loss_type=loss_type,
+        loss_weights=loss_weights,
+        beta=BETA,
+        label_smoothing=SMOOTHING,
+        discopop_tau=TAU,
+        reference_free=reference == "free",
+        backend=backend,
+    )
     ref_seq, _, _ = seq_logps64(ref_hidden, weight.detach(), targets, mask)
     kwargs = {}
     if reference == "hidden":
@@ -188,9 +193,14 @@ def test_reference_free_objectives(backend, variant):
     objective, _, loss_type = variant.partition("-")
     gamma, alpha = 0.4, 0.7
     loss_fn = PreferenceLoss(
-        objective=objective, loss_type=loss_type or "sigmoid", beta=BETA, label_smoothing=SMOOTHING,
-        gamma=gamma, cpo_alpha=alpha, backend=backend,
-    )  # fmt: skip
+        objective=objective,
+        loss_type=loss_type or "sigmoid",
+        beta=BETA,
+        label_smoothing=SMOOTHING,
+        gamma=gamma,
+        cpo_alpha=alpha,
+        backend=backend,
+    )
     out = loss_fn(hidden, weight, targets, mask)
     out.loss.backward()
     h64, w64, seq, lengths, nll = _reference_free_inputs(hidden, weight, targets, mask)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fastalign
+from fastalign.builtin import TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
 from fastalign.patching import SUPPORTED_MODEL_TYPES, patched_pieces, shift_labels, unpatch_model
-from fastalign.testing import TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
 from tests.helpers import relative_error
 
 #: (loss, gradients) relative tolerances of patched vs original, by dtype.

@@ -11,7 +11,7 @@ The configs are written as on the Hub (legacy ``rope_scaling`` / ``rope_theta`` 
 ``rope_parameters`` and ``layer_types`` when it reads a config.json) with the architectural details
 exact and only the sizes shrunk: hidden size, intermediate size, layer count, head counts (head_dim
 kept: RoPE frequencies, longrope's factor lists and query_pre_attn_scalar depend on it), vocabulary
-(512, the size of ``fastalign.testing.tiny_tokenizer()``, whose special ids replace the published
+(512, the size of ``fastalign.builtin.tiny_tokenizer()``, whose special ids replace the published
 ones), ``max_position_embeddings`` only where noted. Where a window of 4096 makes a crossing row too slow
 for the default run, the fast tests shrink it (``fast``, said per family) and a ``slow`` test keeps the
 published value.
@@ -30,9 +30,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import fastalign
+from fastalign.builtin import tiny_tokenizer
 from fastalign.patching import patched_pieces
 from fastalign.quant import QuantOptions, load_4bit_model, quantize_model
-from fastalign.testing import tiny_tokenizer
 from fastalign.train.loading import load_model_and_tokenizer, materialize_model
 from tests.helpers import relative_error
 
@@ -312,9 +312,13 @@ def assert_patched_matches(original, batch, backend: str):
 def test_transformers_reads_the_published_details(tmp_path):
     llama = read_config(BY_ID["llama3.1"], tmp_path / "llama")
     assert llama.rope_parameters == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192, "rope_theta": 500000.0,
-    }  # fmt: skip
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    }
     inv_freq = build(BY_ID["llama3.1"], llama).model.rotary_emb.inv_freq
     plain = 1.0 / 500000.0 ** (torch.arange(0, 128, 2).float() / 128)
     torch.testing.assert_close(inv_freq[:8], plain[:8])  # high frequencies kept, the lowest divided by 8

@@ -7,7 +7,7 @@ import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
 import fastalign
-from fastalign.testing import tiny_model, tiny_tokenizer
+from fastalign.builtin import tiny_model, tiny_tokenizer
 
 
 def _train(patch: bool, output_dir) -> list[float]:

@@ -17,6 +17,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from fastalign.builtin import tiny_config, tiny_model
 from fastalign.cli.main import main
 from fastalign.plan import (
     BUILTIN_SHAPES,
@@ -30,7 +31,6 @@ from fastalign.plan import (
     shape_from_config,
     shape_names,
 )
-from fastalign.testing import tiny_config, tiny_model
 
 GiB = 2**30
 
@@ -448,7 +448,7 @@ _TRAIN_SCRIPT = textwrap.dedent(
     import json, sys
     import torch
     from fastalign.bench import measure
-    from fastalign.testing import tiny_model
+    from fastalign.builtin import tiny_model
 
     measure.release_freed_memory_promptly()  # freed blocks go back to the system: RSS follows live tensors
     torch.set_num_threads(2)

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import fastalign
+from fastalign.builtin import tiny_model
 from fastalign.quant import FourBitLinear, QuantOptions, quantize_model
-from fastalign.testing import tiny_model
 from fastalign.train.distributed import shard_model
 
 
@@ -55,10 +55,14 @@ def main(out_path: str) -> None:
     dist.all_reduce(totals[0])
     if dist.get_rank() == 0:
         record = {
-            "full_bytes": full_bytes, "dense_bytes": dense_bytes, "local_bytes": local_bytes,
-            "sum_local_bytes": int(totals[0]), "seen": seen, "loss": float(out.loss),
+            "full_bytes": full_bytes,
+            "dense_bytes": dense_bytes,
+            "local_bytes": local_bytes,
+            "sum_local_bytes": int(totals[0]),
+            "seen": seen,
+            "loss": float(out.loss),
             "all_lora_grads": all(lora_grads) and bool(lora_grads),
-        }  # fmt: skip
+        }
         with open(out_path, "w") as f:
             json.dump(record, f)
     dist.barrier()

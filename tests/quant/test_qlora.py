@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import fastalign
+from fastalign.builtin import tiny_config, tiny_model, tiny_tokenizer
 from fastalign.cli.main import main
 from fastalign.quant import (
     FourBitLinear,
@@ -28,7 +29,6 @@ from fastalign.quant import (
     quantize_model,
     random_4bit_model,
 )
-from fastalign.testing import tiny_config, tiny_model, tiny_tokenizer
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.engine import Callback
 from fastalign.train.run import run_training
@@ -39,10 +39,20 @@ TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 def config(tmp_path: Path, **overrides) -> TrainConfig:
     options = dict(
-        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=8, learning_rate=5e-3,
-        logging_steps=1, seed=0, max_length=64, loss_curve_png=False, use_peft=True, lora_r=8,
-        quantization="nf4", lora_dropout=0.0, packing=True,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=5e-3,
+        logging_steps=1,
+        seed=0,
+        max_length=64,
+        loss_curve_png=False,
+        use_peft=True,
+        lora_r=8,
+        quantization="nf4",
+        lora_dropout=0.0,
+        packing=True,
+    )
     return TrainConfig(**{**options, **overrides})
 
 
@@ -165,10 +175,21 @@ def test_two_process_fsdp2_keeps_the_weights_4bit(tmp_path):
     out = tmp_path / "memory.json"
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_KEYS} | {"PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(Path(__file__).with_name("fsdp_qlora_worker.py")), str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(Path(__file__).with_name("fsdp_qlora_worker.py")),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["full_bytes"] * 8 == record["dense_bytes"]  # packed: 1/8 of fp32
@@ -197,10 +218,21 @@ def test_two_process_qlora_matches_one_process(tmp_path, source):
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_KEYS} | {"PYTHONPATH": str(REPO_ROOT)}
     worker = REPO_ROOT / "tests" / "train" / "train_worker.py"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(worker), json.dumps([["sft", asdict(two)]])],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(worker),
+            json.dumps([["sft", asdict(two)]]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for a, b in zip(logged(tmp_path / "one"), logged(tmp_path / "two"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -221,8 +253,13 @@ def _peak_rss_of(code: str) -> int:
         f"{code}\n"
         "done.append(1); thread.join(); print(max(peak[0], process.memory_info().rss) - base)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return int(proc.stdout.strip().splitlines()[-1])
 

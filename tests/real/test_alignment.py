@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastalign.testing.real_data import real_preference_rows, real_prompt_rows
 from fastalign.train.config import TrainConfig
 from fastalign.train.run import run_training
+from tests.real.data import real_preference_rows, real_prompt_rows
 
 pytestmark = pytest.mark.real
 
@@ -36,25 +36,42 @@ def trl_dpo_first_step(model_dir, output_dir) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     args = DPOConfig(
-        output_dir=str(output_dir), per_device_train_batch_size=len(PAIRS), max_steps=1, learning_rate=1e-6,
-        logging_steps=1, report_to=[], bf16=False, gradient_checkpointing=False, use_cpu=True, beta=0.1,
-        save_strategy="no", seed=0,
-    )  # fmt: skip
+        output_dir=str(output_dir),
+        per_device_train_batch_size=len(PAIRS),
+        max_steps=1,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to=[],
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        beta=0.1,
+        save_strategy="no",
+        seed=0,
+    )
     trainer = DPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        args=args,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         train_dataset=datasets.Dataset.from_list(PAIRS),
-    )  # fmt: skip
+    )
     trainer.train()
     return trainer.state.log_history[0]
 
 
 def test_dpo_first_step_equals_trl(smollm2, tmp_path):
     config = TrainConfig(
-        model_name_or_path=str(smollm2), dataset_name=write_rows(tmp_path / "pairs.jsonl", PAIRS),
-        output_dir=str(tmp_path / "fastalign"), max_steps=1, per_device_train_batch_size=len(PAIRS),
-        learning_rate=1e-6, logging_steps=1, loss_curve_png=False, beta=0.1, max_length=128,
-    )  # fmt: skip
+        model_name_or_path=str(smollm2),
+        dataset_name=write_rows(tmp_path / "pairs.jsonl", PAIRS),
+        output_dir=str(tmp_path / "fastalign"),
+        max_steps=1,
+        per_device_train_batch_size=len(PAIRS),
+        learning_rate=1e-6,
+        logging_steps=1,
+        loss_curve_png=False,
+        beta=0.1,
+        max_length=128,
+    )
     ours = logged(run_training(config, "dpo"))[0]
     theirs = trl_dpo_first_step(smollm2, tmp_path / "trl")
 
@@ -85,12 +102,22 @@ def test_grpo_samples_right_answers_and_raises_the_reward(smollm2, tmp_path):
     reward, brevity, climbs from ~0.1 (rambling past 14 tokens) to ~0.5 ("The capital of X is Y.")."""
     prompts = write_rows(tmp_path / "prompts.jsonl", real_prompt_rows())
     config = TrainConfig(
-        model_name_or_path=str(smollm2), dataset_name=prompts,
-        output_dir=str(tmp_path / "run"), max_steps=6, per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=16, temperature=0.7, learning_rate=1e-5, lr_scheduler_type="constant", beta=0.0,
-        logging_steps=1, loss_curve_png=False, reward_weights=[1.0, 0.0],
+        model_name_or_path=str(smollm2),
+        dataset_name=prompts,
+        output_dir=str(tmp_path / "run"),
+        max_steps=6,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        temperature=0.7,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        logging_steps=1,
+        loss_curve_png=False,
+        reward_weights=[1.0, 0.0],
         reward_funcs=["tests.real.test_alignment:short_answer", "tests.real.test_alignment:first_capital"],
-    )  # fmt: skip
+    )
     rows = logged(run_training(config, "grpo"))
     right = [row["rewards/first_capital/mean"] for row in rows]
     rewards = [row["reward"] for row in rows]

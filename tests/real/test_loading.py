@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.quant import FourBitLinear, QuantOptions, load_4bit_model, quantize_model
-from fastalign.testing import tiny_model, tiny_tokenizer
 from fastalign.train.config import TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.loading import load_model_and_tokenizer
@@ -64,8 +64,10 @@ def test_the_fixture_is_the_real_instruct_model(reference):
     assert model.config.tie_word_embeddings and is_tied(model)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
-    )  # fmt: skip
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert answer.startswith("The capital of France is Paris"), answer
@@ -138,9 +140,16 @@ def test_two_process_fsdp2_load_and_export_keep_the_checkpoint_and_the_tie(smoll
     env = {key: value for key, value in os.environ.items() if key not in variables}
     env |= {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(Path(__file__).with_name("fsdp_load_worker.py")), str(smollm2), str(tmp_path),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(Path(__file__).with_name("fsdp_load_worker.py")),
+        str(smollm2),
+        str(tmp_path),
+    ]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     result = json.loads((tmp_path / "result.json").read_text())

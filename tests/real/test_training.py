@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import fastalign
 from fastalign.cli.main import main
 from fastalign.data import load_rows
-from fastalign.testing.real_data import real_sft_rows
 from fastalign.train.config import TrainConfig
 from fastalign.train.engine import Callback
 from fastalign.train.run import run_training
+from tests.real.data import real_sft_rows
 
 pytestmark = pytest.mark.real
 
@@ -63,10 +63,18 @@ def completion_loss(model, batch) -> float:
 
 def config(smollm2, output_dir, **overrides) -> TrainConfig:
     options = dict(
-        model_name_or_path=str(smollm2), dataset_name="rows.jsonl", output_dir=str(output_dir),
-        max_steps=1, per_device_train_batch_size=len(ROWS), learning_rate=1e-5, logging_steps=1,
-        max_length=64, loss_curve_png=False, seed=0, lr_scheduler_type="constant",
-    )  # fmt: skip
+        model_name_or_path=str(smollm2),
+        dataset_name="rows.jsonl",
+        output_dir=str(output_dir),
+        max_steps=1,
+        per_device_train_batch_size=len(ROWS),
+        learning_rate=1e-5,
+        logging_steps=1,
+        max_length=64,
+        loss_curve_png=False,
+        seed=0,
+        lr_scheduler_type="constant",
+    )
     return TrainConfig(**{**options, **overrides})
 
 
@@ -148,9 +156,19 @@ def test_lora_merge_keeps_what_the_adapter_learned(smollm2, tokenizer, rows_file
     batch = trl_style_batch(tokenizer, ROWS)
     before = completion_loss(fresh(smollm2), batch)
     out = run_training(
-        config(smollm2, tmp_path, dataset_name=str(rows_file), max_steps=3, learning_rate=2e-3, use_peft=True,
-               lora_r=8, lora_dropout=0.0, quantization=quantization), "sft",
-    )  # fmt: skip
+        config(
+            smollm2,
+            tmp_path,
+            dataset_name=str(rows_file),
+            max_steps=3,
+            learning_rate=2e-3,
+            use_peft=True,
+            lora_r=8,
+            lora_dropout=0.0,
+            quantization=quantization,
+        ),
+        "sft",
+    )
     base = fresh(smollm2)
     if quantization:
         from fastalign.quant import QuantOptions, dequantize_model, quantize_model
@@ -171,7 +189,9 @@ def test_lora_merge_keeps_what_the_adapter_learned(smollm2, tokenizer, rows_file
 
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of Italy?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
-    )  # fmt: skip
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     answer = merged.generate(**prompt, max_new_tokens=12, do_sample=False)[0, prompt["input_ids"].shape[1] :]
     assert "Rome" in tokenizer.decode(answer), tokenizer.decode(answer)

@@ -127,9 +127,16 @@ def test_poisoned_ignored_rows_in_token_logprobs_with_temperature_and_softcap(ba
     their gradient rows; the rest equals log_softmax (before: NaN log-probs and NaN gradients)."""
     hidden, weight, b, targets = poisoned_inputs(bias=True, seed=2)
     logprobs, entropy = token_logprobs(
-        hidden, weight, targets, b, temperature=0.7, softcap=5.0, return_entropy=True,
-        chunk_size=CHUNK, backend=backend,
-    )  # fmt: skip
+        hidden,
+        weight,
+        targets,
+        b,
+        temperature=0.7,
+        softcap=5.0,
+        return_entropy=True,
+        chunk_size=CHUNK,
+        backend=backend,
+    )
     (logprobs.sum() + 0.3 * entropy.sum()).backward()
 
     h, w, bb = clean_reference(hidden, weight, b, targets)
@@ -210,9 +217,13 @@ def grpo_batch(seed=0):
     old[mask == 0] = float("nan")
     advantages = torch.randn(B, generator=gen)
     return (
-        hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_(), ids.to(DEVICE),
-        mask.to(DEVICE), advantages.to(DEVICE), old.to(DEVICE),
-    )  # fmt: skip
+        hidden.to(DEVICE).requires_grad_(),
+        weight.to(DEVICE).requires_grad_(),
+        ids.to(DEVICE),
+        mask.to(DEVICE),
+        advantages.to(DEVICE),
+        old.to(DEVICE),
+    )
 
 
 def grpo_reference(hidden, weight, ids, mask, advantages, old, *, level, beta=0.04, eps=0.2):
@@ -270,9 +281,14 @@ def test_grpo_token_loss_op_ignores_nan_logps_at_masked_tokens(backend):
     )
     advantages = torch.tensor([1.0, -0.5, 0.3, -2.0], device=DEVICE)
     loss, sums = grpo_token_loss(
-        logp, mask.to(DEVICE), advantages, torch.full((B,), 0.1, device=DEVICE), config,
-        old_logp=old.to(DEVICE), backend=backend,
-    )  # fmt: skip
+        logp,
+        mask.to(DEVICE),
+        advantages,
+        torch.full((B,), 0.1, device=DEVICE),
+        config,
+        old_logp=old.to(DEVICE),
+        backend=backend,
+    )
     loss.backward()
     ref_logp = torch.where(mask, logp.detach().cpu(), 0.0).double().requires_grad_()
     ratio = (ref_logp - torch.where(mask, old, 0.0).double()).exp()
@@ -299,9 +315,13 @@ def test_preference_loss_ignores_nan_hidden_states_at_masked_tokens(backend):
     ref_hidden[~loss_mask] = float("nan")
     hidden, weight = hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_()
     out = PreferenceLoss(beta=0.1, chunk_size=CHUNK, backend=backend)(
-        hidden, weight, targets.to(DEVICE), loss_mask.to(DEVICE), ref_hidden=ref_hidden.to(DEVICE),
+        hidden,
+        weight,
+        targets.to(DEVICE),
+        loss_mask.to(DEVICE),
+        ref_hidden=ref_hidden.to(DEVICE),
         ref_weight=weight.detach(),
-    )  # fmt: skip
+    )
     out.loss.backward()
 
     def seq_logps(h, w):
@@ -333,9 +353,14 @@ def test_kto_loss_ignores_nan_hidden_states_at_ignored_targets(backend):
     hidden, weight = hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_()
     zeros = torch.zeros(3, device=DEVICE)
     out = KTOLoss(beta=0.1, chunk_size=CHUNK, backend=backend)(
-        hidden, weight, targets.to(DEVICE), torch.tensor([True, False, True], device=DEVICE),
-        ref_logps=zeros - 9.0, kl_logps=zeros, ref_kl_logps=zeros,
-    )  # fmt: skip
+        hidden,
+        weight,
+        targets.to(DEVICE),
+        torch.tensor([True, False, True], device=DEVICE),
+        ref_logps=zeros - 9.0,
+        kl_logps=zeros,
+        ref_kl_logps=zeros,
+    )
     out.loss.backward()
     assert torch.isfinite(out.loss) and all(torch.isfinite(v) for v in out.metrics.values())
     assert torch.equal(hidden.grad[:, :3], torch.zeros_like(hidden.grad[:, :3]))
@@ -367,10 +392,16 @@ def _logprobs(**override):
 
 def _grpo(loss_options=None, **override):
     hidden = torch.randn(2, 3, D, device=DEVICE)
-    kwargs = dict(
-        hidden=hidden, weight=torch.randn(V, D, device=DEVICE), completion_ids=torch.randint(0, V, (2, 3)),
-        completion_mask=torch.ones(2, 3, dtype=torch.long), advantages=torch.tensor([1.0, -1.0]),
-    ) | override  # fmt: skip
+    kwargs = (
+        dict(
+            hidden=hidden,
+            weight=torch.randn(V, D, device=DEVICE),
+            completion_ids=torch.randint(0, V, (2, 3)),
+            completion_mask=torch.ones(2, 3, dtype=torch.long),
+            advantages=torch.tensor([1.0, -1.0]),
+        )
+        | override
+    )
     return GRPOLoss(backend="torch", **(loss_options or {}))(**kwargs)
 
 
@@ -387,9 +418,15 @@ def _kto(loss_mask):
     targets = torch.randint(0, V, (2, 4), device=DEVICE)
     zeros = torch.zeros(2, device=DEVICE)
     return KTOLoss(backend="torch")(
-        hidden, torch.randn(V, D, device=DEVICE), targets, torch.tensor([True, False]), loss_mask,
-        ref_logps=zeros, kl_logps=zeros, ref_kl_logps=zeros,
-    )  # fmt: skip
+        hidden,
+        torch.randn(V, D, device=DEVICE),
+        targets,
+        torch.tensor([True, False]),
+        loss_mask,
+        ref_logps=zeros,
+        kl_logps=zeros,
+        ref_kl_logps=zeros,
+    )
 
 
 def _grpo_op(advantages):

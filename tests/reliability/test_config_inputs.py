@@ -20,8 +20,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.cli.main import main
-from fastalign.testing import tiny_model, tiny_tokenizer
 from fastalign.train import config as config_module
 from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config
 from fastalign.train.rewards import resolve_reward_funcs
@@ -189,10 +189,25 @@ def good(prompts, completions, completion_ids, **kwargs):
 
 def grpo(tmp_path: Path, spec: str) -> tuple[str, ...]:
     return (
-        "train", "grpo", "--output_dir", str(tmp_path / "out"), "--reward_funcs", spec, "--max_steps", "1",
-        "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "4",
-        "--max_length", "32", "--loss_curve_png", "false",
-    )  # fmt: skip
+        "train",
+        "grpo",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--reward_funcs",
+        spec,
+        "--max_steps",
+        "1",
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_completion_length",
+        "4",
+        "--max_length",
+        "32",
+        "--loss_curve_png",
+        "false",
+    )
 
 
 def test_a_missing_reward_function_names_the_file_and_the_function(bad_input, tmp_path):
@@ -244,8 +259,9 @@ def test_a_reward_file_error_with_newlines_is_one_line(tmp_path):
 
 
 def lora_run(out: Path, model: str) -> Path:
-    run_training(TrainConfig(output_dir=str(out), model_name_or_path=model, use_peft=True, lora_r=4, **TINY),
-                 "sft")  # fmt: skip
+    run_training(
+        TrainConfig(output_dir=str(out), model_name_or_path=model, use_peft=True, lora_r=4, **TINY), "sft"
+    )
     return out
 
 
@@ -256,8 +272,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = root / "base"
     tiny_model("llama").save_pretrained(base)
     tiny_tokenizer().save_pretrained(base)
-    return {"builtin": lora_run(root / "builtin", "tiny-llama"), "base": base,
-            "local": lora_run(root / "local", str(base))}  # fmt: skip
+    return {
+        "builtin": lora_run(root / "builtin", "tiny-llama"),
+        "base": base,
+        "local": lora_run(root / "local", str(base)),
+    }
 
 
 def copy_run(runs: dict[str, Path], kind: str, tmp_path: Path) -> Path:

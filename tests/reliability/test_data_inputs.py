@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.cli.main import main
 from fastalign.data import load_rows, tokenize_kto_dataset, tokenize_prompt_dataset, tokenize_sft_dataset
-from fastalign.testing import tiny_model, tiny_tokenizer
 from fastalign.train.loading import load_dataset_rows, load_model_and_tokenizer
 from tests.reliability.conftest import assert_one_line_error, snapshot
 
@@ -30,10 +30,24 @@ def jsonl(*rows: object) -> str:
 
 def train_args(objective: str, data: Path | str, output_dir: Path, *extra: str) -> list[str]:
     return [
-        "train", objective, "--model_name_or_path", "tiny-llama", "--dataset_name", str(data),
-        "--output_dir", str(output_dir), "--max_steps", "1", "--max_length", "48",
-        "--per_device_train_batch_size", "2", "--loss_curve_png", "false", *extra,
-    ]  # fmt: skip
+        "train",
+        objective,
+        "--model_name_or_path",
+        "tiny-llama",
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        "1",
+        "--max_length",
+        "48",
+        "--per_device_train_batch_size",
+        "2",
+        "--loss_curve_png",
+        "false",
+        *extra,
+    ]
 
 
 OVER_EARLIER = ("--overwrite_output_dir", "true")

@@ -22,8 +22,8 @@ import transformers.modeling_utils
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import filesystem
 
+from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.cli.main import main
-from fastalign.testing import tiny_model, tiny_tokenizer
 from fastalign.train.checkpoint import list_checkpoints
 from fastalign.train.config import TrainConfig
 from fastalign.train.engine import Callback, NonFiniteLossError
@@ -32,9 +32,23 @@ from tests.reliability.conftest import assert_one_line_error, snapshot
 
 #: A tiny run: 2 steps of tiny-llama on tiny-sft, a checkpoint after each, every step logged.
 BASE = (
-    "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "64", "--logging_steps", "1",
-    "--loss_curve_png", "false", "--save_steps", "1", "--learning_rate", "1e-3", "--seed", "0",
-)  # fmt: skip
+    "--max_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "4",
+    "--max_length",
+    "64",
+    "--logging_steps",
+    "1",
+    "--loss_curve_png",
+    "false",
+    "--save_steps",
+    "1",
+    "--learning_rate",
+    "1e-3",
+    "--seed",
+    "0",
+)
 
 
 def train(output_dir: Path, *flags: str) -> tuple[str, ...]:
@@ -44,9 +58,16 @@ def train(output_dir: Path, *flags: str) -> tuple[str, ...]:
 
 def api_config(output_dir: Path, **overrides) -> TrainConfig:
     options = dict(
-        output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4, max_length=64,
-        logging_steps=1, loss_curve_png=False, save_steps=2, learning_rate=1e-3, seed=0,
-    )  # fmt: skip
+        output_dir=str(output_dir),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        max_length=64,
+        logging_steps=1,
+        loss_curve_png=False,
+        save_steps=2,
+        learning_rate=1e-3,
+        seed=0,
+    )
     return TrainConfig(**{**options, **overrides})
 
 

@@ -19,7 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py, before f
 import torch
 
 import fastalign
-from fastalign.testing import tiny_model, tiny_tokenizer
+from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.train.distributed import (
     all_reduce_sum,
     broadcast_object,

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import fastalign
+from fastalign.builtin import tiny_model, tiny_preference_rows, tiny_tokenizer
 from fastalign.cli.main import main
 from fastalign.data.preference import PreferenceCollator, tokenize_preference_dataset
-from fastalign.testing import tiny_model, tiny_preference_rows, tiny_tokenizer
 from fastalign.train.config import TrainConfig
 from fastalign.train.engine import Callback, Engine
 from fastalign.train.reference import AdapterDisabledReference, FrozenReference, SyncReference
@@ -26,13 +26,17 @@ from fastalign.train.run import run_training
 
 WORKER = Path(__file__).with_name("train_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DIGITS = "fastalign.testing:digit_ratio"
+DIGITS = "fastalign.builtin:digit_ratio"
 #: Per objective: what differs from the common tiny config (GRPO: short completions, 2 prompts × 4).
 OBJECTIVE_OPTIONS = {
-    "dpo": {}, "orpo": {}, "simpo": {}, "cpo": {}, "kto": {},
+    "dpo": {},
+    "orpo": {},
+    "simpo": {},
+    "cpo": {},
+    "kto": {},
     "grpo": {"reward_funcs": [DIGITS], "num_generations": 4, "max_completion_length": 8, "beta": 0.04},
     "rloo": {"reward_funcs": [DIGITS], "num_generations": 4, "max_completion_length": 8},
-}  # fmt: skip
+}
 #: Runs of the 1-vs-2-process test: label → (objective, options); GRPO with LoRA generates through
 #: peft's wrapper, which must still unshard FSDP2's root around generate().
 TWO_PROCESS_RUNS = {name: (name, {}) for name in OBJECTIVE_OPTIONS} | {
@@ -42,9 +46,16 @@ TWO_PROCESS_RUNS = {name: (name, {}) for name in OBJECTIVE_OPTIONS} | {
 
 def config(output_dir: Path, objective: str, **overrides) -> TrainConfig:
     options = dict(
-        output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=8, learning_rate=1e-3,
-        logging_steps=1, seed=0, max_length=64, loss_curve_png=False, **OBJECTIVE_OPTIONS[objective],
-    )  # fmt: skip
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
+        max_length=64,
+        loss_curve_png=False,
+        **OBJECTIVE_OPTIONS[objective],
+    )
     return TrainConfig(**{**options, **overrides})
 
 
@@ -60,10 +71,21 @@ def run_two_processes(runs: list[tuple[str, TrainConfig]]) -> None:
     env["PYTHONPATH"] = str(REPO_ROOT)
     payload = json.dumps([[objective, asdict(cfg)] for objective, cfg in runs])
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(WORKER), payload],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(WORKER),
+            payload,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -107,9 +129,16 @@ def test_dpo_learns_the_preferred_completion(tmp_path):
 def test_grpo_raises_the_mean_reward(tmp_path):
     """A verifiable toy reward (the share of digits in the completion): the mean reward climbs."""
     cfg = config(
-        tmp_path, "grpo", max_steps=16, per_device_train_batch_size=16, num_generations=8,
-        max_completion_length=12, learning_rate=1e-2, lr_scheduler_type="constant", beta=0.0,
-    )  # fmt: skip
+        tmp_path,
+        "grpo",
+        max_steps=16,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=12,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        beta=0.0,
+    )
     run_training(cfg, "grpo")
     rewards = [row["reward"] for row in logged(tmp_path)]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
@@ -204,9 +233,12 @@ def test_grpo_on_conversational_prompts(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}]} for i in range(8)]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cfg = config(
-        tmp_path / "out", "grpo", max_steps=1, dataset_name=str(data),
+        tmp_path / "out",
+        "grpo",
+        max_steps=1,
+        dataset_name=str(data),
         reward_funcs=[f"{__name__}:assistant_reply_length"],
-    )  # fmt: skip
+    )
     run_training(cfg, "grpo")
     assert logged(tmp_path / "out")[0]["rewards/assistant_reply_length/mean"] > 0
 
@@ -218,9 +250,14 @@ def test_tr_dpo_run_with_a_separate_reference_model(tmp_path):
     tiny_model("llama", seed=1).save_pretrained(reference_dir)
     tiny_tokenizer().save_pretrained(reference_dir)
     cfg = config(
-        tmp_path / "out", "dpo", max_steps=3, ref_model_name_or_path=str(reference_dir), sync_ref_model=True,
-        ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
-    )  # fmt: skip
+        tmp_path / "out",
+        "dpo",
+        max_steps=3,
+        ref_model_name_or_path=str(reference_dir),
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=0.5,
+    )
     run_training(cfg, "dpo")
     rows = logged(tmp_path / "out")
     assert len(rows) == 3 and rows[0]["rewards/margins"] != 0.0  # policy ≠ this reference from the start
@@ -265,9 +302,18 @@ def wrong_count(prompts, completions, completion_ids, **columns):
 
 def test_a_reward_function_returning_the_wrong_count_is_named(tmp_path, capsys):
     err = run_cli(
-        tmp_path, capsys, "grpo", "--reward_funcs", f"{__name__}:wrong_count", "--num_generations", "2",
-        "--per_device_train_batch_size", "2", "--max_completion_length", "2",
-    )  # fmt: skip
+        tmp_path,
+        capsys,
+        "grpo",
+        "--reward_funcs",
+        f"{__name__}:wrong_count",
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_completion_length",
+        "2",
+    )
     assert "wrong_count" in err and "1 value" in err
 
 

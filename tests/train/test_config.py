@@ -224,9 +224,19 @@ def test_bad_values_fail_naming_the_key_and_where(tmp_path, key, value, wanted):
 def test_boundary_values_are_accepted():
     config = load_config(
         None,
-        ["--warmup_ratio", "0", "--eval_split_ratio", "0.0", "--save_total_limit", "1", "--lr_scheduler_type",
-         "constant", "--report_to", "tensorboard,wandb"],
-    )  # fmt: skip
+        [
+            "--warmup_ratio",
+            "0",
+            "--eval_split_ratio",
+            "0.0",
+            "--save_total_limit",
+            "1",
+            "--lr_scheduler_type",
+            "constant",
+            "--report_to",
+            "tensorboard,wandb",
+        ],
+    )
     assert (config.warmup_ratio, config.eval_split_ratio, config.save_total_limit) == (0.0, 0.0, 1)
     assert (config.lr_scheduler_type, config.report_to) == ("constant", ["tensorboard", "wandb"])
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastalign.testing import tiny_model
+from fastalign.builtin import tiny_model
 from fastalign.train.distributed import (
     DistributedContext,
     all_reduce_sum,
@@ -85,9 +85,16 @@ def test_two_process_fsdp_matches_single_process(tmp_path, tie_word_embeddings):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(WORKER), str(out), str(tie_word_embeddings),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        str(out),
+        str(tie_word_embeddings),
+    ]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     result = json.loads(out.read_text())

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fastalign.train.checkpoint as checkpoint_module
+from fastalign.builtin import tiny_model, tiny_sft_rows, tiny_tokenizer
 from fastalign.data import tokenize_sft_dataset
-from fastalign.testing import tiny_model, tiny_sft_rows, tiny_tokenizer
 from fastalign.train.batches import MicroBatches
 from fastalign.train.callbacks import EarlyStopping
 from fastalign.train.checkpoint import list_checkpoints
@@ -37,10 +37,17 @@ def write_rows(path, count=64, seed=0):
 def config(tmp_path, **overrides) -> TrainConfig:
     tmp_path.mkdir(parents=True, exist_ok=True)
     defaults = dict(
-        dataset_name=str(write_rows(tmp_path / "train.jsonl")), output_dir=str(tmp_path / "run"),
-        max_steps=4, per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1, seed=0,
-        max_length=64, warmup_ratio=0.0, loss_curve_png=False,
-    )  # fmt: skip
+        dataset_name=str(write_rows(tmp_path / "train.jsonl")),
+        output_dir=str(tmp_path / "run"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        logging_steps=1,
+        seed=0,
+        max_length=64,
+        warmup_ratio=0.0,
+        loss_curve_png=False,
+    )
     return TrainConfig(**{**defaults, **overrides})
 
 
@@ -50,10 +57,21 @@ def sft_in_two_processes(cfg: TrainConfig) -> None:
     env = {k: v for k, v in os.environ.items() if k not in torchrun_keys}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(Path(__file__).with_name("train_worker.py")), json.dumps([["sft", asdict(cfg)]])],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(Path(__file__).with_name("train_worker.py")),
+            json.dumps([["sft", asdict(cfg)]]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -69,9 +87,15 @@ def train_losses(output_dir) -> dict[int, float]:
 @pytest.mark.slow
 def test_loss_falls_and_the_model_is_saved(tmp_path):
     cfg = config(
-        tmp_path, dataset_name="tiny-sft", max_steps=40, per_device_train_batch_size=8, logging_steps=10,
-        loss_curve_png=True, eval_split_ratio=0.05, eval_steps=20,
-    )  # fmt: skip
+        tmp_path,
+        dataset_name="tiny-sft",
+        max_steps=40,
+        per_device_train_batch_size=8,
+        logging_steps=10,
+        loss_curve_png=True,
+        eval_split_ratio=0.05,
+        eval_steps=20,
+    )
     out = run_sft(cfg)
     records = logged(out)
     losses = [r["loss"] for r in records if "loss" in r]
@@ -97,9 +121,15 @@ def _engine(examples, batch_size, accumulation, steps, seed=0):
         examples, batch_size=batch_size, accumulation=accumulation, pad_token_id=0, seed=seed
     )
     return Engine(
-        model, SFTObjective(), optimizer, scheduler, batches, Schedule(max_steps=steps, logging_steps=1),
-        SINGLE, output_dir="unused",
-    )  # fmt: skip
+        model,
+        SFTObjective(),
+        optimizer,
+        scheduler,
+        batches,
+        Schedule(max_steps=steps, logging_steps=1),
+        SINGLE,
+        output_dir="unused",
+    )
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -249,7 +279,7 @@ def test_runs_from_a_checkpoint_are_sharded_before_their_weights_exist(tmp_path,
     assert single[1] == pytest.approx(builtin[1], rel=1e-6)
     cfg = config(
         tmp_path / "two", model_name_or_path=str(checkpoint), per_device_train_batch_size=2, **options
-    )  # fmt: skip
+    )
     sft_in_two_processes(cfg)
     two = train_losses(Path(cfg.output_dir))
     for step, loss in single.items():

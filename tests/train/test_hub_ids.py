@@ -21,9 +21,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fastalign.builtin import tiny_model, tiny_sft_rows, tiny_tokenizer
 from fastalign.cli.main import main
-from fastalign.testing import tiny_model, tiny_sft_rows, tiny_tokenizer
-from fastalign.testing.real_model import HUB_ID
 from fastalign.train.config import ConfigError, TrainConfig, load_config
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.loading import (
@@ -34,6 +33,7 @@ from fastalign.train.loading import (
 )
 from fastalign.train.policy import load_frozen_model
 from fastalign.train.run import run_training
+from tests.real.model import HUB_ID
 
 CPU = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 MODEL_ID = "fastalign-tests/tiny-llama"
@@ -45,8 +45,12 @@ def hub(tmp_path, monkeypatch) -> Path:
     """An empty, offline Hugging Face cache under tmp_path; returns the hub cache directory."""
     home = tmp_path / "hf"
     cache = home / "hub"
-    for name, value in (("HF_HOME", home), ("HF_HUB_CACHE", cache), ("HF_DATASETS_CACHE", home / "datasets"),
-                        ("HF_HUB_OFFLINE", "1")):  # fmt: skip
+    for name, value in (
+        ("HF_HOME", home),
+        ("HF_HUB_CACHE", cache),
+        ("HF_DATASETS_CACHE", home / "datasets"),
+        ("HF_HUB_OFFLINE", "1"),
+    ):
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(home))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
@@ -92,20 +96,31 @@ def cache_tiny_dataset(cache: Path, repo_id: str = DATA_ID, *, ref: str = "main"
     write_jsonl(snapshot / "default" / "test.jsonl", rows[16:])
     write_jsonl(snapshot / "short" / "train.jsonl", rows[:3])
     configs = [
-        {"config_name": "default", "data_files": [{"split": "train", "path": "default/train.jsonl"},
-                                                  {"split": "test", "path": "default/test.jsonl"}]},
+        {
+            "config_name": "default",
+            "data_files": [
+                {"split": "train", "path": "default/train.jsonl"},
+                {"split": "test", "path": "default/test.jsonl"},
+            ],
+        },
         {"config_name": "short", "data_files": [{"split": "train", "path": "short/train.jsonl"}]},
-    ]  # fmt: skip
+    ]
     (snapshot / "README.md").write_text(f"---\n{yaml.safe_dump({'configs': configs})}---\n# tiny sft\n")
     return snapshot
 
 
 def sft_config(tmp_path: Path, **overrides) -> TrainConfig:
     defaults = dict(
-        model_name_or_path=MODEL_ID, dataset_name=DATA_ID, output_dir=str(tmp_path / "run"), max_steps=2,
-        per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, max_length=64,
+        model_name_or_path=MODEL_ID,
+        dataset_name=DATA_ID,
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        max_length=64,
         loss_curve_png=False,
-    )  # fmt: skip
+    )
     return TrainConfig(**{**defaults, **overrides})
 
 
@@ -316,8 +331,10 @@ def test_hub_dataset_keys_reach_the_loader(hub, tmp_path, overrides, named):
     assert named in one_line(error)
 
 
-@pytest.mark.parametrize("key", ["model_revision", "dataset_config", "dataset_train_split",
-                                 "dataset_test_split", "dataset_revision"])  # fmt: skip
+@pytest.mark.parametrize(
+    "key",
+    ["model_revision", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_revision"],
+)
 def test_blank_hub_keys_are_config_errors(key):
     with pytest.raises(ConfigError, match=f"config key '{key}' .*must be a non-empty string"):
         load_config(overrides=[f"--{key}", " "])

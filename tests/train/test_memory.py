@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 import fastalign
+from fastalign.builtin import tiny_model, tiny_tokenizer
+from fastalign.models.structure import decoder_layers
 from fastalign.patching import patched_pieces
-from fastalign.testing import tiny_model, tiny_tokenizer
 from fastalign.train.memory import (
     ActivationOffloader,
-    decoder_layers,
     enable_activation_checkpointing,
     enable_activation_offloading,
 )

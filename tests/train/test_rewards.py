@@ -202,9 +202,10 @@ def test_none_becomes_nan_and_combine_rewards_weights_the_rest():
     funcs = resolve_reward_funcs(["exact_match", half, never])
     got = compute_rewards(funcs, ["p"] * 3, ["1", "2", "x"], [[1]] * 3, {"answer": ["1", "1", None]})
     torch.testing.assert_close(
-        got, torch.tensor([[1.0, 0.5, math.nan], [0.0, math.nan, math.nan], [math.nan, 0.5, math.nan]]),
+        got,
+        torch.tensor([[1.0, 0.5, math.nan], [0.0, math.nan, math.nan], [math.nan, 0.5, math.nan]]),
         equal_nan=True,
-    )  # fmt: skip
+    )
     combined = combine_rewards(got, torch.tensor([2.0, -1.0, 5.0]))
     torch.testing.assert_close(combined, torch.tensor([1.5, 0.0, -0.5]))
     all_none = combine_rewards(compute_rewards(funcs[2:], ["p"], ["x"], [[1]], {}))
@@ -216,9 +217,13 @@ def test_metrics_are_nan_aware_per_function():
     table = torch.tensor([[1.0, math.nan, 0.0], [0.0, 2.0, math.nan], [1.0, math.nan, math.nan]])
     metrics = reward_metrics(funcs, table)
     assert list(metrics) == [
-        "rewards/regex/mean", "rewards/regex/std", "rewards/exact_match/mean", "rewards/exact_match/std",
-        "rewards/length_penalty/mean", "rewards/length_penalty/std",
-    ]  # fmt: skip
+        "rewards/regex/mean",
+        "rewards/regex/std",
+        "rewards/exact_match/mean",
+        "rewards/exact_match/std",
+        "rewards/length_penalty/mean",
+        "rewards/length_penalty/std",
+    ]
     assert metrics["rewards/regex/mean"] == pytest.approx(2 / 3)
     assert metrics["rewards/regex/std"] == pytest.approx(math.sqrt(1 / 3))  # unbiased: Σ(x − x̄)² / (n − 1)
     assert metrics["rewards/exact_match/mean"] == 2.0 and metrics["rewards/exact_match/std"] == 0.0
@@ -254,8 +259,14 @@ def fails_on_pairs(prompts, completions, completion_ids, **kwargs):
 def compute_error(func, completions=("a", "b", "c"), **columns) -> str:
     completions = list(completions)
     funcs = resolve_reward_funcs([func])
-    return value_error(compute_rewards, funcs, [f"prompt {c}" for c in completions], completions,
-                       [[1]] * len(completions), columns)  # fmt: skip
+    return value_error(
+        compute_rewards,
+        funcs,
+        [f"prompt {c}" for c in completions],
+        completions,
+        [[1]] * len(completions),
+        columns,
+    )
 
 
 def test_a_raising_function_names_the_first_failing_sample_and_chains_the_error():

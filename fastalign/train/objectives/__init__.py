@@ -1,7 +1,65 @@
-"""Training objectives: what one micro-batch's loss is. The engine owns the loop; an objective owns
-the math (SFT here; DPO and GRPO plug in the same way)."""
+"""The objectives ``fastalign train`` knows, by their CLI names. Each module tells one algorithm's whole
+story (its options, data, reference or rollout, loss and metrics; see ``base.Objective``); this registry
+is the only other place a new objective is named."""
 
+from __future__ import annotations
+
+import dataclasses
+
+from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import Objective
+from fastalign.train.objectives.dpo import DPOObjective
+from fastalign.train.objectives.grpo import GRPOObjective
+from fastalign.train.objectives.kto import KTOObjective
 from fastalign.train.objectives.sft import SFTObjective
 
-__all__ = ["Objective", "SFTObjective"]
+OBJECTIVES: dict[str, type[Objective]] = {
+    "sft": SFTObjective,
+    "dpo": DPOObjective,
+    "simpo": DPOObjective,
+    "cpo": DPOObjective,
+    "orpo": DPOObjective,
+    "kto": KTOObjective,
+    "grpo": GRPOObjective,
+    "rloo": GRPOObjective,
+}
+
+#: Keys some objectives read that the runner reads too, for every objective (never unread).
+_RUNNER_KEYS = frozenset({"max_length", "use_peft"})
+
+
+def make_objective(name: str, config: TrainConfig, ctx: DistributedContext) -> Objective:
+    """Objective ``name`` with its options from ``config``, checked before any model work: a one-line
+    ``ConfigError`` for an unknown name (listing the known ones), a bad value, or a key this objective
+    would ignore."""
+    if name not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
+    _refuse_unread_keys(name, config)
+    return OBJECTIVES[name].from_config(name, config, ctx)
+
+
+def _refuse_unread_keys(name: str, config: TrainConfig) -> None:
+    """A key set (away from its default) that only other objectives read would be silently ignored."""
+    defaults = TrainConfig()
+    read = OBJECTIVES[name].config_keys(name)
+    for key in (f.name for f in dataclasses.fields(TrainConfig)):
+        if key in read or key in _RUNNER_KEYS or getattr(config, key) == getattr(defaults, key):
+            continue
+        readers = [other for other, cls in OBJECTIVES.items() if key in cls.config_keys(other)]
+        if readers:
+            raise ConfigError(
+                f"config key {key!r} ({getattr(config, key)!r}) is for {', '.join(readers)}; {name} does not "
+                "read it: remove it"
+            )
+
+
+__all__ = [
+    "OBJECTIVES",
+    "DPOObjective",
+    "GRPOObjective",
+    "KTOObjective",
+    "Objective",
+    "SFTObjective",
+    "make_objective",
+]

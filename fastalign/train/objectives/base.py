@@ -1,26 +1,165 @@
-"""The contract between the engine and an objective."""
+"""What an objective is to the runner (``fastalign.train.run``) and the engine (``fastalign.train.engine``).
+
+An objective is one algorithm's whole story, in its own file: the config keys it reads (its options,
+checked once when it is made, before any model work), how dataset rows become examples and
+micro-batches, what it needs from a reference model or a rollout (``setup``), and what one micro-batch's
+loss and metrics are (``loss_tokens``, ``compute_loss``). The engine owns the loop and calls only the
+step methods; everything the objective keeps across steps goes into checkpoints through
+``state_dict``/``load_state_dict``, so every objective resumes exactly.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from fastalign.train.batches import BatchPosition, MicroBatches
+from fastalign.train.config import TrainConfig
+from fastalign.train.distributed import DistributedContext
 
-class Objective(Protocol):
-    """One training objective. The engine sums ``loss_tokens`` over every micro-batch of a step on
-    every rank, and passes that total to ``compute_loss``, whose losses therefore add up (over
-    micro-batches and ranks) to the mean over the whole accumulated batch: gradient accumulation and
-    data parallelism are exact, whatever the lengths.
+if TYPE_CHECKING:  # the engine imports this module: its Callback only types a field here
+    from fastalign.train.engine import Callback
 
-    An objective may also define ``prepare_step(model, micro_batches, step) -> (micro_batches,
-    metrics)``: the engine calls it first in every step, with the data's micro-batches, to build the
-    training batches (GRPO generates completions and scores them there). Its metrics are already
-    global (every rank returns the same values)."""
+
+class BatchSource(Protocol):
+    """Which micro-batches each optimizer step of this rank trains on, resumable from a position:
+    ``MicroBatches`` (the data as it is) or an objective's own (GRPO's generation batches)."""
+
+    steps_per_epoch: int
+
+    def step_batches(self, position: BatchPosition) -> list[dict]: ...
+    def advance(self, position: BatchPosition) -> BatchPosition: ...
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the run deals examples into micro-batches (general keys of the config, and the processes)."""
+
+    batch_size: int  # per_device_train_batch_size
+    accumulation: int  # gradient_accumulation_steps
+    seed: int
+    pad_token_id: int
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, tokenizer, ctx: DistributedContext) -> BatchPlan:
+        return cls(
+            config.per_device_train_batch_size,
+            config.gradient_accumulation_steps,
+            config.seed,
+            tokenizer.pad_token_id,
+            ctx.rank,
+            ctx.world_size,
+        )
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What the runner lends an objective once the policy is loaded and placed."""
+
+    tokenizer: Any
+    ctx: DistributedContext
+    #: A frozen, patched, placed model: the named checkpoint, or the policy's initial weights for None.
+    load_frozen_model: Callable[[str | None], torch.nn.Module]
+    use_peft: bool
+    autocast_dtype: torch.dtype | None
+    eval_batch_size: int
+
+
+@dataclass
+class Prepared:
+    """The examples an objective trains and evaluates on once set up (a precomputed reference adds its
+    log-probs to them), and the callbacks it needs the engine to run (TR-DPO's reference sync)."""
+
+    train: list
+    evaluation: list
+    callbacks: list[Callback] = field(default_factory=list)
+
+
+def pick(options: object, *keys: str) -> dict[str, Any]:
+    """Some of an options dataclass's fields by name, to pass on as keyword arguments."""
+    return {key: getattr(options, key) for key in keys}
+
+
+#: TRL's length options, which each objective passes on to its tokenizing function.
+LENGTH_KEYS = ("max_length", "max_prompt_length", "truncation")
+
+
+class Objective:
+    """One algorithm. Subclasses set ``default_dataset`` and implement ``tokenize`` and the step methods;
+    the rest has the plain behaviour most objectives want.
+
+    The engine sums ``loss_tokens`` over every micro-batch of a step on every rank and passes that total
+    to ``compute_loss``, whose losses therefore add up (over micro-batches and ranks) to the mean over
+    the whole accumulated batch: gradient accumulation and data parallelism are exact, whatever the
+    lengths."""
+
+    #: The built-in data set when the config names none.
+    default_dataset: ClassVar[str]
+    #: Whether the loss runs inside the patched model's forward (``head_fn``): the fused head is needed
+    #: even when the other kernels are off (``use_liger_kernel: false``).
+    needs_fused_head: ClassVar[bool] = True
+    #: Pack examples into rows of this many tokens (SFT's ``packing``); None: pad each micro-batch.
+    packing_length: int | None = None
+
+    def __init__(self, ctx: DistributedContext | None = None):
+        self.ctx = ctx or DistributedContext(0, 1, 0, torch.device("cpu"))
+
+    @classmethod
+    def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> Objective:
+        """The objective ``name`` (a CLI name this class serves) with its options read from ``config``
+        and checked: a one-line ``ConfigError`` naming the key."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_keys(cls, name: str) -> frozenset[str]:
+        """The config keys objective ``name`` reads besides the runner's: a key only other objectives
+        read is refused rather than ignored."""
+        raise NotImplementedError
+
+    # --- data --------------------------------------------------------------------------------------
+    def tokenize(self, rows: list[dict], tokenizer) -> list:
+        """Dataset rows as this objective's examples (one-line errors name the row)."""
+        raise NotImplementedError
+
+    def collate(self, tokenizer) -> Callable[[Sequence], dict] | None:
+        """What batches the examples; None: SFT's padding (or packing) collators."""
+        return None
+
+    def batches(self, examples: list, tokenizer, plan: BatchPlan) -> BatchSource:
+        """The training micro-batches of every step."""
+        return MicroBatches(
+            examples,
+            batch_size=plan.batch_size,
+            accumulation=plan.accumulation,
+            pad_token_id=plan.pad_token_id,
+            seed=plan.seed,
+            rank=plan.rank,
+            world_size=plan.world_size,
+            packing_length=self.packing_length,
+            collate=self.collate(tokenizer),
+        )
+
+    def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        """Everything the objective needs besides the policy (a reference, a tokenizer to decode)."""
+        return Prepared(train, evaluation)
+
+    # --- a step ------------------------------------------------------------------------------------
+    def prepare_step(
+        self, model: torch.nn.Module, micro_batches: list[dict], step: int
+    ) -> tuple[list[dict], dict[str, float]]:
+        """Called first in every step with the data's micro-batches: returns the training micro-batches
+        (GRPO generates and scores completions here) and metrics that are already global (every rank
+        returns the same values)."""
+        return micro_batches, {}
 
     def loss_tokens(self, batch: dict) -> int:
         """The number of loss terms (tokens, sequences, ...) in ``batch``."""
-        ...
+        raise NotImplementedError
 
     def compute_loss(
         self, model: torch.nn.Module, batch: dict, num_items_in_batch: torch.Tensor
@@ -28,4 +167,13 @@ class Objective(Protocol):
         """This micro-batch's share of the step's loss (its sum over ``num_items_in_batch``), and
         metrics to log, normalised the same way (a mean over the micro-batch's loss terms, times their
         count over ``num_items_in_batch``), so that their sum over the step is the step's mean."""
-        ...
+        raise NotImplementedError
+
+    # --- what a checkpoint keeps -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors the objective carries from step to step (a running mean, a synced reference's
+        weights, possibly sharded DTensors): saved in every checkpoint, restored on resume."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore ``state_dict()`` (its tensors were loaded in place, so most objectives need nothing)."""

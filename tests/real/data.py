@@ -1,4 +1,4 @@
-"""Small real-text data sets for the real-model tests (``fastalign.testing.real_model``): questions a
+"""Small real-text data sets for the real-model tests (``tests.real.model``): questions a
 135M instruct model already half-knows, in TRL's conversational formats, so a first loss is a real
 model's loss on real text and a few steps of training visibly move it."""
 
@@ -36,8 +36,10 @@ def _answer(country: str, city: str) -> list[dict]:
 def real_sft_rows() -> list[dict]:
     """Conversational prompt-completion rows: "What is the capital of France?" → "The capital of
     France is Paris."."""
-    return [{"prompt": _question(country), "completion": _answer(country, capital)}
-            for country, capital, _ in _CAPITALS]  # fmt: skip
+    return [
+        {"prompt": _question(country), "completion": _answer(country, capital)}
+        for country, capital, _ in _CAPITALS
+    ]
 
 
 def real_preference_rows() -> list[dict]:

@@ -1,4 +1,4 @@
-"""fastalign.testing: offline tokenizer and tiny models that every later test builds on."""
+"""fastalign.builtin: offline tokenizer and tiny models that every later test builds on."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastalign import linear_cross_entropy
-from fastalign.testing import TINY_MODEL_TYPES, tiny_config, tiny_model, tiny_tokenizer
+from fastalign.builtin import TINY_MODEL_TYPES, tiny_config, tiny_model, tiny_tokenizer
 
 
 def test_tokenizer_round_trips_text_and_has_special_tokens():

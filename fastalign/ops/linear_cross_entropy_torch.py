@@ -1,8 +1,9 @@
-"""Row-wise softmax statistics and gradients of a logits chunk: the PyTorch twin of the Triton kernels.
+"""The row kernels of ``fastalign/kernels/linear_cross_entropy.py`` in PyTorch: softmax statistics and
+gradients of one logits chunk, for the ``backend='torch'`` path.
 
-Both backends of ``linear_cross_entropy`` share one chunk loop (``fastalign.ops.linear_cross_entropy``);
-only these two row operations differ. This file is also the readable statement of their math; the
-derivation is in ``fastalign/kernels/linear_cross_entropy.py``.
+Both backends share one chunk loop (``fastalign.ops.linear_cross_entropy_chunks``); only these two row
+operations differ. This file is also the readable statement of their math; the derivation is in the
+kernel module.
 
 To stay within one [C, V] buffer per chunk, ``softmax_row_stats`` may overwrite the logits with
 ``exp(z − max z)`` and hands that buffer on; ``softmax_row_grad_`` turns it into the gradient in place.
@@ -38,34 +39,36 @@ class GradCoefficients(NamedTuple):
     entropy: torch.Tensor | None
 
 
-def _transform(logits: torch.Tensor, softcap: float | None, inv_temperature: float) -> torch.Tensor:
-    """fp32 ``z = softcap·tanh(x/softcap)/T``: ``logits`` itself when it is fp32 and untransformed."""
-    z = logits.float()
-    if softcap is not None:
-        return torch.tanh(z / softcap).mul_(softcap * inv_temperature)
-    if inv_temperature != 1.0:
-        return z * inv_temperature
-    return z
+class LogitTransform(NamedTuple):
+    """The map from the raw logits x to the logits z whose softmax is taken: ``softcap·tanh(x/softcap)/T``
+    (Gemma-2's softcap, then a sampler's temperature T), or ``x/T`` without a softcap."""
 
+    softcap: float | None
+    inv_temperature: float
 
-def _chain_(
-    grad_z: torch.Tensor, logits: torch.Tensor, softcap: float | None, inv_temperature: float
-) -> None:
-    """``grad_z *= dz/dx`` in place; ``logits`` holds the raw x whenever a softcap is set."""
-    if softcap is not None:
-        tanh = torch.tanh(logits.float() / softcap)
-        grad_z.mul_(tanh.mul_(tanh).neg_().add_(1.0).mul_(inv_temperature))
-    elif inv_temperature != 1.0:
-        grad_z.mul_(inv_temperature)
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 z: ``logits`` itself when it is fp32 and the map is the identity."""
+        z = logits.float()
+        if self.softcap is not None:
+            return torch.tanh(z / self.softcap).mul_(self.softcap * self.inv_temperature)
+        if self.inv_temperature != 1.0:
+            return z * self.inv_temperature
+        return z
+
+    def chain_(self, grad_z: torch.Tensor, logits: torch.Tensor) -> None:
+        """``grad_z *= dz/dx`` in place; ``logits`` must hold the raw x whenever a softcap is set."""
+        if self.softcap is not None:
+            tanh = torch.tanh(logits.float() / self.softcap)
+            grad_z.mul_(tanh.mul_(tanh).neg_().add_(1.0).mul_(self.inv_temperature))
+        elif self.inv_temperature != 1.0:
+            grad_z.mul_(self.inv_temperature)
 
 
 def softmax_row_stats(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    *,
     ignore_index: int,
-    softcap: float | None,
-    inv_temperature: float,
+    transform: LogitTransform,
     with_entropy: bool,
 ) -> tuple[SoftmaxRowStats, torch.Tensor]:
     """Statistics of ``logits`` [C, V] (any float dtype) with ``targets`` [C].
@@ -74,7 +77,7 @@ def softmax_row_stats(
     transform (the caller must then not read ``logits`` again). ``with_entropy`` computes ``mean_pz``,
     which costs one more [C, V] buffer.
     """
-    z = _transform(logits, softcap, inv_temperature)
+    z = transform.apply(logits)
     is_target = targets != ignore_index
     safe_targets = torch.where(is_target, targets, 0)
     target_logit = z.gather(1, safe_targets[:, None]).squeeze(1) * is_target
@@ -102,10 +105,8 @@ def softmax_row_grad_(
     targets: torch.Tensor,
     stats: SoftmaxRowStats,
     coefs: GradCoefficients,
-    *,
     ignore_index: int,
-    softcap: float | None,
-    inv_temperature: float,
+    transform: LogitTransform,
     exp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """∂(Σ_i output_i)/∂logits [C, V] in ``logits``' dtype, built in place of ``exp`` (the buffer from
@@ -114,7 +115,7 @@ def softmax_row_grad_(
     if exp is None or coefs.entropy is not None:
         if exp is not None and exp.data_ptr() == logits.data_ptr():
             raise ValueError("the entropy gradient needs the logits, which softmax_row_stats overwrote")
-        z = _transform(logits, softcap, inv_temperature)
+        z = transform.apply(logits)
     if exp is None:
         exp = (z.clone() if coefs.entropy is not None else z).sub_(stats.max_logit[:, None]).exp_()
     grad = exp.mul_(torch.exp(stats.max_logit - stats.lse)[:, None])  # p = softmax(z)
@@ -127,7 +128,7 @@ def softmax_row_grad_(
     # Ignored rows have a zero target coefficient, so any in-range column may stand in for them.
     safe_targets = torch.where(targets != ignore_index, targets, 0)
     grad.scatter_add_(1, safe_targets[:, None], coefs.target[:, None])
-    _chain_(grad, logits, softcap, inv_temperature)
+    transform.chain_(grad, logits)
     if grad.dtype != logits.dtype:
         return logits.copy_(grad)
     return grad

@@ -1,4 +1,4 @@
-"""A real pretrained model for tests and demos, without the hub: SmolLM2-135M-Instruct.
+"""A real pretrained model for the tests, without the hub: SmolLM2-135M-Instruct.
 
 Random-weight models prove shapes, not truth (a tied checkpoint once trained with an all-zero LM head
 while every random-model test passed). This fixture is a real model: Llama architecture, tied

@@ -42,7 +42,7 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 512, **overrides) -
         raise ValueError(f"model_type must be one of {TINY_MODEL_TYPES}, got {model_type!r}")
     kwargs = {**_TINY_SHAPE, **_FAMILY_OVERRIDES[model_type], "vocab_size": vocab_size, **overrides}
     kwargs = {key: value for key, value in kwargs.items() if not (key == "head_dim" and value is None)}
-    # special ids of fastalign.testing.tiny_tokenizer
+    # special ids of fastalign.builtin.tiny_tokenizer
     kwargs.setdefault("pad_token_id", 0)
     kwargs.setdefault("bos_token_id", 1)
     kwargs.setdefault("eos_token_id", 2)

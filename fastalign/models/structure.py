@@ -1,0 +1,24 @@
+"""What fastalign assumes about a causal LM's structure, in one place: its label convention, how to see
+through a peft wrapper, and where its decoder layers are."""
+
+from __future__ import annotations
+
+from torch import nn
+
+#: The label of a position that is no training target: transformers' (and PyTorch's cross-entropy's)
+#: ignore index, which collators write, the model shifts, and the fused losses skip.
+IGNORE_INDEX = -100
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """``model`` itself, or the transformers model under a peft wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM: the first ``nn.ModuleList`` named ``layers`` (peft-aware)."""
+    inner = base_model(model)
+    for name, module in inner.named_modules():
+        if name.rpartition(".")[2] == "layers" and isinstance(module, nn.ModuleList):
+            return list(module)
+    raise ValueError(f"found no decoder layers (an nn.ModuleList named 'layers') in {type(inner).__name__}")

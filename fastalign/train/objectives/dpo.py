@@ -1,0 +1,175 @@
+"""``fastalign train dpo|simpo|cpo|orpo``: learning from preference pairs, TRL's ``DPOTrainer`` and
+``CPOTrainer``/``ORPOTrainer``.
+
+Rows are prompt / chosen / rejected (TRL's preference format, conversational or not). A micro-batch of
+P pairs is one forward of 2P rows: chosen rows first, rejected after. ``PreferenceLoss`` runs inside the
+patched model's forward (``head_fn``): it takes the hidden states and never builds logits.
+
+- dpo: the DPO family (``loss_type``, several with ``loss_weights``) against a reference policy, which is
+  a frozen copy, the LoRA policy with its adapters off, or log-probs precomputed before training
+  (``fastalign.train.reference``); ``sync_ref_model`` is TR-DPO.
+- simpo, cpo, orpo: reference-free (SimPO's margin ``simpo_gamma``; CPO's chosen NLL weight
+  ``cpo_alpha``; ORPO's odds ratio).
+
+A loss term is a pair: each micro-batch's mean is weighted by its share of the step's pairs, so the
+step's loss is the mean over all its pairs however they are split. The chosen NLL (CPO, ORPO, DPO's
+'sft' loss type) is a token mean over the whole step: ``prepare_step`` counts the step's chosen tokens on
+all ranks. (In evaluation, each batch's own.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fastalign.data.preference import PreferenceCollator, tokenize_preference_dataset
+from fastalign.losses import PreferenceLoss
+from fastalign.models.structure import IGNORE_INDEX
+from fastalign.patching.causal_lm import shift_labels
+from fastalign.train.config import ConfigError, TrainConfig, options_from
+from fastalign.train.distributed import DistributedContext, all_reduce_sum
+from fastalign.train.objectives.base import LENGTH_KEYS, Objective, Prepared, RunParts, pick
+from fastalign.train.reference import (
+    Reference,
+    ReferenceOptions,
+    SequenceInputs,
+    reference_state,
+    setup_reference,
+)
+
+#: TRL's default ``beta`` of each (``beta: null`` in the config).
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "cpo": 0.1, "orpo": 0.1}
+#: DPOOptions fields that are PreferenceLoss's arguments of the same name.
+_LOSS_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "cpo_alpha")
+#: The keys each reads besides the lengths (``PreferenceLoss`` checks their values).
+_LOSS_KEYS = {
+    "dpo": ("beta", "loss_type", "loss_weights", "label_smoothing"),
+    "simpo": ("beta", "simpo_gamma", "label_smoothing"),
+    "cpo": ("beta", "loss_type", "label_smoothing", "cpo_alpha"),
+    "orpo": ("beta",),
+}
+
+
+@dataclass(frozen=True)
+class DPOOptions:
+    """The keys the DPO family reads (TRL's DPOConfig / CPOConfig / ORPOConfig names)."""
+
+    beta: float
+    loss_type: list[str]
+    loss_weights: list[float] | None
+    label_smoothing: float
+    simpo_gamma: float
+    cpo_alpha: float
+    max_length: int
+    max_prompt_length: int | None
+    truncation: bool
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, name: str) -> DPOOptions:
+        return options_from(config, cls, beta=DEFAULT_BETA[name], loss_type=["sigmoid"])
+
+
+class DPOObjective(Objective):
+    """``PreferenceLoss`` on micro-batches of P pairs: rows 0..P-1 chosen, P..2P-1 rejected."""
+
+    default_dataset = "tiny-preference"
+
+    def __init__(
+        self,
+        name: str,
+        options: DPOOptions,
+        reference_options: ReferenceOptions,
+        ctx: DistributedContext | None = None,
+    ):
+        super().__init__(ctx)
+        self.name, self.options, self.reference_options = name, options, reference_options
+        try:
+            self.loss = PreferenceLoss(
+                objective=name, gamma=options.simpo_gamma, **pick(options, *_LOSS_OPTIONS)
+            )
+        except ValueError as error:
+            raise ConfigError(f"config for {name}: {error}") from None
+        self.reference: Reference | None = None
+        self._step_chosen_tokens = torch.ones(())
+
+    @classmethod
+    def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> DPOObjective:
+        return cls(name, DPOOptions.from_config(config, name), ReferenceOptions.from_config(config), ctx)
+
+    @classmethod
+    def config_keys(cls, name: str) -> frozenset[str]:
+        reference = ReferenceOptions.config_keys() if name == "dpo" else set()
+        return frozenset({*_LOSS_KEYS[name], *LENGTH_KEYS, *reference})
+
+    # --- data --------------------------------------------------------------------------------------
+    def tokenize(self, rows: list[dict], tokenizer) -> list:
+        return tokenize_preference_dataset(rows, tokenizer, **pick(self.options, *LENGTH_KEYS))
+
+    def collate(self, tokenizer) -> PreferenceCollator:
+        return PreferenceCollator(tokenizer.pad_token_id)
+
+    def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        if self.loss.reference_free:
+            return Prepared(train, evaluation)
+        collate = self.collate(parts.tokenizer)
+
+        def sequences(chunk: Sequence) -> SequenceInputs:
+            batch, pairs = collate(chunk), len(chunk)
+            rows = (batch["input_ids"], batch["attention_mask"], batch["labels"])
+            return {
+                "ref_chosen_logp": tuple(t[:pairs] for t in rows),
+                "ref_rejected_logp": tuple(t[pairs:] for t in rows),
+            }
+
+        self.reference, (train, evaluation), callbacks = setup_reference(
+            model, self.reference_options, parts, (train, evaluation), sequences
+        )
+        return Prepared(train, evaluation, callbacks)
+
+    # --- a step ------------------------------------------------------------------------------------
+    def loss_tokens(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
+        local = sum(_chosen_tokens(batch) for batch in micro_batches)
+        self._step_chosen_tokens = all_reduce_sum(local, self.ctx).cpu().clamp_min(1)
+        return micro_batches, {}
+
+    def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
+        pairs = self.loss_tokens(batch)
+        targets = shift_labels(batch["labels"])
+        references = {} if self.loss.reference_free else self._references(batch, pairs)
+        # the loss is scaled by this batch's share below: pre-divide so the NLL ends as the step's mean
+        nll_tokens = self._step_chosen_tokens * pairs / num_items_in_batch.cpu() if model.training else None
+
+        def head(hidden, weight, bias):
+            return self.loss(hidden, weight, targets, bias=bias, nll_tokens=nll_tokens, **references)
+
+        result = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], head_fn=head)
+        loss, metrics = result.head_output
+        share = pairs / num_items_in_batch
+        return loss * share, {key: value * share for key, value in metrics.items()}
+
+    def _references(self, batch: dict, pairs: int) -> dict[str, torch.Tensor]:
+        """Precomputed in the batch, or from the reference model (chosen rows, then rejected)."""
+        if "ref_chosen_logps" in batch:
+            return {name: batch[name] for name in ("ref_chosen_logps", "ref_rejected_logps")}
+        if self.reference is None:
+            raise ValueError("this loss needs a reference: none was set up and none was precomputed")
+        logps = self.reference.sequence_logprobs(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        return {"ref_chosen_logps": logps[:pairs], "ref_rejected_logps": logps[pairs:]}
+
+    # --- what a checkpoint keeps -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """bco_pair's running reward mean, and TR-DPO's synced reference weights (sharded like the policy)."""
+        state = {}
+        if "bco_pair" in self.loss.loss_types:
+            state |= {f"loss.{name}": buffer for name, buffer in self.loss.named_buffers()}
+        return state | reference_state(self.reference, self.reference_options)
+
+
+def _chosen_tokens(batch: dict) -> int:
+    """Target tokens of the chosen rows (the first half; labels are unshifted, so the first is none)."""
+    return int((batch["labels"][: batch["labels"].shape[0] // 2, 1:] != IGNORE_INDEX).sum())

@@ -1,0 +1,171 @@
+"""``fastalign train kto``: Kahneman-Tversky optimisation on unpaired completions, TRL's ``KTOTrainer``.
+
+Rows are prompt / completion / label (desirable or not). Each example also carries a mismatched
+completion (another row's, as TRL pairs them) whose policy − reference log-ratio estimates the KL
+divergence, KTO's reference point. ``KTOLoss`` runs inside the patched model's forward (``head_fn``).
+
+The KL estimate (mean log-ratio of the mismatched completions, clamped at 0) and the counts of
+desirable and undesirable completions are taken over the whole step on all ranks in ``prepare_step``:
+the loss does not depend on how the step is split, and every micro-batch logs
+``rewards/chosen``/``rewards/rejected`` as its part of the step's class means. (In evaluation, each
+batch's own.) A loss term is a completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fastalign.data.preference import KTOCollator, tokenize_kto_dataset
+from fastalign.losses import KTOLoss
+from fastalign.patching.causal_lm import shift_labels
+from fastalign.train.config import TrainConfig, options_from
+from fastalign.train.distributed import DistributedContext, all_reduce_sum
+from fastalign.train.objectives.base import LENGTH_KEYS, Objective, Prepared, RunParts, pick
+from fastalign.train.reference import (
+    Reference,
+    ReferenceOptions,
+    SequenceInputs,
+    reference_state,
+    sequence_logprobs_of,
+    setup_reference,
+)
+
+
+@dataclass(frozen=True)
+class KTOOptions:
+    """The keys KTO reads (TRL's KTOConfig names)."""
+
+    beta: float
+    desirable_weight: float
+    undesirable_weight: float
+    max_length: int
+    max_prompt_length: int | None
+    truncation: bool
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> KTOOptions:
+        return options_from(config, cls, beta=0.1)
+
+
+class KTOObjective(Objective):
+    """``KTOLoss`` on micro-batches of completions labelled desirable or not, with their mismatched
+    (KL) completions."""
+
+    default_dataset = "tiny-kto"
+
+    def __init__(
+        self, options: KTOOptions, reference_options: ReferenceOptions, ctx: DistributedContext | None = None
+    ):
+        super().__init__(ctx)
+        self.options, self.reference_options = options, reference_options
+        self.loss = KTOLoss(
+            beta=options.beta,
+            desirable_weight=options.desirable_weight,
+            undesirable_weight=options.undesirable_weight,
+        )
+        self.reference: Reference | None = None
+        self._class_counts = torch.ones(2)  # desirable, undesirable completions of the current step
+        self._kl = torch.zeros(1)
+
+    @classmethod
+    def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> KTOObjective:
+        return cls(KTOOptions.from_config(config), ReferenceOptions.from_config(config), ctx)
+
+    @classmethod
+    def config_keys(cls, name: str) -> frozenset[str]:
+        return frozenset({*KTOOptions.__dataclass_fields__, *ReferenceOptions.config_keys()})
+
+    # --- data --------------------------------------------------------------------------------------
+    def tokenize(self, rows: list[dict], tokenizer) -> list:
+        return tokenize_kto_dataset(rows, tokenizer, **pick(self.options, *LENGTH_KEYS))
+
+    def collate(self, tokenizer) -> KTOCollator:
+        return KTOCollator(tokenizer.pad_token_id)
+
+    def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        collate = self.collate(parts.tokenizer)
+
+        def sequences(chunk: Sequence) -> SequenceInputs:
+            batch = collate(chunk)
+            return {
+                "ref_logp": (batch["input_ids"], batch["attention_mask"], batch["labels"]),
+                "ref_kl_logp": (batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_labels"]),
+            }
+
+        self.reference, (train, evaluation), callbacks = setup_reference(
+            model, self.reference_options, parts, (train, evaluation), sequences
+        )
+        return Prepared(train, evaluation, callbacks)
+
+    # --- a step ------------------------------------------------------------------------------------
+    def loss_tokens(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0]
+
+    def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
+        sums = torch.zeros(4, dtype=torch.float64)  # desirable, undesirable, KL log-ratio sum, KL rows
+        for batch in micro_batches:
+            desirable = int(batch["kto_labels"].sum())
+            batch_on_device = {k: v.to(self.ctx.device) for k, v in batch.items()}
+            kl_ratio = self._kl_log_ratios(model, batch_on_device)
+            sums += torch.tensor([desirable, len(kl_ratio) - desirable, float(kl_ratio.sum()), len(kl_ratio)])
+        sums = all_reduce_sum(sums, self.ctx).cpu()
+        self._class_counts = sums[:2]
+        self._kl = (sums[2] / sums[3].clamp_min(1)).clamp(min=0).float().reshape(1)
+        return micro_batches, {}
+
+    def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
+        ref_logps = self._reference_logps(batch, "")
+        # KTOLoss takes the mean of (kl − ref_kl): the step's estimate as one term, or this batch's
+        kl = self._kl.to(ref_logps.device) if model.training else self._kl_log_ratios(model, batch)
+        labels = batch["kto_labels"].bool()
+
+        def head(hidden, weight, bias):
+            return self.loss(
+                hidden,
+                weight,
+                shift_labels(batch["labels"]),
+                labels,
+                ref_logps=ref_logps,
+                kl_logps=kl,
+                ref_kl_logps=torch.zeros_like(kl),
+                bias=bias,
+            )
+
+        result = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], head_fn=head)
+        loss, metrics = result.head_output
+        share = self.loss_tokens(batch) / num_items_in_batch
+        step_metrics = {"kl": metrics["kl"] * share}
+        for index, name in enumerate(("chosen", "rejected")):
+            # a class mean over this batch, weighted by its count over the step's count of that class
+            # (in evaluation, by this batch's share: the engine weighs batches by their size)
+            count = int((labels if index == 0 else ~labels).sum())
+            weight = count / max(float(self._class_counts[index]), 1.0) if model.training else share
+            for key in (f"rewards/{name}", f"logps/{name}"):
+                step_metrics[key] = metrics[key] * weight if key in metrics else torch.zeros(())
+        step_metrics["rewards/margins"] = step_metrics["rewards/chosen"] - step_metrics["rewards/rejected"]
+        return loss * share, step_metrics
+
+    @torch.no_grad()
+    def _kl_log_ratios(self, model, batch: dict) -> torch.Tensor:
+        """Policy − reference log-probs of the batch's mismatched (KL) completions."""
+        return sequence_logprobs_of(model, *_rows(batch, "kl_")) - self._reference_logps(batch, "kl_")
+
+    def _reference_logps(self, batch: dict, prefix: str) -> torch.Tensor:
+        """Reference log-probs of the completions (or, with prefix "kl_", the mismatched ones)."""
+        if f"ref_{prefix}logps" in batch:
+            return batch[f"ref_{prefix}logps"]
+        if self.reference is None:
+            raise ValueError("KTO needs a reference: none was set up and none was precomputed")
+        return self.reference.sequence_logprobs(*_rows(batch, prefix))
+
+    # --- what a checkpoint keeps -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The synced reference's weights (``sync_ref_model``, sharded like the policy)."""
+        return reference_state(self.reference, self.reference_options)
+
+
+def _rows(batch: dict, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"], batch[f"{prefix}labels"]
