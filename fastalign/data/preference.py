@@ -203,17 +203,22 @@ def _tokenize_preference_row(
 
 
 def tokenize_preference_dataset(
-    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, **limits
+    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, *, bos_prompt: bool = False, **limits
 ) -> list[PreferenceExample]:
     """Every row of a preference dataset, explicit or implicit prompt, standard or conversational.
 
     ``limits`` are ``LengthLimits``' fields: ``max_length`` bounds prompt + chosen and prompt + rejected;
     a longer row is an error unless ``truncation``, which keeps the prompt's last ``max_prompt_length``
-    tokens and cuts completions."""
+    tokens and cuts completions. ``bos_prompt``: start each prompt with the tokenizer's BOS token where it
+    does not already (TRL 1.16's CPO and ORPO trainers do; its DPO trainer does not)."""
     fit = LengthLimits(**limits).fit
+    bos = tokenizer.bos_token_id if bos_prompt else None
     examples = []
     for row, where in _nonempty(rows):
-        prompt_ids, completions = fit(*_tokenize_preference_row(row, where, tokenizer), where)
+        prompt_ids, completions = _tokenize_preference_row(row, where, tokenizer)
+        if bos is not None and prompt_ids[:1] != [bos]:
+            prompt_ids = [bos, *prompt_ids]
+        prompt_ids, completions = fit(prompt_ids, completions, where)
         examples.append(PreferenceExample(prompt_ids, completions["chosen"], completions["rejected"]))
     return examples
 

@@ -8,7 +8,7 @@ smoothing, and logσ(x) = min(x, 0) − log(1 + e^−|x|):
     sigmoid    −(1−ε)·logσ(z) − ε·logσ(−z)                  robust  (−(1−ε)·logσ(z) + ε·logσ(−z)) / (1−2ε)
     exo_pair   σ(z)(logσ(z) − log(1−ε)) + σ(−z)(logσ(−z) − log ε)          hinge   relu(1 − z)
     ipo        (h − 1/(2β))²                                 discopop  −logσ(z)(1−m) + e^−z·m, m = σ(z/τ)
-    bco_pair   −logσ(βc − δ) − logσ(−(βr − δ))              sppo_hard (c − 1/(2β))² + (r + 1/(2β))²
+    bco_pair   −logσ(βc) − logσ(−βr)                        sppo_hard (c − 1/(2β))² + (r + 1/(2β))²
     nca_pair   −logσ(βc) − ½logσ(−βc) − ½logσ(−βr)          apo_zero  1 − σ(βc) + σ(βr)
     apo_down   σ(βc) + 1 − σ(z)                              orpo      −β·logσ(h − log(1−e^c) + log(1−e^r))
     kto        1 − σ(z)
@@ -52,7 +52,7 @@ def _log_sigmoid(x):
 
 @triton.jit
 def _pair_loss_kernel(
-    c_ptr, r_ptr, loss_ptr, dc_ptr, dr_ptr, n, beta, smoothing, tau, shift,
+    c_ptr, r_ptr, loss_ptr, dc_ptr, dr_ptr, n, beta, smoothing, tau,
     LOSS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -84,10 +84,10 @@ def _pair_loss_kernel(
         gap = h - 1.0 / (2.0 * beta)
         loss = gap * gap
         dc, dr = 2.0 * gap, -2.0 * gap
-    elif LOSS == 5:  # bco_pair, shift = running mean reward δ
-        loss = -_log_sigmoid(beta * c - shift) - _log_sigmoid(-(beta * r - shift))
-        dc = -beta * _sigmoid(-(beta * c - shift))
-        dr = beta * _sigmoid(beta * r - shift)
+    elif LOSS == 5:  # bco_pair
+        loss = -_log_sigmoid(beta * c) - _log_sigmoid(-beta * r)
+        dc = -beta * _sigmoid(-beta * c)
+        dr = beta * _sigmoid(beta * r)
     elif LOSS == 6:  # sppo_hard
         up, down = c - 0.5 / beta, r + 0.5 / beta
         loss = up * up + down * down
@@ -135,13 +135,12 @@ def pair_loss(
     beta: float,
     smoothing: float,
     tau: float,
-    shift: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, ∂loss/∂c, ∂loss/∂r), each [P] fp32, for contiguous fp32 c, r [P]."""
     n = c.numel()
     loss, dc, dr = (torch.empty(n, dtype=torch.float32, device=c.device) for _ in range(3))
     block = min(triton.next_power_of_2(n), 1024)
     _pair_loss_kernel[(triton.cdiv(n, block),)](
-        c, r, loss, dc, dr, n, beta, smoothing, tau, shift, LOSS=LOSS_CODES[loss_type], BLOCK=block
+        c, r, loss, dc, dr, n, beta, smoothing, tau, LOSS=LOSS_CODES[loss_type], BLOCK=block
     )
     return loss, dc, dr

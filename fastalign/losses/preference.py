@@ -17,10 +17,18 @@ from torch import nn
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import token_logprobs, validation
 from fastalign.ops.backend import BACKENDS, Backend
-from fastalign.ops.preference import DPO_LOSS_TYPES, dpo_pair_inputs, pair_loss
+from fastalign.ops.preference import DPO_LOSS_TYPES, SMOOTHED_DPO_LOSS_TYPES, dpo_pair_inputs, pair_loss
 
 OBJECTIVES: tuple[str, ...] = ("dpo", "simpo", "cpo", "orpo")
 CPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo")
+#: The loss types whose formula uses ``label_smoothing``, per objective (TRL 1.16's DPO and CPO trainers;
+#: SimPO is CPO's loss type; ORPO has no label smoothing).
+SMOOTHED: dict[str, tuple[str, ...]] = {
+    "dpo": SMOOTHED_DPO_LOSS_TYPES,
+    "cpo": ("sigmoid",),
+    "simpo": ("sigmoid",),
+    "orpo": (),
+}
 
 
 class PreferenceLossOutput(NamedTuple):
@@ -112,9 +120,14 @@ class PreferenceLoss(nn.Module):
         'dpo': ``loss_type`` one of ``DPO_LOSS_TYPES`` or a list of them with ``loss_weights`` (a
             weighted sum of their means, as TRL mixes them); needs reference log-probs unless
             ``reference_free``. 'sft' in the list adds the chosen NLL.
-        'simpo': −logσ(β(mean log p_c − mean log p_r − γ/β)) with label smoothing (no reference).
+        'simpo': −logσ(β(mean log p_c − mean log p_r − γ/β)) with label smoothing + ``cpo_alpha``·NLL
+            (no reference; TRL runs SimPO as CPO's loss type, chosen NLL included: ``cpo_alpha=0`` for the
+            paper's loss).
         'cpo': sigmoid / hinge / ipo on the log-prob margin (ipo on mean log-probs) + ``cpo_alpha``·NLL.
         'orpo': chosen NLL − β·logσ(log-odds ratio), on mean log-probs.
+
+    ``label_smoothing`` (ε) is refused where TRL 1.16's formula would ignore it (see ``SMOOTHED``), and
+    exo_pair, whose loss has log ε, needs it positive.
     """
 
     def __init__(
@@ -154,6 +167,14 @@ class PreferenceLoss(nn.Module):
         _check_options(chunk_size, backend)
         if not 0.0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        if label_smoothing > 0 and not set(loss_types) & set(SMOOTHED[objective]):
+            uses = f"loss_type {', '.join(SMOOTHED[objective])}" if SMOOTHED[objective] else "no loss type"
+            raise ValueError(
+                f"label_smoothing ({label_smoothing}) would be ignored: for {objective} only {uses} uses it "
+                f"(as TRL 1.16), not {', '.join(loss_types)}; set it to 0"
+            )
+        if "exo_pair" in loss_types and label_smoothing == 0:
+            raise ValueError("loss_type exo_pair needs label_smoothing > 0: its loss has log ε (as TRL 1.16)")
         self.objective = objective
         self.loss_types = loss_types
         self.loss_weights = list(loss_weights) if loss_weights is not None else [1.0] * len(loss_types)
@@ -165,33 +186,18 @@ class PreferenceLoss(nn.Module):
         self.cpo_alpha = float(cpo_alpha)
         self.chunk_size = chunk_size
         self.backend = backend
-        # bco_pair's reward shift: the running mean of all rewards seen (TRL's RunningMoments)
-        self.register_buffer("bco_reward_mean", torch.zeros(()), persistent=True)
-        self.register_buffer("bco_reward_count", torch.zeros(()), persistent=True)
 
-    def _pair(self, kernel_type: str, c, r, shift: float = 0.0) -> torch.Tensor:
-        smoothing = self.label_smoothing
-        if kernel_type == "exo_pair" and smoothing == 0.0:
-            smoothing = 1e-3  # as TRL: the EXO loss needs a non-zero ε
+    def _pair(self, kernel_type: str, c, r, smoothed: bool) -> torch.Tensor:
+        """The per-pair loss; ``smoothed``: whether TRL's formula for this loss type uses ε."""
         return pair_loss(
             c,
             r,
             kernel_type,
             beta=self.beta,
-            label_smoothing=smoothing,
+            label_smoothing=self.label_smoothing if smoothed else 0.0,
             discopop_tau=self.discopop_tau,
-            shift=shift,
             backend=self.backend,
         )
-
-    def _bco_shift(self, c: torch.Tensor, r: torch.Tensor) -> float:
-        rewards = torch.cat([c, r]).detach() * self.beta
-        count = self.bco_reward_count + rewards.numel()
-        self.bco_reward_mean.copy_(
-            self.bco_reward_mean + (rewards.sum() - rewards.numel() * self.bco_reward_mean) / count
-        )
-        self.bco_reward_count.copy_(count)
-        return float(self.bco_reward_mean)
 
     def forward(
         self,
@@ -243,13 +249,17 @@ class PreferenceLoss(nn.Module):
                 pairs, targets, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps
             )
             loss, rewards = self._dpo(pair, *refs)
+            logps = (pair.chosen, pair.rejected)
         else:
+            # the log-probs a reference-free loss compares (means for SimPO, CPO's ipo, ORPO) are both
+            # its rewards over β and its logged logps, as TRL's CPO and ORPO trainers log them
             loss, rewards = self._reference_free(pair)
+            logps = rewards
         chosen_rewards, rejected_rewards = (self.beta * reward.detach() for reward in rewards)
-        metrics = _reward_metrics(
-            chosen_rewards, rejected_rewards, pair.chosen.detach(), pair.rejected.detach()
-        )
-        if self.objective in ("cpo", "orpo") or "sft" in self.loss_types:
+        metrics = _reward_metrics(chosen_rewards, rejected_rewards, *(value.detach() for value in logps))
+        if self.objective in ("cpo", "simpo") and self.cpo_alpha == 0:
+            metrics["nll_loss"] = torch.zeros((), device=pair.nll.device)  # as TRL: not computed
+        elif self.objective != "dpo" or "sft" in self.loss_types:
             metrics["nll_loss"] = pair.nll.detach()
         if self.objective == "orpo":
             metrics |= _log_odds_metrics(pair)
@@ -271,21 +281,22 @@ class PreferenceLoss(nn.Module):
                 pair.chosen_len,
                 pair.rejected_len,
             )
-            shift = self._bco_shift(c, r) if loss_type == "bco_pair" else 0.0
-            loss = loss + loss_weight * self._pair(kernel_type, c, r, shift).mean()
+            smoothed = loss_type in SMOOTHED_DPO_LOSS_TYPES
+            loss = loss + loss_weight * self._pair(kernel_type, c, r, smoothed).mean()
         return loss, (pair.chosen - ref_chosen, pair.rejected - ref_rejected)
 
     def _reference_free(self, pair: _Pairs):
         """SimPO, CPO or ORPO, and what their rewards scale (mean or summed log-probs)."""
         chosen_mean, rejected_mean = pair.chosen / pair.chosen_len, pair.rejected / pair.rejected_len
         if self.objective == "simpo":
-            loss = self._pair("sigmoid", chosen_mean, rejected_mean + self.gamma / self.beta).mean()
-            return loss, (chosen_mean, rejected_mean)
+            margin = self._pair("sigmoid", chosen_mean, rejected_mean + self.gamma / self.beta, True).mean()
+            return margin + self.cpo_alpha * pair.nll, (chosen_mean, rejected_mean)
         if self.objective == "cpo":
             ipo = self.loss_types[0] == "ipo"  # CPO's IPO variant compares mean log-probs
             c, r = (chosen_mean, rejected_mean) if ipo else (pair.chosen, pair.rejected)
-            return self._pair(self.loss_types[0], c, r).mean() + self.cpo_alpha * pair.nll, (c, r)
-        loss = pair.nll + self._pair("orpo", chosen_mean, rejected_mean).mean()
+            margin = self._pair(self.loss_types[0], c, r, self.loss_types[0] == "sigmoid").mean()
+            return margin + self.cpo_alpha * pair.nll, (c, r)
+        loss = pair.nll + self._pair("orpo", chosen_mean, rejected_mean, False).mean()
         return loss, (chosen_mean, rejected_mean)
 
     def _reference(self, pairs, targets, ref_hidden, ref_weight, ref_bias, ref_chosen, ref_rejected):

@@ -1,7 +1,8 @@
 """Pairwise preference losses: ``pair_loss`` (dispatch + PyTorch) and the inputs each loss type needs.
 
 The per-pair math is stated in ``fastalign/kernels/preference.py``; the PyTorch versions here follow
-TRL's ``DPOTrainer.dpo_loss`` (and its ORPO/CPO/SimPO trainers) op for op.
+TRL 1.16's ``DPOTrainer`` loss (and its CPO/SimPO/ORPO trainers) op for op; ``tests/parity`` runs TRL
+itself against them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ DPO_LOSS_TYPES: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def _pair_loss_torch(c, r, loss_type: str, beta: float, smoothing: float, tau: float, shift: float):
+#: The DPO loss types whose formula in TRL 1.16 uses ``label_smoothing`` (ε); the others ignore it.
+SMOOTHED_DPO_LOSS_TYPES: tuple[str, ...] = ("robust", "exo_pair", "aot", "aot_unpaired")
+#: The DPO loss types TRL 1.16 compares on length-normalised (per completion token) log-ratios.
+LENGTH_NORMALISED_DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid_norm", "ipo")
+
+
+def _pair_loss_torch(c, r, loss_type: str, beta: float, smoothing: float, tau: float):
     z = beta * (c - r)
     if loss_type == "sigmoid":
         return -F.logsigmoid(z) * (1 - smoothing) - F.logsigmoid(-z) * smoothing
@@ -35,7 +42,7 @@ def _pair_loss_torch(c, r, loss_type: str, beta: float, smoothing: float, tau: f
     if loss_type == "ipo":
         return (c - r - 1 / (2 * beta)) ** 2
     if loss_type == "bco_pair":
-        return -F.logsigmoid(beta * c - shift) - F.logsigmoid(-(beta * r - shift))
+        return -F.logsigmoid(beta * c) - F.logsigmoid(-beta * r)
     if loss_type == "sppo_hard":
         return (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2
     if loss_type == "nca_pair":
@@ -57,11 +64,11 @@ def _pair_loss_torch(c, r, loss_type: str, beta: float, smoothing: float, tau: f
 
 class _PairLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, c, r, loss_type, beta, smoothing, tau, shift):
+    def forward(ctx, c, r, loss_type, beta, smoothing, tau):
         from fastalign.kernels import preference as kernels
 
         loss, dc, dr = kernels.pair_loss(
-            c.contiguous(), r.contiguous(), loss_type, beta=beta, smoothing=smoothing, tau=tau, shift=shift
+            c.contiguous(), r.contiguous(), loss_type, beta=beta, smoothing=smoothing, tau=tau
         )
         ctx.save_for_backward(dc, dr)
         return loss
@@ -69,7 +76,7 @@ class _PairLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         dc, dr = ctx.saved_tensors
-        return grad_loss * dc, grad_loss * dr, None, None, None, None, None
+        return grad_loss * dc, grad_loss * dr, None, None, None, None
 
 
 def pair_loss(
@@ -80,16 +87,13 @@ def pair_loss(
     beta: float,
     label_smoothing: float = 0.0,
     discopop_tau: float = 0.05,
-    shift: float = 0.0,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Per-pair loss [P] (fp32) of the prepared inputs c, r [P]; differentiable w.r.t. both."""
     c, r = c.float(), r.float()
     if resolve_backend(backend, c) == "torch":
-        return _pair_loss_torch(c, r, loss_type, beta, label_smoothing, discopop_tau, shift)
-    return _PairLossFunction.apply(
-        c, r, loss_type, float(beta), float(label_smoothing), float(discopop_tau), shift
-    )
+        return _pair_loss_torch(c, r, loss_type, beta, label_smoothing, discopop_tau)
+    return _PairLossFunction.apply(c, r, loss_type, float(beta), float(label_smoothing), float(discopop_tau))
 
 
 def dpo_pair_inputs(
@@ -106,9 +110,9 @@ def dpo_pair_inputs(
         return "sigmoid", torch.sort(chosen - rejected)[0], torch.sort(ref_chosen - ref_rejected)[0]
     if loss_type == "aot_unpaired":
         return "sigmoid", torch.sort(chosen - ref_chosen)[0], torch.sort(rejected - ref_rejected)[0]
-    if loss_type == "sigmoid_norm":  # length-normalised log-ratios
+    if loss_type in LENGTH_NORMALISED_DPO_LOSS_TYPES:  # the log-ratios per completion token
         return (
-            "sigmoid",
+            "sigmoid" if loss_type == "sigmoid_norm" else loss_type,
             (chosen - ref_chosen) / chosen_lengths.clamp(min=1.0),
             (rejected - ref_rejected) / rejected_lengths.clamp(min=1.0),
         )

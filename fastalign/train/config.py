@@ -77,7 +77,7 @@ class TrainConfig:
     bnb_4bit_use_double_quant: bool = True  # quantize the per-block scales too
 
     # preference training: dpo, orpo, simpo, cpo (TRL's DPOConfig / CPOConfig / ORPOConfig) and kto
-    beta: float | None = None  # None: the objective's TRL default (0.1; grpo 0.0; simpo 2.0)
+    beta: float | None = None  # None: the objective's TRL default (0.1; grpo and rloo 0.0)
     loss_type: list[str] | None = None  # None: sigmoid (dpo, cpo), dapo (grpo); dpo takes several
     loss_weights: list[float] | None = None  # one per dpo loss_type (a weighted sum)
     label_smoothing: float = 0.0
@@ -87,7 +87,7 @@ class TrainConfig:
     sync_ref_model: bool = False  # TR-DPO: the reference follows the policy every ref_model_sync_steps
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
-    cpo_alpha: float = 1.0  # cpo: weight of the chosen NLL
+    cpo_alpha: float = 1.0  # cpo, simpo: weight of the chosen NLL (as TRL's CPOConfig)
     simpo_gamma: float = 0.5  # simpo: target reward margin
     desirable_weight: float = 1.0  # kto
     undesirable_weight: float = 1.0  # kto

@@ -12,7 +12,7 @@ a non-finite loss is set aside as ``checkpoint-<step>.diverged`` (``resume_from_
 would only diverge again). A run that collapses (loss ln V, gradient norm 0) trains on, with a warning.
 
 A checkpoint holds the model, the optimizer, the RNG, the data position and the objective's own state
-(``Objective.state_dict``: a running mean, a synced reference), so a resumed run continues exactly.
+(``Objective.state_dict``, e.g. TR-DPO's synced reference), so a resumed run continues exactly.
 Where metrics go (JSONL, progress bar, TensorBoard, W&B) and anything else users add are callbacks
 (``fastalign.train.callbacks``), so behaviour is added without editing the loop.
 """

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fastalign.losses import KTOLoss, PreferenceLoss
-from fastalign.ops.preference import DPO_LOSS_TYPES
+from fastalign.ops.preference import DPO_LOSS_TYPES, SMOOTHED_DPO_LOSS_TYPES
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference, relative_error
 
@@ -38,16 +38,16 @@ def seq_logps64(hidden, weight, targets, mask):
 def reference_loss(
     loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len, nll, beta=BETA
 ):
-    """TRL's dpo_loss for one loss type (float64), written from the formulas."""
+    """TRL 1.16's DPO loss for one loss type (float64), written from its formulas (label smoothing only
+    where TRL uses it; ipo and sigmoid_norm on per-token log-ratios; bco_pair without a reward shift)."""
     ls = SMOOTHING
     c, r = chosen - ref_chosen, rejected - ref_rejected
     logits = (chosen - rejected) - (ref_chosen - ref_rejected)
     z = beta * logits
     if loss_type == "sigmoid":
-        return (-F.logsigmoid(z) * (1 - ls) - F.logsigmoid(-z) * ls).mean()
+        return -F.logsigmoid(z).mean()
     if loss_type == "sigmoid_norm":
-        zn = beta * (c / chosen_len - r / rejected_len)
-        return (-F.logsigmoid(zn) * (1 - ls) - F.logsigmoid(-zn) * ls).mean()
+        return -F.logsigmoid(beta * (c / chosen_len - r / rejected_len)).mean()
     if loss_type == "robust":
         return ((-F.logsigmoid(z) * (1 - ls) + F.logsigmoid(-z) * ls) / (1 - 2 * ls)).mean()
     if loss_type == "exo_pair":
@@ -58,10 +58,9 @@ def reference_loss(
     if loss_type == "hinge":
         return torch.relu(1 - z).mean()
     if loss_type == "ipo":
-        return ((logits - 1 / (2 * beta)) ** 2).mean()
+        return ((c / chosen_len - r / rejected_len - 1 / (2 * beta)) ** 2).mean()
     if loss_type == "bco_pair":
-        delta = torch.cat([beta * c, beta * r]).mean().detach()
-        return (-F.logsigmoid(beta * c - delta) - F.logsigmoid(-(beta * r - delta))).mean()
+        return (-F.logsigmoid(beta * c) - F.logsigmoid(-beta * r)).mean()
     if loss_type == "sppo_hard":
         return ((c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2).mean()
     if loss_type == "nca_pair":
@@ -88,11 +87,12 @@ def reference_loss(
 
 def run_dpo(backend, dtype, loss_type, loss_weights=None, reference="hidden", seed=0, scale=1.0):
     hidden, weight, targets, mask, ref_hidden = make_batch(dtype, seed, scale)
+    types = [loss_type] if isinstance(loss_type, str) else loss_type
     loss_fn = PreferenceLoss(
         loss_type=loss_type,
         loss_weights=loss_weights,
         beta=BETA,
-        label_smoothing=SMOOTHING,
+        label_smoothing=SMOOTHING if set(types) & set(SMOOTHED_DPO_LOSS_TYPES) else 0.0,
         discopop_tau=TAU,
         reference_free=reference == "free",
         backend=backend,
@@ -111,7 +111,6 @@ def run_dpo(backend, dtype, loss_type, loss_weights=None, reference="hidden", se
     if reference == "free":
         ref_seq = torch.zeros_like(ref_seq)
     nll = -tokens[:P].sum() / lengths[:P].sum()
-    types = [loss_type] if isinstance(loss_type, str) else loss_type
     weights = loss_weights or [1.0] * len(types)
     expected = sum(
         w * reference_loss(t, seq[:P], seq[P:], ref_seq[:P], ref_seq[P:], lengths[:P], lengths[P:], nll)
@@ -196,7 +195,7 @@ def test_reference_free_objectives(backend, variant):
         objective=objective,
         loss_type=loss_type or "sigmoid",
         beta=BETA,
-        label_smoothing=SMOOTHING,
+        label_smoothing=SMOOTHING if variant in ("simpo", "cpo-sigmoid") else 0.0,
         gamma=gamma,
         cpo_alpha=alpha,
         backend=backend,
@@ -209,7 +208,7 @@ def test_reference_free_objectives(backend, variant):
         logits = (mean_c - mean_r) - gamma / BETA
         expected = (
             -F.logsigmoid(BETA * logits) * (1 - SMOOTHING) - F.logsigmoid(-BETA * logits) * SMOOTHING
-        ).mean()
+        ).mean() + alpha * nll  # TRL's SimPO is CPO's loss type: the chosen NLL included
     elif objective == "cpo":
         if loss_type == "ipo":
             expected = ((mean_c - mean_r - 1 / (2 * BETA)) ** 2).mean()
@@ -229,7 +228,7 @@ def test_reference_free_objectives(backend, variant):
     assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
     assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
     assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.float32)
-    assert ("nll_loss" in out.metrics) == (objective != "simpo")
+    torch.testing.assert_close(out.metrics["nll_loss"].double(), nll.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_kto_matches_formula(backend):

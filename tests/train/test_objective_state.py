@@ -1,6 +1,6 @@
-"""What an objective carries across steps is checkpointed (``Objective.state_dict``): a run killed and
-resumed continues exactly where TR-DPO's synced reference and bco_pair's running reward mean matter; a
-checkpoint without that state is refused, not resumed with a reset one. Also the registry: an unknown
+"""What an objective carries across steps is checkpointed (``Objective.state_dict``): a TR-DPO run killed
+and resumed continues exactly with its synced reference; a checkpoint without that state is refused, not
+resumed with a reset one. Also the registry: an unknown
 objective and a key only other objectives read are one-line errors."""
 
 from __future__ import annotations
@@ -19,18 +19,13 @@ from fastalign.train.run import run_training
 from tests.train.test_alignment import _Crash, config, logged
 
 CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
-#: Runs whose objective keeps state: ref_model_sync_steps 1 syncs every step, so the reference after the
-#: resume point differs from the initial one; bco_pair's shift is the mean of every reward seen so far.
-STATEFUL = {
-    "tr-dpo": {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},
-    "bco_pair": {"loss_type": ["bco_pair"]},
-}
+#: TR-DPO syncing every step: the reference after the resume point differs from the initial one.
+TR_DPO = {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", list(STATEFUL))
-def test_a_resumed_run_continues_exactly_with_the_objective_state(tmp_path, label):
-    options = dict(max_steps=4, save_steps=2, learning_rate=1e-2, **STATEFUL[label])
+def test_a_resumed_tr_dpo_run_continues_exactly_with_its_synced_reference(tmp_path):
+    options = dict(max_steps=4, save_steps=2, learning_rate=1e-2, **TR_DPO)
     run_training(config(tmp_path / "whole", "dpo", **options), "dpo")
     cfg = config(tmp_path / "resumed", "dpo", **options)
     with pytest.raises(KeyboardInterrupt):
@@ -47,7 +42,7 @@ def test_a_resumed_run_continues_exactly_with_the_objective_state(tmp_path, labe
 
 @pytest.mark.slow
 def test_a_checkpoint_without_the_objective_state_is_refused(tmp_path):
-    cfg = config(tmp_path / "run", "dpo", max_steps=4, save_steps=2, **STATEFUL["tr-dpo"])
+    cfg = config(tmp_path / "run", "dpo", max_steps=4, save_steps=2, **TR_DPO)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg, "dpo", callbacks=[_Crash(at=3)])
     shutil.rmtree(tmp_path / "run" / "checkpoint-2" / OBJECTIVE_STATE)
@@ -64,7 +59,7 @@ def test_an_unknown_objective_lists_the_known_ones():
 @pytest.mark.parametrize(
     ("name", "key", "value", "readers"),
     [
-        ("dpo", "cpo_alpha", 2.0, "cpo"),
+        ("dpo", "cpo_alpha", 2.0, "simpo, cpo"),
         ("sft", "beta", 0.2, "dpo, simpo, cpo, orpo, kto, grpo, rloo"),
         ("grpo", "precompute_ref_log_probs", True, "dpo, kto"),
         ("simpo", "ref_model_name_or_path", "ref", "dpo, kto, grpo, rloo"),

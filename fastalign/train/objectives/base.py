@@ -171,7 +171,7 @@ class Objective:
 
     # --- what a checkpoint keeps -------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors the objective carries from step to step (a running mean, a synced reference's
+        """Tensors the objective carries from step to step (e.g. TR-DPO's synced reference's
         weights, possibly sharded DTensors): saved in every checkpoint, restored on resume."""
         return {}
 

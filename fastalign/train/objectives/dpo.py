@@ -8,8 +8,9 @@ patched model's forward (``head_fn``): it takes the hidden states and never buil
 - dpo: the DPO family (``loss_type``, several with ``loss_weights``) against a reference policy, which is
   a frozen copy, the LoRA policy with its adapters off, or log-probs precomputed before training
   (``fastalign.train.reference``); ``sync_ref_model`` is TR-DPO.
-- simpo, cpo, orpo: reference-free (SimPO's margin ``simpo_gamma``; CPO's chosen NLL weight
-  ``cpo_alpha``; ORPO's odds ratio).
+- simpo, cpo, orpo: reference-free. SimPO is TRL's CPO with loss type simpo (margin ``simpo_gamma``,
+  chosen NLL weight ``cpo_alpha``, 1 by default as in TRL; 0 for the paper's loss); CPO's chosen NLL
+  weight is ``cpo_alpha``; ORPO's odds ratio.
 
 A loss term is a pair: each micro-batch's mean is weighted by its share of the step's pairs, so the
 step's loss is the mean over all its pairs however they are split. The chosen NLL (CPO, ORPO, DPO's
@@ -40,13 +41,13 @@ from fastalign.train.reference import (
 )
 
 #: TRL's default ``beta`` of each (``beta: null`` in the config).
-DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0, "cpo": 0.1, "orpo": 0.1}
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 0.1, "cpo": 0.1, "orpo": 0.1}
 #: DPOOptions fields that are PreferenceLoss's arguments of the same name.
 _LOSS_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "cpo_alpha")
 #: The keys each reads besides the lengths (``PreferenceLoss`` checks their values).
 _LOSS_KEYS = {
     "dpo": ("beta", "loss_type", "loss_weights", "label_smoothing"),
-    "simpo": ("beta", "simpo_gamma", "label_smoothing"),
+    "simpo": ("beta", "simpo_gamma", "label_smoothing", "cpo_alpha"),
     "cpo": ("beta", "loss_type", "label_smoothing", "cpo_alpha"),
     "orpo": ("beta",),
 }
@@ -105,7 +106,11 @@ class DPOObjective(Objective):
 
     # --- data --------------------------------------------------------------------------------------
     def tokenize(self, rows: list[dict], tokenizer) -> list:
-        return tokenize_preference_dataset(rows, tokenizer, **pick(self.options, *LENGTH_KEYS))
+        # TRL's CPO and ORPO trainers (simpo is CPO's) start prompts with BOS; its DPO trainer does not
+        bos_prompt = self.name != "dpo"
+        return tokenize_preference_dataset(
+            rows, tokenizer, bos_prompt=bos_prompt, **pick(self.options, *LENGTH_KEYS)
+        )
 
     def collate(self, tokenizer) -> PreferenceCollator:
         return PreferenceCollator(tokenizer.pad_token_id)
@@ -163,11 +168,8 @@ class DPOObjective(Objective):
 
     # --- what a checkpoint keeps -------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """bco_pair's running reward mean, and TR-DPO's synced reference weights (sharded like the policy)."""
-        state = {}
-        if "bco_pair" in self.loss.loss_types:
-            state |= {f"loss.{name}": buffer for name, buffer in self.loss.named_buffers()}
-        return state | reference_state(self.reference, self.reference_options)
+        """TR-DPO's synced reference weights (sharded like the policy); nothing otherwise."""
+        return reference_state(self.reference, self.reference_options)
 
 
 def _chosen_tokens(batch: dict) -> int:
