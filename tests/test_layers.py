@@ -25,6 +25,7 @@ ALLOWED = {
     "train": {"fastalign", "builtin", "data", "errors", "losses", "models", "ops", "patching", "quant"},
     "cli": {"fastalign", "bench", "builtin", "errors", "ops", "plan", "train", "data", "models", "quant"},
     "__init__": {"ops", "patching"},
+    "__main__": {"cli"},
 }
 
 

@@ -1,5 +1,5 @@
 """What fastalign assumes about a causal LM's structure, in one place: its label convention, how to see
-through a peft wrapper, and where its decoder layers are."""
+through a peft wrapper, where its decoder layers are, and where its dropout is."""
 
 from __future__ import annotations
 
@@ -22,3 +22,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         if name.rpartition(".")[2] == "layers" and isinstance(module, nn.ModuleList):
             return list(module)
     raise ValueError(f"found no decoder layers (an nn.ModuleList named 'layers') in {type(inner).__name__}")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Every ``nn.Dropout`` of ``model`` (the model's own and LoRA's) set to p = 0, as TRL's
+    ``disable_dropout``: a policy compared with a reference, or with itself at sampling time, must not
+    differ from it by dropout noise."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import types
@@ -54,9 +55,11 @@ class TrainConfig:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0  # > 0 (clip_grad_norm_ with 0 would zero every gradient)
-    lr_scheduler_type: str = "cosine"  # constant, linear, cosine (each after warmup)
+    optim: str = "adamw_torch_fused"  # one of OPTIMIZERS (transformers' names)
+    lr_scheduler_type: str = "cosine"  # one of LR_SCHEDULERS (transformers' names), after the warmup
+    lr_scheduler_kwargs: dict[str, Any] | None = None  # the schedule's own options, e.g. {min_lr_rate: 0.1}
     warmup_ratio: float = 0.0
-    warmup_steps: int = 0  # > 0 overrides warmup_ratio
+    warmup_steps: float = 0  # >= 1: steps; in (0, 1): a ratio of the run's steps; 0: warmup_ratio decides
     seed: int = 42  # in [0, 2**32), as numpy and transformers' set_seed take
 
     # precision and memory
@@ -82,6 +85,8 @@ class TrainConfig:
     loss_weights: list[float] | None = None  # one per dpo loss_type (a weighted sum)
     label_smoothing: float = 0.0
     max_prompt_length: int | None = 512  # None: no limit; longer prompts fail unless truncation
+    disable_dropout: bool | None = None  # None: the objective's TRL default (true for the preference
+    # objectives and kto, false for grpo and rloo); sft does not read it
     ref_model_name_or_path: str | None = None  # None: the policy's initial weights (or LoRA disabled)
     precompute_ref_log_probs: bool = False  # reference log-probs once before training, then no reference
     sync_ref_model: bool = False  # TR-DPO: the reference follows the policy every ref_model_sync_steps
@@ -128,8 +133,14 @@ class ConfigError(ValueError):
     """A config problem, said in one line that names the key (and the file), so a CLI can print it as is."""
 
 
-#: Learning-rate schedules that ``run_sft`` builds (each after its warmup).
-LR_SCHEDULERS = ("constant", "linear", "cosine")
+#: Optimizers, by transformers' ``optim`` names (made in ``fastalign.train.optim``).
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit", "adafactor", "sgd")
+#: Every ``lr_scheduler_type`` of ``transformers.get_scheduler`` but those that step on a metric
+#: (reduce_lr_on_plateau, greedy): a run's schedule is a function of the step.
+LR_SCHEDULERS = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+    "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+)  # fmt: skip
 #: Where metrics can be reported besides ``metrics.jsonl``.
 REPORT_TO = ("tensorboard", "wandb")
 
@@ -177,7 +188,12 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("num_train_epochs", lambda value: value >= 0, "non-negative"),
     ("save_total_limit", lambda value: value >= 1, "at least 1"),
     ("warmup_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
-    ("warmup_steps", lambda value: value >= 0, "non-negative (0: warmup_ratio decides)"),
+    (
+        "warmup_steps",
+        lambda value: value >= 0 and (value < 1 or float(value).is_integer()),
+        "a whole number of steps, a ratio of the run's steps below 1, or 0 (warmup_ratio decides)",
+    ),
+    ("optim", lambda value: value in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
     ("eval_split_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("weight_decay", lambda value: value >= 0, "non-negative"),
     ("adam_beta1", lambda value: 0 <= value < 1, "in [0, 1)"),
@@ -357,6 +373,15 @@ def _coerce(raw: object, kind: Any, *, from_flag: bool) -> object:
             except _Mismatch:
                 pass
         raise _Mismatch
+    if origin is dict:  # a YAML mapping, or JSON text on the command line
+        if from_flag and isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                raise _Mismatch from None
+        if isinstance(raw, dict) and all(isinstance(key, str) for key in raw):
+            return dict(raw)
+        raise _Mismatch
     if origin is list:
         (item_kind,) = args or (str,)
         if isinstance(raw, str):  # "q_proj, v_proj" (a flag, or YAML written the same way)
@@ -425,6 +450,8 @@ def _describe(kind: Any, plural: bool = False) -> str:
         return " or ".join(words + (["null"] if type(None) in args else []))
     if origin is list:
         return f"a list of {_describe(args[0] if args else str, plural=True)}"
+    if origin is dict:
+        return "a mapping of names to values (JSON on the command line)"
     singular, many = _WORDS.get(kind, (str(kind), str(kind)))
     return many if plural else singular
 

@@ -16,7 +16,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import get_scheduler
 
 from fastalign.train.batches import evaluation_batches
 from fastalign.train.callbacks import (
@@ -34,6 +33,7 @@ from fastalign.train.loading import is_hub_dataset, load_dataset_rows, load_mode
 from fastalign.train.metrics import peak_flops, training_flops_per_token
 from fastalign.train.objectives import make_objective
 from fastalign.train.objectives.base import BatchPlan, Objective, RunParts
+from fastalign.train.optim import build_optimizer, build_scheduler, check_schedule
 from fastalign.train.policy import autocast_dtype, load_frozen_model, prepare_policy, quant_options
 from fastalign.train.run_dir import check_output_dir, check_resume_length, resume, start_writing
 
@@ -45,6 +45,7 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
     ctx = init_distributed()
     try:
         check_config(config)  # a TrainConfig built in code skips load_config's checks
+        check_schedule(config)
         _seed_everything(config.seed)
         _check_hub_dataset_keys(config)
         output_dir = Path(config.output_dir)
@@ -64,22 +65,8 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
             if config.max_steps > 0
             else max(1, int(config.num_train_epochs * batches.steps_per_epoch))
         )
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_epsilon,
-            weight_decay=config.weight_decay,
-            fused=ctx.device.type == "cuda",
-        )
-        warmup = config.warmup_steps or round(config.warmup_ratio * max_steps)
-        # transformers' "constant" ignores num_warmup_steps; the warmup a config asks for is kept
-        schedule_name = (
-            "constant_with_warmup" if config.lr_scheduler_type == "constant" else config.lr_scheduler_type
-        )
-        scheduler = get_scheduler(
-            schedule_name, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps
-        )
+        optimizer = build_optimizer(model, config)
+        scheduler = build_scheduler(optimizer, config, max_steps)
         if resume_path is not None:
             check_resume_length(resume_path, max_steps)
         engine = Engine(

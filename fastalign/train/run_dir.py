@@ -161,8 +161,10 @@ def _check_resume(
 def _changed_keys(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     """(key, saved, current) for each key that changes what a resumed run trains; model first."""
     defaults = asdict(TrainConfig())
+    # a warmup in steps (>= 1), or none at all, does not depend on the run's length
+    warmup = current["warmup_steps"]
     schedule_fixed = current["lr_scheduler_type"] == "constant" and (
-        current["warmup_steps"] > 0 or current["warmup_ratio"] == 0
+        warmup >= 1 or (warmup == 0 and current["warmup_ratio"] == 0)
     )
     changed = []
     for key, value in current.items():

@@ -8,6 +8,7 @@ slow test does a real tiny run end to end.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import types
 
@@ -143,3 +144,12 @@ def test_a_missing_dataset_exits_2_naming_it(tmp_path, capsys):
         == 2
     )
     assert "nope.jsonl" in one_error_line(capsys)
+
+
+def test_python_dash_m_fastalign_is_the_cli():
+    """``python -m fastalign`` (and so ``torchrun -m fastalign``) runs the same command line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fastalign", "train", "ppo"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "invalid choice: 'ppo'" in done.stderr and "sft" in done.stderr

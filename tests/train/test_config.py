@@ -209,7 +209,25 @@ def test_malformed_flags_fail_in_one_line(flags, message):
         ("warmup_ratio", "1.0", "must be in [0, 1), got 1.0"),
         ("warmup_ratio", "-0.1", "must be in [0, 1), got -0.1"),
         ("eval_split_ratio", "1", "must be in [0, 1), got 1.0"),
-        ("lr_scheduler_type", "cosin", "must be one of constant, linear, cosine, got 'cosin'"),
+        (
+            "lr_scheduler_type",
+            "cosin",
+            "must be one of linear, cosine, cosine_with_restarts, polynomial, constant, "
+            "constant_with_warmup, inverse_sqrt, cosine_with_min_lr, cosine_warmup_with_min_lr, "
+            "warmup_stable_decay, got 'cosin'",
+        ),
+        (
+            "optim",
+            "adam",
+            "must be one of adamw_torch_fused, adamw_torch, adamw_8bit, paged_adamw_8bit, "
+            "adafactor, sgd, got 'adam'",
+        ),
+        (
+            "warmup_steps",
+            "2.5",
+            "must be a whole number of steps, a ratio of the run's steps below 1, or 0 "
+            "(warmup_ratio decides), got 2.5",
+        ),
         ("save_total_limit", "0", "must be at least 1, got 0"),
         ("report_to", "[wandb, mlflow]", "must be a list of tensorboard, wandb, got ['wandb', 'mlflow']"),
     ],

@@ -14,6 +14,7 @@ from fastalign.builtin import tiny_tokenizer
 from fastalign.train.checkpoint import OBJECTIVE_STATE
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
+from fastalign.train.engine import Callback
 from fastalign.train.objectives import OBJECTIVES, make_objective
 from fastalign.train.run import run_training
 from tests.train.test_alignment import _Crash, config, logged
@@ -84,3 +85,22 @@ def test_every_objective_has_its_built_in_data_and_tokenizes_it(name):
     objective = make_objective(name, TrainConfig(max_length=128, **overrides), CPU)
     examples = objective.tokenize(load_dataset_rows(objective.default_dataset), tiny_tokenizer())
     assert len(examples) > 8
+
+
+class _DropoutProbabilities(Callback):
+    """Records the p of every dropout module of the model being trained."""
+
+    def on_train_begin(self, engine) -> None:
+        self.seen = {m.p for m in engine.model.modules() if isinstance(m, torch.nn.Dropout)}
+
+
+@pytest.mark.parametrize(
+    ("name", "disable_dropout", "expected"),
+    [("dpo", None, {0.0}), ("dpo", False, {0.1}), ("kto", None, {0.0}), ("grpo", None, {0.1})],
+)
+def test_disable_dropout_follows_trl_defaults(tmp_path, name, disable_dropout, expected):
+    """TRL's defaults: dropout (LoRA's here) off for the preference objectives, on for GRPO."""
+    options = dict(max_steps=1, use_peft=True, lora_r=4, lora_dropout=0.1, disable_dropout=disable_dropout)
+    seen = _DropoutProbabilities()
+    run_training(config(tmp_path, name, **options), name, callbacks=[seen])
+    assert seen.seen == expected

@@ -27,7 +27,7 @@ import torch
 
 from fastalign.data.preference import PreferenceCollator, tokenize_preference_dataset
 from fastalign.losses import PreferenceLoss
-from fastalign.models.structure import IGNORE_INDEX
+from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.patching.causal_lm import shift_labels
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
@@ -66,10 +66,12 @@ class DPOOptions:
     max_length: int
     max_prompt_length: int | None
     truncation: bool
+    disable_dropout: bool
 
     @classmethod
     def from_config(cls, config: TrainConfig, name: str) -> DPOOptions:
-        return options_from(config, cls, beta=DEFAULT_BETA[name], loss_type=["sigmoid"])
+        defaults = dict(beta=DEFAULT_BETA[name], loss_type=["sigmoid"], disable_dropout=True)
+        return options_from(config, cls, **defaults)
 
 
 class DPOObjective(Objective):
@@ -102,7 +104,7 @@ class DPOObjective(Objective):
     @classmethod
     def config_keys(cls, name: str) -> frozenset[str]:
         reference = ReferenceOptions.config_keys() if name == "dpo" else set()
-        return frozenset({*_LOSS_KEYS[name], *LENGTH_KEYS, *reference})
+        return frozenset({*_LOSS_KEYS[name], *LENGTH_KEYS, *reference, "disable_dropout"})
 
     # --- data --------------------------------------------------------------------------------------
     def tokenize(self, rows: list[dict], tokenizer) -> list:
@@ -116,6 +118,8 @@ class DPOObjective(Objective):
         return PreferenceCollator(tokenizer.pad_token_id)
 
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        if self.options.disable_dropout:
+            disable_dropout(model)
         if self.loss.reference_free:
             return Prepared(train, evaluation)
         collate = self.collate(parts.tokenizer)

@@ -29,7 +29,7 @@ import torch
 from fastalign.data.preference import PromptCollator, tokenize_prompt_dataset
 from fastalign.losses import GRPOLoss
 from fastalign.losses.grpo import LOSS_TYPES
-from fastalign.models.structure import IGNORE_INDEX
+from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.train.batches import BatchPosition, MicroBatches
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
@@ -126,12 +126,13 @@ class GRPOOptions:
     mask_truncated_completions: bool
     use_vllm: bool
     ref_model_name_or_path: str | None
+    disable_dropout: bool
 
     @classmethod
     def from_config(cls, config: TrainConfig, name: str) -> GRPOOptions:
         """The options, checked together (each key alone was checked with the config): a one-line
         ``ConfigError`` naming the key."""
-        options = options_from(config, cls, beta=DEFAULT_BETA, loss_type=["dapo"])
+        options = options_from(config, cls, beta=DEFAULT_BETA, loss_type=["dapo"], disable_dropout=False)
         if name == "rloo":
             options = dataclasses.replace(options, advantage_estimator="rloo")
         _check(options, name, config)
@@ -251,6 +252,8 @@ class GRPOObjective(Objective):
         return GenerationBatches(prompts, plan.accumulation, self.options.num_iterations)
 
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        if self.options.disable_dropout:
+            disable_dropout(model)
         if self.loss.config.beta > 0:
             self.reference = reference_model(model, self._reference_options(parts), parts)
         self.tokenizer = parts.tokenizer

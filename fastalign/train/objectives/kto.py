@@ -20,6 +20,7 @@ import torch
 
 from fastalign.data.preference import KTOCollator, tokenize_kto_dataset
 from fastalign.losses import KTOLoss
+from fastalign.models.structure import disable_dropout
 from fastalign.patching.causal_lm import shift_labels
 from fastalign.train.config import TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
@@ -44,10 +45,11 @@ class KTOOptions:
     max_length: int
     max_prompt_length: int | None
     truncation: bool
+    disable_dropout: bool
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> KTOOptions:
-        return options_from(config, cls, beta=0.1)
+        return options_from(config, cls, beta=0.1, disable_dropout=True)
 
 
 class KTOObjective(Objective):
@@ -86,6 +88,8 @@ class KTOObjective(Objective):
         return KTOCollator(tokenizer.pad_token_id)
 
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        if self.options.disable_dropout:
+            disable_dropout(model)
         collate = self.collate(parts.tokenizer)
 
         def sequences(chunk: Sequence) -> SequenceInputs:
