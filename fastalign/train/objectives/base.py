@@ -10,6 +10,7 @@ step methods; everything the objective keeps across steps goes into checkpoints 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -89,7 +90,7 @@ def pick(options: object, *keys: str) -> dict[str, Any]:
 LENGTH_KEYS = ("max_length", "max_prompt_length", "truncation")
 
 
-class Objective:
+class Objective(ABC):
     """One algorithm. Subclasses set ``default_dataset`` and implement ``tokenize`` and the step methods;
     the rest has the plain behaviour most objectives want.
 
@@ -110,21 +111,21 @@ class Objective:
         self.ctx = ctx or DistributedContext(0, 1, 0, torch.device("cpu"))
 
     @classmethod
+    @abstractmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> Objective:
         """The objective ``name`` (a CLI name this class serves) with its options read from ``config``
         and checked: a one-line ``ConfigError`` naming the key."""
-        raise NotImplementedError
 
     @classmethod
+    @abstractmethod
     def config_keys(cls, name: str) -> frozenset[str]:
         """The config keys objective ``name`` reads besides the runner's: a key only other objectives
         read is refused rather than ignored."""
-        raise NotImplementedError
 
     # --- data --------------------------------------------------------------------------------------
+    @abstractmethod
     def tokenize(self, rows: list[dict], tokenizer) -> list:
         """Dataset rows as this objective's examples (one-line errors name the row)."""
-        raise NotImplementedError
 
     def collate(self, tokenizer) -> Callable[[Sequence], dict] | None:
         """What batches the examples; None: SFT's padding (or packing) collators."""
@@ -157,17 +158,17 @@ class Objective:
         returns the same values)."""
         return micro_batches, {}
 
+    @abstractmethod
     def loss_tokens(self, batch: dict) -> int:
         """The number of loss terms (tokens, sequences, ...) in ``batch``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def compute_loss(
         self, model: torch.nn.Module, batch: dict, num_items_in_batch: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
         """This micro-batch's share of the step's loss (its sum over ``num_items_in_batch``), and
         metrics to log, normalised the same way (a mean over the micro-batch's loss terms, times their
         count over ``num_items_in_batch``), so that their sum over the step is the step's mean."""
-        raise NotImplementedError
 
     # --- what a checkpoint keeps -------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -175,5 +176,6 @@ class Objective:
         weights, possibly sharded DTensors): saved in every checkpoint, restored on resume."""
         return {}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore ``state_dict()`` (its tensors were loaded in place, so most objectives need nothing)."""
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:  # noqa: B027 (most need nothing)
+        """Restore ``state_dict()``: its tensors were loaded in place, so most objectives need nothing;
+        one that keeps state elsewhere (a Python number, say) reads it back from ``state`` here."""

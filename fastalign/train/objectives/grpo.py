@@ -235,14 +235,11 @@ class GRPOObjective(Objective):
     def collate(self, tokenizer) -> PromptCollator:
         return PromptCollator(tokenizer.pad_token_id)
 
-    def _steps_per_generation(self, accumulation: int) -> int:
-        return self.options.steps_per_generation or accumulation
-
     def batches(self, examples: list, tokenizer, plan: BatchPlan) -> GenerationBatches:
         prompts = MicroBatches(
             examples,
             batch_size=plan.batch_size // self.options.num_generations,
-            accumulation=self._steps_per_generation(plan.accumulation),
+            accumulation=self.options.steps_per_generation or plan.accumulation,  # one generation's
             pad_token_id=plan.pad_token_id,
             seed=plan.seed,
             rank=plan.rank,
