@@ -11,7 +11,7 @@ absent), A the completion's advantage and w_t = mask_t · norm_b the aggregation
     c1 = exp(ℓ − ℓ_old)  (token level)  or  exp(Σ_t mask_t (ℓ − ℓ_old) / Σ_t mask_t)  (sequence level)
     clip:   loss_t = −min(min(c1, δ)·A, clamp(c1, 1 − ε_low, 1 + ε_high)·A)
     cispo:  loss_t = −sg(min(c1, ε_high))·A·ℓ
-    KL:     kl_t = exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1,  loss_t += β·kl_t
+    KL:     kl_t = exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1,  loss_t += β·kl_t  (bias-corrected: β·kl_t·c1)
     L = Σ_t w_t loss_t,   ∂L/∂ℓ_t = w_t · (c1·∂loss/∂c1 + β·(1 − exp(ℓ_ref − ℓ)))   (clip)
                                      w_t · (−sg(min(c1, ε_high))·A + β·(…))            (cispo)
 The sequence-level form has the same gradient: ∂c1/∂ℓ_t = c1·mask_t / Σmask, and the Σ over the
@@ -102,6 +102,7 @@ def _grpo_token_loss_kernel(
     HAS_DELTA: tl.constexpr,
     SEQUENCE_LEVEL: tl.constexpr,
     CISPO: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -145,8 +146,12 @@ def _grpo_token_loss_kernel(
         ref = tl.load(ref_logp_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         ratio_ref = tl.exp(ref - logp)
         kl = ratio_ref - (ref - logp) - 1.0
+        if BIAS_CORRECTION:  # kl·c1 (token level): ∂/∂ℓ = c1·(1 − exp(ℓ_ref − ℓ) + kl)
+            d_logp += beta * c1 * (1.0 - ratio_ref + kl)
+            kl = kl * c1
+        else:
+            d_logp += beta * (1.0 - ratio_ref)
         token_loss += beta * kl
-        d_logp += beta * (1.0 - ratio_ref)
     tl.store(grad_ptr + offsets, weight * d_logp, mask=inside)
     tl.store(partial_ptr + pid, tl.sum(weight * token_loss, axis=0))
     tl.store(partial_ptr + programs + pid, tl.sum(m * kl, axis=0))
@@ -169,6 +174,7 @@ def grpo_token_loss(
     eps_high: float,
     delta: float | None,
     cispo: bool,
+    bias_correction_kl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(∂L/∂logp [N] fp32, sums [5] fp32: L, Σ mask·kl, low-, high-, region-clipped token counts) for
     contiguous per-token inputs [N]; ``log_weight`` given means sequence-level importance sampling."""
@@ -182,6 +188,7 @@ def grpo_token_loss(
         logp if log_weight is None else log_weight, mask, advantage, weight, grad, partial, n, programs,
         beta, eps_low, eps_high, 1.0 if delta is None else delta,
         HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None, HAS_DELTA=delta is not None,
-        SEQUENCE_LEVEL=log_weight is not None, CISPO=cispo, BLOCK=block,
+        SEQUENCE_LEVEL=log_weight is not None, CISPO=cispo, BIAS_CORRECTION=bias_correction_kl,
+        BLOCK=block,
     )  # fmt: skip
     return grad, partial.sum(dim=1)

@@ -35,7 +35,8 @@ class GRPOLoss(nn.Module):
 
     Per-token log-probs come from the fused, chunked linear log-softmax (no [tokens, vocab] logits,
     temperature-scaled); the token math (importance ratio at token or sequence level, clip with
-    ``epsilon``/``epsilon_high``, optional ``delta`` cap, k3 KL times ``beta``) is one kernel; the
+    ``epsilon``/``epsilon_high``, optional ``delta`` cap, k3 KL times ``beta``, and with
+    ``use_bias_correction_kl`` (TRL's default) times the importance ratio too) is one kernel; the
     aggregation follows ``loss_type``:
 
     - grpo: mean over each completion's tokens, then over completions;
@@ -60,6 +61,7 @@ class GRPOLoss(nn.Module):
         importance_sampling_level: Literal["token", "sequence"] = "token",
         temperature: float = 1.0,
         max_completion_length: int | None = None,
+        use_bias_correction_kl: bool = True,
         chunk_size: int | None = None,
         backend: Backend = "auto",
     ):
@@ -89,6 +91,11 @@ class GRPOLoss(nn.Module):
             raise ValueError(
                 f"beta, epsilon and epsilon_high must be >= 0, got {beta}, {epsilon}, {epsilon_high}"
             )
+        if use_bias_correction_kl and beta > 0 and importance_sampling_level == "sequence":
+            raise ValueError(
+                "use_bias_correction_kl (the KL term times the importance ratio) is not implemented for "
+                "importance_sampling_level='sequence' yet: set use_bias_correction_kl=False (or beta=0)"
+            )
         if delta is not None and delta <= 1.0 + (epsilon_high if epsilon_high is not None else epsilon):
             raise ValueError(f"delta must exceed 1 + epsilon_high, got {delta}")
         self.loss_type = loss_type
@@ -103,6 +110,7 @@ class GRPOLoss(nn.Module):
             delta=None if delta is None else float(delta),
             sequence_level=importance_sampling_level == "sequence",
             cispo=loss_type == "cispo",
+            bias_correction_kl=use_bias_correction_kl and beta > 0,
         )
 
     @property

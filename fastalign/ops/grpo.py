@@ -6,6 +6,7 @@ The math is stated in ``fastalign/kernels/grpo.py``; the PyTorch functions here 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -138,6 +139,12 @@ class TokenLossConfig:
     delta: float | None
     sequence_level: bool
     cispo: bool
+    #: TRL's ``use_bias_correction_kl``: the KL term times the importance ratio (token level only)
+    bias_correction_kl: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bias_correction_kl and self.sequence_level:
+            raise ValueError("bias_correction_kl is for token-level importance sampling only")
 
 
 class TokenLossInputs(NamedTuple):
@@ -179,6 +186,7 @@ def _token_loss_torch(logp, log_weight, inputs: TokenLossInputs, config: TokenLo
     old = logp.detach() if inputs.old_logp is None else inputs.old_logp
     coef_1 = torch.exp(log_weight if config.sequence_level else logp - old)
     adv, mask = inputs.advantage, inputs.mask
+    ratio = coef_1  # before delta's cap: what the bias-corrected KL is weighted by
     if config.cispo:
         per_token_loss = -torch.clamp(coef_1, max=config.eps_high).detach() * adv * logp
         high = (coef_1 > config.eps_high) & (adv > 0)
@@ -193,6 +201,8 @@ def _token_loss_torch(logp, log_weight, inputs: TokenLossInputs, config: TokenLo
     kl = torch.zeros_like(logp)
     if inputs.ref_logp is not None:
         kl = torch.exp(inputs.ref_logp - logp) - (inputs.ref_logp - logp) - 1
+        if config.bias_correction_kl:
+            kl = kl * ratio
         per_token_loss = per_token_loss + config.beta * kl
     loss = (per_token_loss * inputs.weight).sum()
     flags = [(flag.float() * mask).sum() for flag in (low, high, low | high)]
@@ -203,20 +213,11 @@ def _token_loss_triton(logp, log_weight, inputs: TokenLossInputs, config: TokenL
     """(∂L/∂logp, sums [5]) from the Triton kernel; ``log_weight`` is taken as a value."""
     from fastalign.kernels import grpo as kernels
 
-    return kernels.grpo_token_loss(
-        logp.contiguous(),
-        inputs.old_logp,
-        inputs.ref_logp,
-        None if log_weight is None else log_weight.detach().contiguous(),
-        inputs.mask,
-        inputs.advantage,
-        inputs.weight,
-        beta=config.beta,
-        eps_low=config.eps_low,
-        eps_high=config.eps_high,
-        delta=config.delta,
-        cispo=config.cispo,
-    )
+    # the kernel's scalar options are the config's fields (sequence level: log_weight given or not)
+    options = {key: value for key, value in dataclasses.asdict(config).items() if key != "sequence_level"}
+    log_weight = None if log_weight is None else log_weight.detach().contiguous()
+    per_token = (inputs.old_logp, inputs.ref_logp, log_weight, inputs.mask, inputs.advantage, inputs.weight)
+    return kernels.grpo_token_loss(logp.contiguous(), *per_token, **options)
 
 
 class _TokenLossFunction(torch.autograd.Function):

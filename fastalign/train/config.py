@@ -114,6 +114,7 @@ class TrainConfig:
     num_iterations: int = 1  # optimizer steps on each generation batch
     steps_per_generation: int | None = None  # micro-batches per generation; None: gradient_accumulation_steps
     importance_sampling_level: str = "token"  # token, sequence
+    use_bias_correction_kl: bool = True  # the KL term times the importance ratio (TRL's default; token level)
     mask_truncated_completions: bool = False
     use_vllm: bool = False  # generate with vLLM (colocated) instead of model.generate; needs vllm
 

@@ -47,6 +47,7 @@ def trl_reference(
     epsilon_high,
     delta=None,
     num_items_in_batch=None,
+    use_bias_correction_kl=True,
 ):
     """TRL GRPOTrainer._compute_loss, written out in float64 from hidden states."""
     h = hidden.detach().double().requires_grad_()
@@ -63,6 +64,7 @@ def trl_reference(
         log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef_1 = torch.exp(log_importance_weights)
     adv = advantages.double().unsqueeze(1)
+    ratio = coef_1
     if loss_type == "cispo":
         per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * per_token_logps
     else:
@@ -73,6 +75,8 @@ def trl_reference(
     if beta != 0.0:
         ref = ref.double()
         per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * ratio
         per_token_loss = per_token_loss + beta * per_token_kl
     if loss_type == "grpo":
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -111,6 +115,8 @@ def test_matches_trl_formulas_fp32(backend, loss_type, level, beta, with_old):
     hidden, weight, ids, mask, advantages, old, ref = make_batch(torch.float32)
     epsilon_high = 1.4 if loss_type == "cispo" else 0.28
     options = dict(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=epsilon_high)
+    # TRL's default bias-corrected KL, at token level (sequence level: not yet, so off)
+    options["use_bias_correction_kl"] = level == "token"
     count = 40 if loss_type in ("dapo", "cispo") else None  # the step's token count: dapo/cispo only
     loss_fn = GRPOLoss(
         **options,
@@ -217,7 +223,13 @@ def test_memory_is_independent_of_the_vocabulary(backend):
     mask = torch.ones(batch, length, device=DEVICE)
     old = torch.full((batch, length), -7.0, device=DEVICE)
     for level in ("token", "sequence"):
-        loss_fn = GRPOLoss(beta=0.04, importance_sampling_level=level, chunk_size=chunk, backend=backend)
+        loss_fn = GRPOLoss(
+            beta=0.04,
+            importance_sampling_level=level,
+            chunk_size=chunk,
+            backend=backend,
+            use_bias_correction_kl=level == "token",
+        )
         with _RecordAllocations() as recorder:
             out = loss_fn(
                 hidden,

@@ -253,9 +253,13 @@ def test_grpo_loss_ignores_nan_hidden_states_and_logps_at_masked_tokens(backend,
     """GRPOLoss: completion_mask 0 with NaN hidden states, NaN old/ref log-probs and out-of-vocabulary pad
     ids there (before: NaN loss, metrics and gradients)."""
     hidden, weight, ids, mask, advantages, old = grpo_batch()
-    out = GRPOLoss(beta=0.04, importance_sampling_level=level, chunk_size=CHUNK, backend=backend)(
-        hidden, weight, ids, mask, advantages, old_per_token_logps=old, ref_per_token_logps=old
-    )
+    out = GRPOLoss(
+        beta=0.04,
+        importance_sampling_level=level,
+        chunk_size=CHUNK,
+        backend=backend,
+        use_bias_correction_kl=False,  # the reference below is the plain k3 KL
+    )(hidden, weight, ids, mask, advantages, old_per_token_logps=old, ref_per_token_logps=old)
     out.loss.backward()
     ref_loss, ref_h, ref_w = grpo_reference(hidden, weight, ids, mask, advantages, old, level=level)
     assert torch.isfinite(out.loss) and all(torch.isfinite(v) for v in out.metrics.values())

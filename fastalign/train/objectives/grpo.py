@@ -123,6 +123,7 @@ class GRPOOptions:
     num_iterations: int
     steps_per_generation: int | None
     importance_sampling_level: str
+    use_bias_correction_kl: bool
     mask_truncated_completions: bool
     use_vllm: bool
     ref_model_name_or_path: str | None
@@ -188,16 +189,20 @@ class GRPOObjective(Objective):
             self.reward_funcs = resolve_reward_funcs(options.reward_funcs)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        self.loss = GRPOLoss(
-            beta=options.beta,
-            epsilon=options.epsilon,
-            epsilon_high=options.epsilon_high,
-            delta=options.delta,
-            loss_type=options.loss_type[0],
-            importance_sampling_level=options.importance_sampling_level,
-            temperature=options.temperature,
-            max_completion_length=options.max_completion_length,
-        )
+        try:
+            self.loss = GRPOLoss(
+                beta=options.beta,
+                epsilon=options.epsilon,
+                epsilon_high=options.epsilon_high,
+                delta=options.delta,
+                loss_type=options.loss_type[0],
+                importance_sampling_level=options.importance_sampling_level,
+                temperature=options.temperature,
+                max_completion_length=options.max_completion_length,
+                use_bias_correction_kl=options.use_bias_correction_kl,
+            )
+        except ValueError as error:
+            raise ConfigError(f"config for {name}: {error}") from None
         self.sampling = SamplingOptions(
             options.num_generations, options.max_completion_length, options.temperature, options.top_p
         )
