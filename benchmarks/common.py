@@ -140,10 +140,8 @@ def _driver_version() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
@@ -181,31 +179,16 @@ def environment(device: torch.device) -> dict:
 
 
 def record(
-    *,
-    suite: str,
-    kernel: str,
-    preset: str,
-    floor: str,
-    ceiling: dict,
-    device: torch.device,
-    rows: list,
-    skipped: dict,
-    out_dir: Path = RESULTS_DIR,
-    spread: str | None = None,
-) -> Path:
+    *, suite: str, kernel: str, preset: str, floor: str, ceiling: dict, device: torch.device, rows: list,
+    skipped: dict, out_dir: Path = RESULTS_DIR, spread: str | None = None,
+) -> Path:  # fmt: skip
     """Write one run (its rows, the environment, the floor and the measured ceiling) as a JSON file.
     ``spread`` says how the rows' ``*_spread`` figures were computed (``measure.SPREAD`` for the rows of
     ``step_figures``); a run without it used (max − min) / median."""
     result = {
-        "suite": suite,
-        "kernel": kernel,
-        "preset": preset,
-        "floor": floor,
-        **ceiling,
-        "env": environment(device),
-        "rows": rows,
-        "skipped": skipped,
-    }
+        "suite": suite, "kernel": kernel, "preset": preset, "floor": floor, **ceiling,
+        "env": environment(device), "rows": rows, "skipped": skipped,
+    }  # fmt: skip
     if spread:
         result["spread"] = spread
     path = write_result(result, out_dir)

@@ -23,38 +23,18 @@ class Goal:
 
 BANDWIDTH = "≥ 85% of the measured copy bandwidth: ≤ 1.18× the bandwidth floor"
 GOALS = (
-    Goal(
-        "linear_cross_entropy",
-        "fastalign-triton",
-        "fwd+bwd ≤ 1.15× the matmul floor",
-        1.15,
-        ("liger-kernel",),
-    ),
+    Goal("linear_cross_entropy", "fastalign-triton", "fwd+bwd ≤ 1.15× the matmul floor", 1.15,
+         ("liger-kernel",)),
     Goal("rms_norm", "fastalign-triton", BANDWIDTH, 1 / 0.85, ("liger-kernel",)),
     Goal("rope", "fastalign-triton", BANDWIDTH, 1 / 0.85, ("liger-kernel",)),
     Goal("swiglu", "fastalign-triton", BANDWIDTH, 1 / 0.85, ("liger-kernel",)),
-    Goal(
-        "grpo",
-        "fastalign",
-        "GRPO head: its ratio to the matmul floor and to Liger-Kernel",
-        None,
-        ("liger-kernel",),
-    ),
-    Goal(
-        "preference",
-        "fastalign",
-        "DPO head: its ratio to the matmul floor and to Liger-Kernel",
-        None,
-        ("liger-kernel",),
-    ),
-    Goal(
-        "e2e_patch_model",
-        "fastalign-patched",
-        "patch_model: speed-up and memory vs the eager model",
-        None,
-        ("torch-eager",),
-    ),
-)
+    Goal("grpo", "fastalign", "GRPO head: its ratio to the matmul floor and to Liger-Kernel", None,
+         ("liger-kernel",)),
+    Goal("preference", "fastalign", "DPO head: its ratio to the matmul floor and to Liger-Kernel", None,
+         ("liger-kernel",)),
+    Goal("e2e_patch_model", "fastalign-patched", "patch_model: speed-up and memory vs the eager model", None,
+         ("torch-eager",)),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

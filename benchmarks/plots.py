@@ -43,9 +43,8 @@ def render(run: dict, path: Path) -> None:
                 axis.plot(xs, ys, marker="o", label=provider)
         axis.set_yscale("log")
         axis.set_ylabel(label)
-        axis.set_xticks(
-            range(len(cases)), [labels[case] for case in cases], rotation=30, ha="right", fontsize=7
-        )
+        axis.set_xticks(range(len(cases)), [labels[case] for case in cases], rotation=30, ha="right",
+                        fontsize=7)  # fmt: skip
         axis.set_xlabel("case, by floor" if all(floors.values()) else "case")
         axis.grid(True, which="both", alpha=0.3)
     time_axis.legend(fontsize=7)

@@ -104,11 +104,9 @@ def _figure_keys(rows: list[dict]) -> list[str]:
         key
         for row in rows
         for key, value in row.items()
-        if key not in COLUMNS
-        and key not in IDENTITY | HIDDEN
-        and isinstance(value, int | float)
-        and not isinstance(value, bool)
-    ]
+        if key not in COLUMNS and key not in IDENTITY | HIDDEN
+        and isinstance(value, int | float) and not isinstance(value, bool)
+    ]  # fmt: skip
     return known + list(dict.fromkeys(other))
 
 

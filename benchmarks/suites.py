@@ -26,43 +26,22 @@ class Suite:
 
 
 SUITES = (
-    Suite(
-        "linear_cross_entropy",
-        "kernels",
-        "benchmarks/kernels/bench_linear_cross_entropy.py",
-        "fused linear cross-entropy vs eager, torch.compile, F.linear_cross_entropy, Liger, CCE",
-    ),
+    Suite("linear_cross_entropy", "kernels", "benchmarks/kernels/bench_linear_cross_entropy.py",
+          "fused linear cross-entropy vs eager, torch.compile, F.linear_cross_entropy, Liger, CCE"),
     Suite("rms_norm", "kernels", "benchmarks/kernels/bench_rms_norm.py", "RMSNorm vs a bandwidth floor"),
     Suite("rope", "kernels", "benchmarks/kernels/bench_rope.py", "RoPE of q and k vs a bandwidth floor"),
     Suite("swiglu", "kernels", "benchmarks/kernels/bench_swiglu.py", "SwiGLU vs a bandwidth floor"),
     Suite("grpo", "kernels", "benchmarks/kernels/bench_grpo.py", "GRPO loss head vs TRL's arithmetic, Liger"),
-    Suite(
-        "preference",
-        "kernels",
-        "benchmarks/kernels/bench_preference.py",
-        "DPO loss head vs TRL's arithmetic, Liger",
-    ),
+    Suite("preference", "kernels", "benchmarks/kernels/bench_preference.py",
+          "DPO loss head vs TRL's arithmetic, Liger"),
     Suite("nf4", "kernels", "benchmarks/kernels/bench_nf4.py", "NF4 dequantization and the QLoRA linear"),
-    Suite(
-        "e2e_patch_model",
-        "e2e",
-        "benchmarks/e2e/bench_patch_model.py",
-        "a Llama-shaped model's forward+backward, original vs patch_model",
-    ),
-    Suite(
-        "e2e_alignment_step",
-        "e2e",
-        "benchmarks/e2e/bench_alignment_step.py",
-        "DPO and GRPO training steps through `fastalign train`",
-    ),
-    Suite(
-        "e2e_sft",
-        "e2e",
-        "benchmarks/e2e/bench_sft_trl.py",
-        "SFT training, fastalign vs TRL's SFTTrainer",
-        quick=("--preset", "cpu", "--smoke"),
-    ),
-)
+    Suite("e2e_patch_model", "e2e", "benchmarks/e2e/bench_patch_model.py",
+          "a Llama-shaped model's forward+backward, original vs patch_model"),
+    Suite("e2e_alignment_step", "e2e", "benchmarks/e2e/bench_alignment_step.py",
+          "DPO and GRPO training steps through `fastalign train`"),
+    Suite("e2e_sft", "e2e", "benchmarks/e2e/bench_sft_trl.py",
+          "SFT training, fastalign vs TRL's SFTTrainer", quick=("--preset", "cpu", "--smoke")),
+)  # fmt: skip
 BY_NAME = {suite.name: suite for suite in SUITES}
 
 

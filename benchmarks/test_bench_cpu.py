@@ -48,10 +48,9 @@ def test_bandwidth_kernel(benchmark, bench, size, provider):
 
 @pytest.mark.parametrize("provider", ["fastalign", "torch-eager"])
 @pytest.mark.parametrize(
-    "module, shape",
-    [(bench_grpo, (4, 128, 128, 8192)), (bench_preference, (2, 128, 128, 8192))],
+    "module, shape", [(bench_grpo, (4, 128, 128, 8192)), (bench_preference, (2, 128, 128, 8192))],
     ids=["grpo", "preference"],
-)
+)  # fmt: skip
 def test_loss_head(benchmark, module, shape, provider):
     bench = module.BENCH
     benchmark.group = f"{bench.kernel} {bench.describe(shape)}"

@@ -35,59 +35,26 @@ from fastalign.builtin import tiny_tokenizer
 
 PRESETS = {
     "gpu": {
-        "config": dict(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            num_hidden_layers=16,
-        ),
-        "prompt_words": 128,
-        "answer_words": 384,
-        "max_completion_length": 256,
-        "steps": 4,
+        "config": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, num_hidden_layers=16),
+        "prompt_words": 128, "answer_words": 384, "max_completion_length": 256, "steps": 4,
         "flags": ["--bf16", "true"],
-        "providers": [
-            "fastalign",
-            "fastalign-unpatched",
-            "fastalign-checkpointing",
-            "fastalign-checkpointing-offloading",
-        ],
+        "providers": ["fastalign", "fastalign-unpatched", "fastalign-checkpointing",
+                      "fastalign-checkpointing-offloading"],
     },
     "cpu": {
-        "config": dict(
-            hidden_size=256,
-            intermediate_size=704,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=32000,
-            num_hidden_layers=2,
-        ),
-        "prompt_words": 16,
-        "answer_words": 48,
-        "max_completion_length": 32,
-        "steps": 4,
-        "flags": [],
+        "config": dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=32000, num_hidden_layers=2),
+        "prompt_words": 16, "answer_words": 48, "max_completion_length": 32, "steps": 4, "flags": [],
         "providers": ["fastalign", "fastalign-unpatched"],
     },
     "quick": {
-        "config": dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=2048,
-            num_hidden_layers=2,
-        ),
-        "prompt_words": 8,
-        "answer_words": 16,
-        "max_completion_length": 8,
-        "steps": 3,
-        "flags": [],
+        "config": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=2048, num_hidden_layers=2),
+        "prompt_words": 8, "answer_words": 16, "max_completion_length": 8, "steps": 3, "flags": [],
         "providers": ["fastalign"],
     },
-}
+}  # fmt: skip
 #: Provider → the ``fastalign train`` flags that make it.
 PROVIDERS = {
     "fastalign": [],
@@ -111,13 +78,10 @@ def _text(words: int, offset: int) -> str:
 def _write_data(directory: Path, preset: dict) -> tuple[Path, Path]:
     prompts, answers = preset["prompt_words"], preset["answer_words"]
     pairs = [
-        {
-            "prompt": _text(prompts, i),
-            "chosen": " " + _text(answers, i + 1),
-            "rejected": " " + _text(answers, i + 2),
-        }
+        {"prompt": _text(prompts, i), "chosen": " " + _text(answers, i + 1),
+         "rejected": " " + _text(answers, i + 2)}
         for i in range(64)
-    ]
+    ]  # fmt: skip
     prompt_rows = [{"prompt": _text(prompts, i)} for i in range(64)]
     for name, rows in (("pairs.jsonl", pairs), ("prompts.jsonl", prompt_rows)):
         (directory / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -125,20 +89,9 @@ def _write_data(directory: Path, preset: dict) -> tuple[Path, Path]:
 
 
 def _run(objective: str, flags: list[str], output_dir: Path) -> list[dict]:
-    command = [
-        sys.executable,
-        "-m",
-        "fastalign.cli.main",
-        "train",
-        objective,
-        "--output_dir",
-        str(output_dir),
-        "--loss_curve_png",
-        "false",
-        "--logging_steps",
-        "1",
-        *flags,
-    ]
+    command = [sys.executable, "-m", "fastalign.cli.main", "train", objective,
+               "--output_dir", str(output_dir), "--loss_curve_png", "false", "--logging_steps", "1",
+               *flags]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
@@ -148,14 +101,12 @@ def _run(objective: str, flags: list[str], output_dir: Path) -> list[dict]:
 def _row(provider: str, objective: str, logs: list[dict], shape: str) -> dict:
     steady = logs[1:] or logs  # the first step compiles, allocates and warms the caches
     row = {
-        "provider": provider,
-        "objective": objective,
-        "shape": shape,
+        "provider": provider, "objective": objective, "shape": shape,
         "step_ms": round(1e3 * statistics.median(r["step_seconds"] for r in steady), 1),
         "step_spread": round(measure.relative_spread([r["step_seconds"] for r in steady]), 3),
         "tokens_per_s": round(statistics.median(r["tokens_per_second"] for r in steady), 1),
         "peak_memory_gib": max(r["peak_memory_gib"] for r in logs),
-    }
+    }  # fmt: skip
     if "mfu" in steady[0]:
         row["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
     if "timing/generation_seconds" in steady[0]:
@@ -185,36 +136,17 @@ def main() -> None:
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "model")
         tiny_tokenizer().save_pretrained(tmp / "model")
         pairs, prompts = _write_data(tmp, preset)
-        common_flags = [
-            "--model_name_or_path",
-            str(tmp / "model"),
-            "--max_steps",
-            str(preset["steps"]),
-            "--max_length",
-            "2048",
-            "--max_prompt_length",
-            "1024",
-            *preset["flags"],
-        ]
+        common_flags = ["--model_name_or_path", str(tmp / "model"), "--max_steps", str(preset["steps"]),
+                        "--max_length", "2048", "--max_prompt_length", "1024", *preset["flags"]]  # fmt: skip
         shape = (
             f"llama hidden={config.hidden_size} layers={config.num_hidden_layers} vocab={config.vocab_size}"
         )
         runs = {
             "dpo": [*common_flags, "--dataset_name", str(pairs), "--per_device_train_batch_size", "8"],
-            "grpo": [
-                *common_flags,
-                "--dataset_name",
-                str(prompts),
-                "--per_device_train_batch_size",
-                "64",
-                "--num_generations",
-                "8",
-                "--reward_funcs",
-                "fastalign.builtin:digit_ratio",
-                "--max_completion_length",
-                str(preset["max_completion_length"]),
-            ],
-        }
+            "grpo": [*common_flags, "--dataset_name", str(prompts), "--per_device_train_batch_size", "64",
+                     "--num_generations", "8", "--reward_funcs", "fastalign.builtin:digit_ratio",
+                     "--max_completion_length", str(preset["max_completion_length"])],
+        }  # fmt: skip
         for objective, flags in runs.items():
             for name in names:
                 output_dir = tmp / f"{objective}-{name}"
@@ -228,17 +160,10 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     common.record(
-        suite="e2e",
-        kernel="e2e_alignment_step",
-        preset=args.preset,
+        suite="e2e", kernel="e2e_alignment_step", preset=args.preset,
         floor="none stated: a whole training step (generation is memory-bound decoding)",
-        ceiling={},
-        device=device,
-        rows=rows,
-        skipped=skipped,
-        out_dir=args.out,
-        spread=common.SPREAD,
-    )
+        ceiling={}, device=device, rows=rows, skipped=skipped, out_dir=args.out, spread=common.SPREAD,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

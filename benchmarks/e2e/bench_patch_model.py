@@ -30,48 +30,21 @@ from fastalign.bench import measure
 PRESETS = {
     # Llama-3-8B's shapes; 2 of 32 decoder layers so that one GPU holds it with room for activations.
     "gpu": {
-        "config": dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            num_hidden_layers=2,
-        ),
-        "dtype": "bfloat16",
-        "batch": 1,
-        "seq": 8192,
-        "repeats": 0,
+        "config": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, num_hidden_layers=2),
+        "dtype": "bfloat16", "batch": 1, "seq": 8192, "repeats": 0,
     },
     "cpu": {
-        "config": dict(
-            hidden_size=256,
-            intermediate_size=704,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=32000,
-            num_hidden_layers=2,
-        ),
-        "dtype": "float32",
-        "batch": 1,
-        "seq": 2048,
-        "repeats": 5,
+        "config": dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=32000, num_hidden_layers=2),
+        "dtype": "float32", "batch": 1, "seq": 2048, "repeats": 5,
     },
     "quick": {
-        "config": dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=2048,
-            num_hidden_layers=2,
-        ),
-        "dtype": "float32",
-        "batch": 1,
-        "seq": 256,
-        "repeats": 5,
+        "config": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=2048, num_hidden_layers=2),
+        "dtype": "float32", "batch": 1, "seq": 256, "repeats": 5,
     },
-}
+}  # fmt: skip
 PROVIDERS = ("torch-eager", "fastalign-patched")
 
 
@@ -137,17 +110,11 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     common.record(
-        suite="e2e",
-        kernel="e2e_patch_model",
-        preset=args.preset,
+        suite="e2e", kernel="e2e_patch_model", preset=args.preset,
         floor="6·P·T + 6·L·S²·D·B FLOPs (forward+backward) at the measured matmul ceiling",
-        ceiling={"matmul_tflops": round(tflops, 3)},
-        device=device,
-        rows=rows,
-        skipped={},
-        out_dir=args.out,
+        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped={}, out_dir=args.out,
         spread=common.SPREAD,
-    )
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

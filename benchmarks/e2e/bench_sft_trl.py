@@ -55,70 +55,31 @@ KERNEL = "e2e_sft"
 #: A timed CPU run during which other processes took more than this share of the CPU is run again.
 CONTENDED = 0.05
 
-LLAMA_3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-)
+LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                  rms_norm_eps=1e-5)  # fmt: skip
 #: What ``--smoke`` trains instead of the preset's shape: every option of the preset, a few seconds on CPU.
 SMOKE = {
-    "config": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=1024,
-    ),
-    "max_length": 64,
-    "batch": 2,
-    "accumulation": 2,
-    "steps": 3,
-    "warmup": 1,
-}
+    "config": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=1024),
+    "max_length": 64, "batch": 2, "accumulation": 2, "steps": 3, "warmup": 1,
+}  # fmt: skip
 
 PRESETS = {
     "cpu": {
-        "config": dict(
-            hidden_size=256,
-            intermediate_size=704,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            vocab_size=32000,
-        ),
-        "dtype": "float32",
-        "max_length": 256,
-        "batch": 4,
-        "accumulation": 2,
-        "steps": 12,
-        "warmup": 2,
-        "learning_rate": 5e-4,
-        "providers": ["fastalign", "fastalign-unpatched", "trl", "trl+liger"],
+        "config": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, vocab_size=32000),
+        "dtype": "float32", "max_length": 256, "batch": 4, "accumulation": 2, "steps": 12, "warmup": 2,
+        "learning_rate": 5e-4, "providers": ["fastalign", "fastalign-unpatched", "trl", "trl+liger"],
     },
     "gpu": {
-        "config": LLAMA_3_8B,
-        "dtype": "bfloat16",
-        "max_length": 4096,
-        "batch": 1,
-        "accumulation": 1,
-        "steps": 10,
-        "warmup": 3,
-        "learning_rate": 1e-4,
+        "config": LLAMA_3_8B, "dtype": "bfloat16", "max_length": 4096, "batch": 1, "accumulation": 1,
+        "steps": 10, "warmup": 3, "learning_rate": 1e-4,
         "providers": [
-            "fastalign-lora",
-            "fastalign-lora-checkpointing",
-            "fastalign-lora-checkpointing-offloading",
+            "fastalign-lora", "fastalign-lora-checkpointing", "fastalign-lora-checkpointing-offloading",
         ],
     },
-}
+}  # fmt: skip
 
 #: Provider → (trainer, its options besides the shared ones).
 PROVIDERS = {
@@ -128,19 +89,13 @@ PROVIDERS = {
     "trl+liger": ("trl", {"use_liger_kernel": True}),
     "fastalign-lora": ("fastalign", {"use_liger_kernel": True, "use_peft": True}),
     "fastalign-lora-checkpointing": (
-        "fastalign",
-        {"use_liger_kernel": True, "use_peft": True, "gradient_checkpointing": True},
+        "fastalign", {"use_liger_kernel": True, "use_peft": True, "gradient_checkpointing": True},
     ),
     "fastalign-lora-checkpointing-offloading": (
-        "fastalign",
-        {
-            "use_liger_kernel": True,
-            "use_peft": True,
-            "gradient_checkpointing": True,
-            "activation_offloading": True,
-        },
+        "fastalign", {"use_liger_kernel": True, "use_peft": True, "gradient_checkpointing": True,
+                      "activation_offloading": True},
     ),
-}
+}  # fmt: skip
 
 
 def missing_package(provider: str) -> str | None:
@@ -190,13 +145,9 @@ def llama_config(shape: dict, max_length: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        **shape,
-        max_position_embeddings=max(max_length, 128),
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,  # the ids of fastalign.builtin.tiny_tokenizer
-    )
+        **shape, max_position_embeddings=max(max_length, 128), tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,  # the ids of fastalign.builtin.tiny_tokenizer
+    )  # fmt: skip
 
 
 def build_model(config, device: torch.device | str = "cpu", seed: int = 0):
@@ -389,27 +340,13 @@ def run_fastalign(spec: dict, clock: StepClock) -> None:
 
     _, options = PROVIDERS[spec["provider"]]
     config = TrainConfig(
-        model_name_or_path=spec["model_dir"],
-        dataset_name=spec["data"],
-        output_dir=spec["output_dir"],
-        max_length=spec["max_length"],
-        packing=False,
-        completion_only_loss=True,
-        max_steps=spec["steps"],
-        per_device_train_batch_size=spec["batch"],
-        gradient_accumulation_steps=spec["accumulation"],
-        learning_rate=spec["learning_rate"],
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        seed=spec["seed"],
-        bf16=spec["dtype"] == "bfloat16",
-        logging_steps=spec["steps"],
-        loss_curve_png=False,
-        report_to=[],
-        **options,
-    )
+        model_name_or_path=spec["model_dir"], dataset_name=spec["data"], output_dir=spec["output_dir"],
+        max_length=spec["max_length"], packing=False, completion_only_loss=True, max_steps=spec["steps"],
+        per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=spec["accumulation"],
+        learning_rate=spec["learning_rate"], lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, seed=spec["seed"], bf16=spec["dtype"] == "bfloat16", logging_steps=spec["steps"],
+        loss_curve_png=False, report_to=[], **options,
+    )  # fmt: skip
     run_sft(config, callbacks=[Clock()])
 
 
@@ -444,41 +381,19 @@ def run_trl(spec: dict, clock: StepClock) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines()]
     args = SFTConfig(
-        output_dir=spec["output_dir"],
-        max_length=spec["max_length"],
-        packing=False,
-        padding_free=False,
-        completion_only_loss=True,
-        max_steps=spec["steps"],
-        per_device_train_batch_size=spec["batch"],
-        gradient_accumulation_steps=spec["accumulation"],
-        learning_rate=spec["learning_rate"],
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        seed=spec["seed"],
-        optim="adamw_torch",
-        bf16=spec["dtype"] == "bfloat16",
-        fp16=False,
-        gradient_checkpointing=False,
-        use_cpu=not torch.cuda.is_available(),
-        report_to="none",
-        save_strategy="no",
-        eval_strategy="no",
-        logging_steps=spec["steps"],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        include_num_input_tokens_seen="non_padding",
-        **options,
-    )
+        output_dir=spec["output_dir"], max_length=spec["max_length"], packing=False, padding_free=False,
+        completion_only_loss=True, max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec["accumulation"], learning_rate=spec["learning_rate"],
+        lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=spec["seed"],
+        optim="adamw_torch", bf16=spec["dtype"] == "bfloat16", fp16=False, gradient_checkpointing=False,
+        use_cpu=not torch.cuda.is_available(), report_to="none", save_strategy="no", eval_strategy="no",
+        logging_steps=spec["steps"], disable_tqdm=True, dataloader_num_workers=0,
+        include_num_input_tokens_seen="non_padding", **options,
+    )  # fmt: skip
     trainer = LossPerStep(
-        model=model,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer,
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
         callbacks=[Clock()],
-    )
+    )  # fmt: skip
     trainer.train()
 
 
@@ -498,11 +413,9 @@ def worker(spec: dict) -> None:
 
 def _in_subprocess(spec: dict, timeout: float) -> dict:
     proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)],
-        capture_output=True,
-        text=True,
+        [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
         timeout=timeout,
-    )
+    )  # fmt: skip
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
         errors = [line for line in lines if "Error" in line.split(":")[0]]
@@ -568,16 +481,10 @@ def run(
         rows_text = (json.dumps(row) + "\n" for row in sft_rows(tokenizer, rows_needed, max_length))
         data.write_text("".join(rows_text))
         spec = {
-            "data": str(data),
-            "max_length": max_length,
-            "batch": preset["batch"],
-            "accumulation": preset["accumulation"],
-            "steps": steps,
-            "warmup": preset["warmup"],
-            "learning_rate": preset.get("learning_rate", 1e-4),
-            "seed": 0,
-            "dtype": dtype,
-        }
+            "data": str(data), "max_length": max_length, "batch": preset["batch"],
+            "accumulation": preset["accumulation"], "steps": steps, "warmup": preset["warmup"],
+            "learning_rate": preset.get("learning_rate", 1e-4), "seed": 0, "dtype": dtype,
+        }  # fmt: skip
         # Saved once: every provider loads the same weights (fp32, as both trainers load them) and tokenizer.
         spec["model_dir"] = str(Path(tmp) / "model")
         save_model(config, tokenizer, spec["model_dir"], getattr(torch, dtype), device)
@@ -615,9 +522,7 @@ def run(
     if smoke and out_dir is None:
         out_dir = Path(tempfile.mkdtemp(prefix="bench_sft_smoke_"))
     return common.record(
-        suite="e2e",
-        kernel=KERNEL,
-        preset=preset_name + ("-smoke" if smoke else ""),
+        suite="e2e", kernel=KERNEL, preset=preset_name + ("-smoke" if smoke else ""),
         floor=(
             "6·P + 12·L·d·S FLOPs per non-pad token (S = max_length) times the step's tokens. A row is one "
             "optimizer step: step = its wall time (forwards, backwards, clipping, AdamW, data), fwd = the "
@@ -627,12 +532,9 @@ def run(
             "was timed. Floor at the measured matmul ceiling"
         ),
         ceiling={"matmul_tflops": round(tflops, 3), "flops_per_token": flops_per_token},
-        device=device,
-        rows=rows,
-        skipped=skipped,
-        out_dir=out_dir or common.RESULTS_DIR,
+        device=device, rows=rows, skipped=skipped, out_dir=out_dir or common.RESULTS_DIR,
         spread=common.SPREAD,
-    )
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -643,16 +545,13 @@ def main() -> None:
     parser.add_argument("--providers", nargs="*", help="subset of providers (default: the preset's)")
     parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
     parser.add_argument(
-        "--smoke",
-        action="store_true",
+        "--smoke", action="store_true",
         help="the preset's providers and options on a tiny shape for a few steps (results to a temp dir)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--attempts",
-        type=int,
-        default=3,
+        "--attempts", type=int, default=3,
         help="CPU: runs of a provider that other processes slowed down before the least disturbed is kept",
-    )
+    )  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

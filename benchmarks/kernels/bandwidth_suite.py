@@ -96,14 +96,8 @@ def run(bench: BandwidthBenchmark, argv: list[str] | None = None) -> Path:
                 rows.append(common.add_floor(row, floor_ms))
                 print(json.dumps(rows[-1]), flush=True)
     return common.record(
-        suite="kernels",
-        kernel=bench.kernel,
-        preset=args.preset,
+        suite="kernels", kernel=bench.kernel, preset=args.preset,
         floor="minimum bytes of forward + backward at the measured copy bandwidth",
-        ceiling={"copy_bandwidth_gbps": round(bandwidth, 1)},
-        device=device,
-        rows=rows,
-        skipped=skipped,
-        out_dir=args.out,
-        spread=common.SPREAD,
-    )
+        ceiling={"copy_bandwidth_gbps": round(bandwidth, 1)}, device=device, rows=rows, skipped=skipped,
+        out_dir=args.out, spread=common.SPREAD,
+    )  # fmt: skip

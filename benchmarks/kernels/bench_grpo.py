@@ -47,7 +47,10 @@ def trl_style(hidden, weight, ids, mask, advantages, old, ref):
 
 
 def providers(device: torch.device) -> dict:
-    fused = GRPOLoss(beta=BETA, epsilon=EPSILON, epsilon_high=EPSILON_HIGH, loss_type="dapo")
+    # the plain k3 KL, as the other providers compute it (so every row does the same math)
+    fused = GRPOLoss(
+        beta=BETA, epsilon=EPSILON, epsilon_high=EPSILON_HIGH, loss_type="dapo", use_bias_correction_kl=False
+    )
 
     def fastalign(hidden, weight, ids, mask, advantages, old, ref):
         return fused(

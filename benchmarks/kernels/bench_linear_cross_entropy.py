@@ -48,19 +48,13 @@ PRESETS = {
     "gpu": {
         "dtype": "bfloat16",
         "shapes": [
-            (16384, 4096, 128256),
-            (4096, 4096, 128256),
-            (32768, 4096, 128256),
-            (16384, 4096, 32000),
-            (16384, 4096, 151936),
-            (16384, 4096, 262144),
-            (8192, 2048, 151936),
-            (16384, 8192, 128256),
+            (16384, 4096, 128256), (4096, 4096, 128256), (32768, 4096, 128256), (16384, 4096, 32000),
+            (16384, 4096, 151936), (16384, 4096, 262144), (8192, 2048, 151936), (16384, 8192, 128256),
         ],
         "repeats": 0,
     },
     "gpu-chunks": {"dtype": "bfloat16", "shapes": [(16384, 4096, 128256)], "repeats": 0},
-}
+}  # fmt: skip
 
 #: Rows per chunk that the ``fastalign-chunk<rows>`` providers run with (not run unless named).
 CHUNK_SWEEP = (256, 1024, 2048, 4096, 8192)
@@ -203,17 +197,10 @@ def run(preset: str, providers: list[str] | None, out_dir: Path) -> Path:
     with common.keep_rows_on_termination(skipped):
         _measure_shapes(config, names, skipped, rows, tflops, device)
     return common.record(
-        suite="kernels",
-        kernel=KERNEL,
-        preset=preset,
-        floor="6·N·V·D FLOPs at the measured matmul ceiling",
-        ceiling={"matmul_tflops": round(tflops, 3)},
-        device=device,
-        rows=rows,
-        skipped=skipped,
-        out_dir=out_dir,
-        spread=common.SPREAD,
-    )
+        suite="kernels", kernel=KERNEL, preset=preset, floor="6·N·V·D FLOPs at the measured matmul ceiling",
+        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
+        out_dir=out_dir, spread=common.SPREAD,
+    )  # fmt: skip
 
 
 def _measure_shapes(config, names, skipped, rows, tflops, device) -> None:

@@ -217,18 +217,12 @@ def main(argv: list[str] | None = None) -> Path:
         if args.only in (None, "linear"):
             _linear_rows(preset, linear, skipped, rows, bandwidth, tflops, device, dtype)
     return common.record(
-        suite="kernels",
-        kernel="nf4",
-        preset=args.preset,
+        suite="kernels", kernel="nf4", preset=args.preset,
         floor="dequant rows: n/2 + 2n + n/64 bytes at the copy bandwidth (no backward: fwd+bwd = fwd); "
         "linear rows: max(4·N·in·out + 6·N·r·(in+out) FLOPs at the matmul peak, two dequantizations' bytes)",
         ceiling={"matmul_tflops": round(tflops, 3), "copy_bandwidth_gbps": round(bandwidth, 1)},
-        device=device,
-        rows=rows,
-        skipped=skipped,
-        out_dir=args.out,
-        spread=common.SPREAD,
-    )
+        device=device, rows=rows, skipped=skipped, out_dir=args.out, spread=common.SPREAD,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

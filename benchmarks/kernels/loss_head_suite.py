@@ -66,17 +66,10 @@ def run(bench: LossHeadBenchmark, argv: list[str] | None = None) -> Path:
     with common.keep_rows_on_termination(skipped):
         _measure_shapes(bench, preset, table, skipped, rows, tflops, device, dtype)
     return common.record(
-        suite="kernels",
-        kernel=bench.kernel,
-        preset=args.preset,
-        floor=bench.floor_text,
-        ceiling={"matmul_tflops": round(tflops, 3)},
-        device=device,
-        rows=rows,
-        skipped=skipped,
-        out_dir=args.out,
-        spread=common.SPREAD,
-    )
+        suite="kernels", kernel=bench.kernel, preset=args.preset, floor=bench.floor_text,
+        ceiling={"matmul_tflops": round(tflops, 3)}, device=device, rows=rows, skipped=skipped,
+        out_dir=args.out, spread=common.SPREAD,
+    )  # fmt: skip
 
 
 def _measure_shapes(bench, preset, table, skipped, rows, tflops, device, dtype) -> None:

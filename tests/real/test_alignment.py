@@ -9,10 +9,10 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from fastalign.train.config import TrainConfig
 from fastalign.train.run import run_training
+from tests.parity.steps import fastalign_step, trl_step
 from tests.real.data import real_preference_rows, real_prompt_rows
 
 pytestmark = pytest.mark.real
@@ -29,51 +29,14 @@ def write_rows(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def trl_dpo_first_step(model_dir, output_dir) -> dict:
-    """One DPOTrainer step on ``PAIRS``, fp32 (TRL 1.16 turns on bf16 and checkpointing by default)."""
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_dpo_first_step_equals_trl(smollm2, tmp_path):
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=len(PAIRS),
-        max_steps=1,
-        learning_rate=1e-6,
-        logging_steps=1,
-        report_to=[],
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        beta=0.1,
-        save_strategy="no",
-        seed=0,
-    )
-    trainer = DPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        args=args,
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        train_dataset=datasets.Dataset.from_list(PAIRS),
-    )
-    trainer.train()
-    return trainer.state.log_history[0]
-
-
-def test_dpo_first_step_equals_trl(smollm2, tmp_path):
-    config = TrainConfig(
-        model_name_or_path=str(smollm2),
-        dataset_name=write_rows(tmp_path / "pairs.jsonl", PAIRS),
-        output_dir=str(tmp_path / "fastalign"),
-        max_steps=1,
-        per_device_train_batch_size=len(PAIRS),
-        learning_rate=1e-6,
-        logging_steps=1,
-        loss_curve_png=False,
-        beta=0.1,
-        max_length=128,
-    )
-    ours = logged(run_training(config, "dpo"))[0]
-    theirs = trl_dpo_first_step(smollm2, tmp_path / "trl")
+    options = dict(learning_rate=1e-6, beta=0.1)
+    ours = fastalign_step("dpo", PAIRS, tmp_path, model_name_or_path=str(smollm2), **options)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    theirs = trl_step(DPOTrainer, DPOConfig, PAIRS, tmp_path, str(smollm2), tokenizer=tokenizer, **options)
 
     assert ours["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy
     assert theirs["loss"] == pytest.approx(math.log(2), abs=1e-6)
