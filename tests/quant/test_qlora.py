@@ -32,9 +32,9 @@ from fastalign.quant import (
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.engine import Callback
 from fastalign.train.run import run_training
+from tests.torchrun import run_two_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 
 def config(tmp_path: Path, **overrides) -> TrainConfig:
@@ -173,24 +173,7 @@ def test_adapter_round_trip_and_merge_give_the_trained_outputs(trained_run, caps
 @pytest.mark.slow
 def test_two_process_fsdp2_keeps_the_weights_4bit(tmp_path):
     out = tmp_path / "memory.json"
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_KEYS} | {"PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(Path(__file__).with_name("fsdp_qlora_worker.py")),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_two_processes(Path(__file__).with_name("fsdp_qlora_worker.py"), out)
     record = json.loads(out.read_text())
     assert record["full_bytes"] * 8 == record["dense_bytes"]  # packed: 1/8 of fp32
     # sharded: each rank holds about half of the packed bytes (FSDP pads each shard by < 1 element)
@@ -215,25 +198,8 @@ def test_two_process_qlora_matches_one_process(tmp_path, source):
     single = config(tmp_path / "one", max_steps=3, model_name_or_path=model)
     run_training(single, "sft")
     two = config(tmp_path / "two", max_steps=3, per_device_train_batch_size=4, model_name_or_path=model)
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_KEYS} | {"PYTHONPATH": str(REPO_ROOT)}
     worker = REPO_ROOT / "tests" / "train" / "train_worker.py"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(worker),
-            json.dumps([["sft", asdict(two)]]),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_two_processes(worker, json.dumps([["sft", asdict(two)]]))
     for a, b in zip(logged(tmp_path / "one"), logged(tmp_path / "two"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 

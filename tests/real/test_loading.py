@@ -14,6 +14,7 @@ from fastalign.train.config import TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.loading import load_model_and_tokenizer
 from fastalign.train.policy import load_frozen_model, prepare_policy
+from tests.torchrun import run_two_processes
 
 pytestmark = pytest.mark.real
 
@@ -128,30 +129,11 @@ def test_two_process_fsdp2_load_and_export_keep_the_checkpoint_and_the_tie(smoll
     """Under FSDP2 each rank fills only its shard of the skeleton; gathered, the weights are the
     checkpoint's, the head is the embedding (one sharded Parameter), and the export holds it once."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from safetensors import safe_open
 
-    root = Path(__file__).resolve().parents[2]
-    variables = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {key: value for key, value in os.environ.items() if key not in variables}
-    env |= {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(Path(__file__).with_name("fsdp_load_worker.py")),
-        str(smollm2),
-        str(tmp_path),
-    ]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    run_two_processes(Path(__file__).with_name("fsdp_load_worker.py"), smollm2, tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result == {
         "tied": True,

@@ -5,9 +5,6 @@ reference set-ups agree; bad input fails with errors naming the row, function or
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,9 +20,9 @@ from fastalign.train.config import TrainConfig
 from fastalign.train.engine import Callback, Engine
 from fastalign.train.reference import AdapterDisabledReference, FrozenReference, SyncReference
 from fastalign.train.run import run_training
+from tests import torchrun
 
 WORKER = Path(__file__).with_name("train_worker.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DIGITS = "fastalign.builtin:digit_ratio"
 #: Per objective: what differs from the common tiny config (GRPO: short completions, 2 prompts × 4).
 OBJECTIVE_OPTIONS = {
@@ -65,28 +62,8 @@ def logged(output_dir) -> list[dict]:
 
 
 def run_two_processes(runs: list[tuple[str, TrainConfig]]) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env["PYTHONPATH"] = str(REPO_ROOT)
     payload = json.dumps([[objective, asdict(cfg)] for objective, cfg in runs])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(WORKER),
-            payload,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun.run_two_processes(WORKER, payload, timeout=900)
 
 
 @pytest.mark.slow

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +18,10 @@ from fastalign.train.distributed import (
     shard_model,
     shutdown_distributed,
 )
+from tests.torchrun import run_two_processes
 from tests.train.fsdp_worker import LR, STEPS, TEXTS, batch_of, build_model
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -81,22 +78,7 @@ def _reference(tie_word_embeddings: bool) -> tuple[list[float], dict[str, torch.
 @pytest.mark.parametrize("tie_word_embeddings", [False, True])
 def test_two_process_fsdp_matches_single_process(tmp_path, tie_word_embeddings):
     out = tmp_path / "result.json"
-    env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(WORKER),
-        str(out),
-        str(tie_word_embeddings),
-    ]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    run_two_processes(WORKER, out, tie_word_embeddings, timeout=300)
     result = json.loads(out.read_text())
 
     # the halves hold different numbers of label tokens: per-rank means would not give the global mean

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from fastalign.train.distributed import DistributedContext
 from fastalign.train.engine import Callback, Engine, NonFiniteLossError, Schedule
 from fastalign.train.objectives import SFTObjective
 from fastalign.train.sft import run_sft
+from tests.torchrun import run_two_processes
 
 SINGLE = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -53,26 +51,7 @@ def config(tmp_path, **overrides) -> TrainConfig:
 
 def sft_in_two_processes(cfg: TrainConfig) -> None:
     """``run_sft(cfg)`` under torchrun × 2 (gloo, FSDP2)."""
-    torchrun_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun_keys}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(Path(__file__).with_name("train_worker.py")),
-            json.dumps([["sft", asdict(cfg)]]),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_two_processes(Path(__file__).with_name("train_worker.py"), json.dumps([["sft", asdict(cfg)]]))
 
 
 def logged(output_dir) -> list[dict]:

@@ -1,0 +1,26 @@
+"""A worker script under ``torchrun`` in 2 processes (gloo on the CPU), from a test: the one launcher of
+the multi-process tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+#: A test itself run under torchrun must not hand its rank and rendezvous to the workers.
+_TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_two_processes(worker: str | Path, *args: object, timeout: int = 600) -> None:
+    """``worker args...`` in 2 processes with the repository importable and one thread each (2 processes
+    on CI's 2 cores); fails the test with the end of their output unless both exit 0."""
+    env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    completed = subprocess.run(
+        [*command, str(worker), *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
