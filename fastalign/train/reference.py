@@ -190,11 +190,12 @@ class ReferenceOptions:
             )
 
 
-def reference_model(model: nn.Module, options: ReferenceOptions, parts: RunParts) -> Reference:
-    """The reference policy for ``model`` (see ``ReferenceOptions``)."""
-    if options.use_peft and options.ref_model_name_or_path is None:
+def reference_model(model: nn.Module, ref_model_name_or_path: str | None, parts: RunParts) -> Reference:
+    """The reference policy for ``model``: the adapter-disabled policy under LoRA without
+    ``ref_model_name_or_path``, else a frozen model (the policy's initial weights unless named)."""
+    if parts.use_peft and ref_model_name_or_path is None:
         return AdapterDisabledReference(model)
-    return FrozenReference(parts.load_frozen_model(options.ref_model_name_or_path))
+    return FrozenReference(parts.load_frozen_model(ref_model_name_or_path))
 
 
 def setup_reference(
@@ -206,7 +207,7 @@ def setup_reference(
 ) -> tuple[Reference | None, tuple[list, list], list[Callback]]:
     """The reference for training (None once precomputed into the train and evaluation examples, which
     are returned with their log-probs attached) and the callbacks it needs (TR-DPO's sync)."""
-    reference = reference_model(model, options, parts)
+    reference = reference_model(model, options.ref_model_name_or_path, parts)
     if options.precompute_ref_log_probs:
         with autocast(parts.ctx.device, parts.autocast_dtype):  # as under the engine
             examples = tuple(

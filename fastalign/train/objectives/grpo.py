@@ -34,7 +34,7 @@ from fastalign.train.batches import BatchPosition, MicroBatches
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
-from fastalign.train.reference import Reference, ReferenceOptions, reference_model, token_logprobs_of
+from fastalign.train.reference import Reference, reference_model, token_logprobs_of
 from fastalign.train.rewards import resolve_reward_funcs
 from fastalign.train.rollout import (
     Completions,
@@ -257,20 +257,10 @@ class GRPOObjective(Objective):
         if self.options.disable_dropout:
             disable_dropout(model)
         if self.loss.config.beta > 0:
-            self.reference = reference_model(model, self._reference_options(parts), parts)
+            self.reference = reference_model(model, self.options.ref_model_name_or_path, parts)
         self.tokenizer = parts.tokenizer
         self.conversational = isinstance(train[0].prompt, list)
         return Prepared(train, evaluation)
-
-    def _reference_options(self, parts: RunParts) -> ReferenceOptions:
-        return ReferenceOptions(
-            self.options.ref_model_name_or_path,
-            precompute_ref_log_probs=False,
-            sync_ref_model=False,
-            ref_model_mixup_alpha=0.0,
-            ref_model_sync_steps=1,
-            use_peft=parts.use_peft,
-        )
 
     # --- a step ------------------------------------------------------------------------------------
     def loss_tokens(self, batch: dict) -> int:
