@@ -2,7 +2,12 @@
 
 from fastalign.data.collate import PackedCollator, PaddingCollator
 from fastalign.data.formats import DatasetFormat, detect_format
-from fastalign.data.packing import pack_best_fit_decreasing
+from fastalign.data.packing import (
+    PACKING_STRATEGIES,
+    pack_best_fit_decreasing,
+    split_long_examples,
+    wrap_examples,
+)
 from fastalign.data.preference import (
     KTOCollator,
     KTOExample,
@@ -18,6 +23,7 @@ from fastalign.data.sft import TokenizedExample, tokenize_sft_dataset, tokenize_
 from fastalign.data.sources import load_rows
 
 __all__ = [
+    "PACKING_STRATEGIES",
     "DatasetFormat",
     "KTOCollator",
     "KTOExample",
@@ -31,9 +37,11 @@ __all__ = [
     "detect_format",
     "load_rows",
     "pack_best_fit_decreasing",
+    "split_long_examples",
     "tokenize_kto_dataset",
     "tokenize_preference_dataset",
     "tokenize_prompt_dataset",
     "tokenize_sft_dataset",
     "tokenize_sft_row",
+    "wrap_examples",
 ]

@@ -1,9 +1,48 @@
 """Conversations → token ids through the tokenizer's own chat template, shared by the SFT and the
-preference formats so that a conversational prompt and its completion split the same way in both."""
+preference formats so that a conversational prompt and its completion split the same way in both.
+
+Every rendering of a row passes the same template arguments (``template_arguments``), built as TRL's
+trainers build them: the row's ``tools`` column, the config's ``chat_template_kwargs``, then the row's
+own ``chat_template_kwargs`` column."""
 
 from __future__ import annotations
 
+import json
+
 from transformers import PreTrainedTokenizerBase
+
+
+def template_arguments(row: dict, where: str, chat_template_kwargs: dict | None = None) -> dict:
+    """The ``apply_chat_template`` arguments of one conversational row: ``tools`` from its ``tools``
+    column (a list of tool schemas or functions' JSON schemas, or that list as JSON text, as a dataset
+    column often stores it; absent or None: no tools), then ``chat_template_kwargs`` (the config's,
+    e.g. ``{"enable_thinking": False}``), then the row's ``chat_template_kwargs`` column, which wins
+    where both name a key. A ValueError names the row for a column of the wrong kind."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise ValueError(f"{where}: 'tools' is text but not JSON (a list of tool schemas)") from None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"{where}: 'tools' must be a list of tool schemas, got {type(tools).__name__}")
+    own = row.get("chat_template_kwargs")
+    if own is not None and not isinstance(own, dict):
+        raise ValueError(
+            f"{where}: 'chat_template_kwargs' must be a mapping of template variables, "
+            f"got {type(own).__name__}"
+        )
+    return {"tools": tools, **(chat_template_kwargs or {}), **(own or {})}
+
+
+def check_template_kwargs_apply(chat_template_kwargs: dict | None, conversational: bool) -> None:
+    """A ValueError when the config sets ``chat_template_kwargs`` for a data set of text rows, which no
+    template renders (the key would be ignored)."""
+    if chat_template_kwargs and not conversational:
+        raise ValueError(
+            "config key 'chat_template_kwargs' sets chat template variables, but the data set's rows are "
+            "text, which no chat template renders: remove it"
+        )
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **kwargs) -> dict:
@@ -13,10 +52,12 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **kwar
     return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
 
 
-def conversation_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: list[dict]) -> list[int]:
+def conversation_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, prompt: list[dict], template: dict | None = None
+) -> list[int]:
     """The tokens of a conversational prompt, ending with the generation prompt (the assistant turn's
-    opening, after which a completion starts)."""
-    return list(render_chat(tokenizer, prompt, add_generation_prompt=True)["input_ids"])
+    opening, after which a completion starts). ``template``: the row's ``template_arguments``."""
+    return list(render_chat(tokenizer, prompt, add_generation_prompt=True, **(template or {}))["input_ids"])
 
 
 def conversation_completion_ids(
@@ -26,10 +67,11 @@ def conversation_completion_ids(
     completion: list[dict],
     where: str,
     field: str,
+    template: dict | None = None,
 ) -> list[int]:
     """The tokens of the ``completion`` messages: the rendering of prompt + completion after the
     prompt's own rendering (``prompt_ids``, with the generation prompt), which must be its prefix."""
-    ids = list(render_chat(tokenizer, prompt + completion)["input_ids"])
+    ids = list(render_chat(tokenizer, prompt + completion, **(template or {}))["input_ids"])
     if ids[: len(prompt_ids)] != prompt_ids:
         raise ValueError(
             f"{where}: the chat template does not render the prompt as a prefix of the "

@@ -1,6 +1,7 @@
 """TRL's dataset formats for SFT: which one a dataset is, and whether a row is well formed.
 
-- language modeling: ``text`` (standard) or ``messages`` (conversational);
+- language modeling: ``text`` (standard; ``dataset_text_field`` names another column) or ``messages``
+  (conversational);
 - prompt-completion: ``prompt`` and ``completion``, both strings (standard) or both lists of
   messages (conversational).
 """
@@ -17,37 +18,47 @@ ROLES = ("system", "user", "assistant", "tool")
 class DatasetFormat:
     kind: Literal["language_modeling", "prompt_completion"]
     conversational: bool
+    text_field: str = "text"  # the column of standard language-modeling rows (``dataset_text_field``)
 
     @property
     def columns(self) -> tuple[str, ...]:
         if self.kind == "prompt_completion":
             return ("prompt", "completion")
-        return ("messages",) if self.conversational else ("text",)
+        return ("messages",) if self.conversational else (self.text_field,)
 
 
-def detect_format(columns: list[str], first_row: dict, where: str | None = None) -> DatasetFormat:
-    """The format from the column names (and, for prompt-completion, the first row's types); ``where``
-    names the first row in the error (e.g. ``"train.jsonl line 1"``)."""
+def detect_format(
+    columns: list[str], first_row: dict, where: str | None = None, text_field: str = "text"
+) -> DatasetFormat:
+    """The format from the column names (and, for prompt-completion, the first row's types), in TRL's
+    order: prompt-completion, then ``messages``, then ``text_field``. ``where`` names the first row in
+    the error (e.g. ``"train.jsonl line 1"``)."""
     if "prompt" in columns and "completion" in columns:
         return DatasetFormat("prompt_completion", isinstance(first_row["prompt"], list))
     if "messages" in columns:
         return DatasetFormat("language_modeling", True)
-    if "text" in columns:
-        return DatasetFormat("language_modeling", False)
+    if text_field in columns:
+        return DatasetFormat("language_modeling", False, text_field)
     raise ValueError(
-        f"{where + ': ' if where else ''}the dataset has columns {sorted(columns)}; SFT needs 'text', "
-        "'messages', or 'prompt' and 'completion'"
+        f"{where + ': ' if where else ''}the dataset has columns {sorted(columns)}; SFT needs "
+        f"{text_field!r} (dataset_text_field), 'messages', or 'prompt' and 'completion'"
     )
 
 
 def check_messages(messages, where: str, field: str) -> None:
     """A ValueError naming the row (``where``: ``"row 3"``, ``"train.jsonl line 4"``) and the field when
-    ``messages`` is not a non-empty list of chat messages."""
+    ``messages`` is not a non-empty list of chat messages. A message that calls tools (``tool_calls``)
+    may have no ``content``, as chat templates with tool support render it."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: {field!r} must be a non-empty list of messages")
     for position, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict):
             raise ValueError(f"{where}: {field}[{position}] must be a message with a string 'content'")
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise ValueError(
+                f"{where}: {field}[{position}] must be a message with a string 'content' (or 'tool_calls')"
+            )
         if message.get("role") not in ROLES:
             raise ValueError(f"{where}: {field}[{position}] has role {message.get('role')!r}; known: {ROLES}")
 

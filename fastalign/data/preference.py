@@ -7,8 +7,10 @@
 
 A row's text fields are all strings (standard) or all lists of messages (conversational). Prompts and
 completions are kept apart because the losses score completions only. Standard completions end with
-EOS so the model learns to stop; conversational prompts are rendered with the generation prompt, and a
-conversational completion is what the full conversation's rendering adds to the prompt's.
+EOS so the model learns to stop (unless they already end with it, as TRL appends it); conversational
+prompts are rendered with the generation prompt, and a conversational completion is what the full
+conversation's rendering adds to the prompt's. Every rendering of a row passes its ``template_arguments``
+(its ``tools`` and ``chat_template_kwargs`` columns over the config's ``chat_template_kwargs``).
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fastalign.data.chat import conversation_completion_ids, conversation_prompt_ids
+from fastalign.data.chat import (
+    check_template_kwargs_apply,
+    conversation_completion_ids,
+    conversation_prompt_ids,
+    template_arguments,
+)
 from fastalign.data.collate import PaddingCollator
 from fastalign.data.formats import check_messages
-from fastalign.data.sft import TokenizedExample
+from fastalign.data.sft import TokenizedExample, with_eos
 from fastalign.data.sources import Rows, row_origins
 
 
@@ -56,8 +63,11 @@ class PromptExample:
     columns: dict[str, object]  # every other column of the row, for the reward functions
 
 
-def _nonempty(rows: Iterable[dict]) -> list[tuple[dict, str]]:
-    """Each row with what errors call it: its file and line (``Rows`` from files) or ``row <index>``."""
+def _nonempty(
+    rows: Iterable[dict], fields: tuple[str, ...], chat_template_kwargs: dict | None
+) -> list[tuple[dict, str]]:
+    """Each row with what errors call it: its file and line (``Rows`` from files) or ``row <index>``;
+    and a ValueError where ``chat_template_kwargs`` is set but no row has messages in ``fields``."""
     rows = rows if isinstance(rows, Rows) else list(rows)
     if not rows:
         raise ValueError("the dataset is empty")
@@ -65,6 +75,8 @@ def _nonempty(rows: Iterable[dict]) -> list[tuple[dict, str]]:
     for row, where in named:
         if not isinstance(row, dict):
             raise ValueError(f"{where}: a row must be a dict of columns, got {type(row).__name__}")
+    conversational = any(isinstance(row.get(field), list) for row, _ in named for field in fields)
+    check_template_kwargs_apply(chat_template_kwargs, conversational)
     return named
 
 
@@ -94,13 +106,18 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def _with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int], where: str, field: str) -> list[int]:
     if not ids:
         raise ValueError(f"{where}: {field!r} is empty")
-    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    return with_eos(tokenizer, ids)
 
 
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) -> list[int]:
+def _template(row: dict, where: str, conversational: bool, chat_template_kwargs: dict | None) -> dict:
+    """The row's chat template arguments (none for standard text, which no template renders)."""
+    return template_arguments(row, where, chat_template_kwargs) if conversational else {}
+
+
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], template: dict) -> list[int]:
     if isinstance(prompt, str):
         return _text_ids(tokenizer, prompt)
-    return conversation_prompt_ids(tokenizer, prompt)
+    return conversation_prompt_ids(tokenizer, prompt, template)
 
 
 def _completion_ids(
@@ -110,10 +127,11 @@ def _completion_ids(
     completion: str | list[dict],
     where: str,
     field: str,
+    template: dict,
 ) -> list[int]:
     if isinstance(completion, str):
         return _with_eos(tokenizer, _text_ids(tokenizer, completion), where, field)
-    return conversation_completion_ids(tokenizer, prompt, prompt_ids, completion, where, field)
+    return conversation_completion_ids(tokenizer, prompt, prompt_ids, completion, where, field, template)
 
 
 def _shared_length(a: Sequence, b: Sequence) -> int:
@@ -164,7 +182,7 @@ class LengthLimits:
 
 
 def _tokenize_preference_row(
-    row: dict, where: str, tokenizer: PreTrainedTokenizerBase
+    row: dict, where: str, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict | None
 ) -> tuple[list[int], dict[str, list[int]]]:
     explicit = row.get("prompt") is not None
     fields = ("prompt", "chosen", "rejected") if explicit else ("chosen", "rejected")
@@ -195,27 +213,34 @@ def _tokenize_preference_row(
             "chosen": _with_eos(tokenizer, chosen_ids[shared:], where, "chosen"),
             "rejected": _with_eos(tokenizer, rejected_ids[shared:], where, "rejected"),
         }
-    prompt_ids = _prompt_ids(tokenizer, prompt)
+    template = _template(row, where, conversational, chat_template_kwargs)
+    prompt_ids = _prompt_ids(tokenizer, prompt, template)
     return prompt_ids, {
-        field: _completion_ids(tokenizer, prompt, prompt_ids, completion, where, field)
+        field: _completion_ids(tokenizer, prompt, prompt_ids, completion, where, field, template)
         for field, completion in (("chosen", chosen), ("rejected", rejected))
     }
 
 
 def tokenize_preference_dataset(
-    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, *, bos_prompt: bool = False, **limits
+    rows: Iterable[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    bos_prompt: bool = False,
+    chat_template_kwargs: dict | None = None,
+    **limits,
 ) -> list[PreferenceExample]:
     """Every row of a preference dataset, explicit or implicit prompt, standard or conversational.
 
     ``limits`` are ``LengthLimits``' fields: ``max_length`` bounds prompt + chosen and prompt + rejected;
     a longer row is an error unless ``truncation``, which keeps the prompt's last ``max_prompt_length``
     tokens and cuts completions. ``bos_prompt``: start each prompt with the tokenizer's BOS token where it
-    does not already (TRL 1.16's CPO and ORPO trainers do; its DPO trainer does not)."""
+    does not already (TRL 1.16's CPO and ORPO trainers do; its DPO trainer does not).
+    ``chat_template_kwargs``: the config's template variables for conversational rows."""
     fit = LengthLimits(**limits).fit
     bos = tokenizer.bos_token_id if bos_prompt else None
     examples = []
-    for row, where in _nonempty(rows):
-        prompt_ids, completions = _tokenize_preference_row(row, where, tokenizer)
+    for row, where in _nonempty(rows, ("prompt", "chosen", "rejected"), chat_template_kwargs):
+        prompt_ids, completions = _tokenize_preference_row(row, where, tokenizer, chat_template_kwargs)
         if bos is not None and prompt_ids[:1] != [bos]:
             prompt_ids = [bos, *prompt_ids]
         prompt_ids, completions = fit(prompt_ids, completions, where)
@@ -224,21 +249,27 @@ def tokenize_preference_dataset(
 
 
 def tokenize_kto_dataset(
-    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, **limits
+    rows: Iterable[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    chat_template_kwargs: dict | None = None,
+    **limits,
 ) -> list[KTOExample]:
-    """Every row of an unpaired preference dataset; ``limits`` as ``tokenize_preference_dataset``'s."""
+    """Every row of an unpaired preference dataset; ``chat_template_kwargs`` and ``limits`` as
+    ``tokenize_preference_dataset``'s."""
     lengths = LengthLimits(**limits)
     examples = []
-    for row, where in _nonempty(rows):
-        _is_conversational(row, where, ("prompt", "completion"))
+    for row, where in _nonempty(rows, ("prompt", "completion"), chat_template_kwargs):
+        conversational = _is_conversational(row, where, ("prompt", "completion"))
         label = row.get("label")
         if label is None:
             raise ValueError(f"{where}: missing 'label'")
         if not isinstance(label, bool):  # "false" is truthy: only a bool surely says which side
             raise ValueError(f"{where}: 'label' must be a bool (True: desirable), got {label!r}")
-        prompt_ids = _prompt_ids(tokenizer, row["prompt"])
+        template = _template(row, where, conversational, chat_template_kwargs)
+        prompt_ids = _prompt_ids(tokenizer, row["prompt"], template)
         completion_ids = _completion_ids(
-            tokenizer, row["prompt"], prompt_ids, row["completion"], where, "completion"
+            tokenizer, row["prompt"], prompt_ids, row["completion"], where, "completion", template
         )
         prompt_ids, completions = lengths.fit(prompt_ids, {"completion": completion_ids}, where)
         examples.append(KTOExample(prompt_ids, completions["completion"], label))
@@ -256,14 +287,18 @@ def tokenize_prompt_dataset(
     *,
     max_prompt_length: int | None = None,
     truncation: bool = False,
+    chat_template_kwargs: dict | None = None,
 ) -> list[PromptExample]:
     """Every row of a prompt-only dataset; a prompt over ``max_prompt_length`` is an error unless
-    ``truncation``, which keeps its last tokens. The other columns are kept as the row has them."""
+    ``truncation``, which keeps its last tokens. The other columns are kept as the row has them (the
+    reward functions get them all, ``tools`` and ``chat_template_kwargs`` included).
+    ``chat_template_kwargs``: as ``tokenize_preference_dataset``'s."""
     lengths = LengthLimits(max_prompt_length=max_prompt_length, truncation=truncation)
     examples = []
-    for row, where in _nonempty(rows):
-        _is_conversational(row, where, ("prompt",))
-        prompt_ids = _prompt_ids(tokenizer, row["prompt"])
+    for row, where in _nonempty(rows, ("prompt",), chat_template_kwargs):
+        conversational = _is_conversational(row, where, ("prompt",))
+        template = _template(row, where, conversational, chat_template_kwargs)
+        prompt_ids = _prompt_ids(tokenizer, row["prompt"], template)
         if not prompt_ids:
             raise ValueError(f"{where}: 'prompt' is empty")
         prompt_ids, _ = lengths.fit(prompt_ids, {}, where)

@@ -1,12 +1,16 @@
 """SFT rows → token ids and a loss mask (1 where the token is a training target).
 
-- text: all tokens, plus EOS.
+- text (the ``dataset_text_field`` column): all tokens, plus EOS.
 - messages: the chat template's rendering; with ``assistant_only_loss`` only the assistant tokens,
   which needs a template that marks them with ``{% generation %}`` (else a clear error, never a silent
   run that trains on nothing).
 - prompt + completion: the prompt's tokens then the completion's (and EOS for standard text); with
   ``completion_only_loss`` (the default) only the completion tokens. Conversational prompts are
   rendered with the generation prompt and must be a prefix of the full conversation's rendering.
+
+EOS is the tokenizer's (``eos_token`` overrides it), appended as TRL appends it: to standard text and
+completions only (a chat template ends turns itself), and not where the text already ends with it.
+Conversational rows are rendered with their ``template_arguments`` (``tools``, ``chat_template_kwargs``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from fastalign.data.chat import conversation_completion_ids, conversation_prompt_ids, render_chat
+from fastalign.data.chat import (
+    check_template_kwargs_apply,
+    conversation_completion_ids,
+    conversation_prompt_ids,
+    render_chat,
+    template_arguments,
+)
 from fastalign.data.formats import DatasetFormat, check_row, detect_format
 from fastalign.data.sources import Rows, row_origins
 
@@ -35,6 +45,13 @@ def _has_generation_marks(tokenizer) -> bool:
     return "generation" in template and "endgeneration" in template
 
 
+def with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
+    """``ids`` ending with the tokenizer's EOS: appended unless already last (TRL appends the EOS text
+    unless the text ends with it), nothing for a tokenizer without one."""
+    eos = tokenizer.eos_token_id
+    return ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
+
+
 def tokenize_sft_row(
     row: dict,
     index: int | str,
@@ -45,14 +62,16 @@ def tokenize_sft_row(
     truncation: bool = True,
     completion_only_loss: bool | None = None,
     assistant_only_loss: bool = False,
+    chat_template_kwargs: dict | None = None,
 ) -> TokenizedExample:
     """Token ids and loss mask of one row. ``index`` names it in errors: its index in a list (``row 3``)
-    or where it is written (``"train.jsonl line 4"``)."""
+    or where it is written (``"train.jsonl line 4"``). ``chat_template_kwargs``: the config's template
+    variables for conversational rows (the row's own ``chat_template_kwargs`` column wins)."""
     where = index if isinstance(index, str) else f"row {index}"
     check_row(row, where, fmt)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    template = template_arguments(row, where, chat_template_kwargs) if fmt.conversational else {}
     if fmt.kind == "language_modeling" and not fmt.conversational:
-        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"] + eos
+        ids = with_eos(tokenizer, tokenizer(row[fmt.text_field], add_special_tokens=False)["input_ids"])
         mask = [1] * len(ids)
     elif fmt.kind == "language_modeling":
         if assistant_only_loss:
@@ -61,20 +80,21 @@ def tokenize_sft_row(
                     "assistant_only_loss needs a chat template that marks assistant turns with "
                     "{% generation %} ... {% endgeneration %}; this tokenizer's template does not"
                 )
-            rendered = render_chat(tokenizer, row["messages"], return_assistant_tokens_mask=True)
+            rendered = render_chat(tokenizer, row["messages"], return_assistant_tokens_mask=True, **template)
             ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
         else:
-            ids = list(render_chat(tokenizer, row["messages"])["input_ids"])
+            ids = list(render_chat(tokenizer, row["messages"], **template)["input_ids"])
             mask = [1] * len(ids)
     else:
         if fmt.conversational:
-            prompt = conversation_prompt_ids(tokenizer, row["prompt"])
+            prompt = conversation_prompt_ids(tokenizer, row["prompt"], template)
             ids = prompt + conversation_completion_ids(
-                tokenizer, row["prompt"], prompt, row["completion"], where, "completion"
+                tokenizer, row["prompt"], prompt, row["completion"], where, "completion", template
             )
         else:
             prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            ids = prompt + tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + eos
+            completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+            ids = prompt + with_eos(tokenizer, completion)
         only_completion = True if completion_only_loss is None else completion_only_loss
         mask = [0 if only_completion and i < len(prompt) else 1 for i in range(len(ids))]
 
@@ -88,10 +108,11 @@ def tokenize_sft_row(
 
 
 def tokenize_sft_dataset(
-    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, **options
+    rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, *, dataset_text_field: str = "text", **options
 ) -> list[TokenizedExample]:
-    """Every row of a dataset (or list of dicts) in one format; options as ``tokenize_sft_row``. Errors
-    name a row by its file and line where ``rows`` are ``Rows`` loaded from files, else by its index."""
+    """Every row of a dataset (or list of dicts) in one format, standard text rows in the
+    ``dataset_text_field`` column; options as ``tokenize_sft_row``. Errors name a row by its file and
+    line where ``rows`` are ``Rows`` loaded from files, else by its index."""
     rows = rows if isinstance(rows, Rows) else list(rows)
     if not rows:
         raise ValueError("the dataset is empty")
@@ -100,7 +121,9 @@ def tokenize_sft_dataset(
         if not isinstance(row, dict):
             raise ValueError(f"{where}: a row must be a dict of columns, got {type(row).__name__}")
     # The first row's format: its columns with a value (a table's other columns are None there).
-    fmt = detect_format([key for key, value in rows[0].items() if value is not None], rows[0], origins[0])
+    columns = [key for key, value in rows[0].items() if value is not None]
+    fmt = detect_format(columns, rows[0], origins[0], dataset_text_field)
+    check_template_kwargs_apply(options.get("chat_template_kwargs"), fmt.conversational)
     return [
         tokenize_sft_row(row, where, tokenizer, fmt, **options)
         for row, where in zip(rows, origins, strict=True)

@@ -11,7 +11,8 @@ absent), A the completion's advantage and w_t = mask_t · norm_b the aggregation
     c1 = exp(ℓ − ℓ_old)  (token level)  or  exp(Σ_t mask_t (ℓ − ℓ_old) / Σ_t mask_t)  (sequence level)
     clip:   loss_t = −min(min(c1, δ)·A, clamp(c1, 1 − ε_low, 1 + ε_high)·A)
     cispo:  loss_t = −sg(min(c1, ε_high))·A·ℓ
-    KL:     kl_t = exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1,  loss_t += β·kl_t  (bias-corrected: β·kl_t·c1)
+    KL:     kl_t = exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1,  loss_t += β·kl_t  (bias-corrected: β·kl_t·c1, token
+            level only: at sequence level its gradient couples a completion's tokens; the op uses PyTorch)
     L = Σ_t w_t loss_t,   ∂L/∂ℓ_t = w_t · (c1·∂loss/∂c1 + β·(1 − exp(ℓ_ref − ℓ)))   (clip)
                                      w_t · (−sg(min(c1, ε_high))·A + β·(…))            (cispo)
 The sequence-level form has the same gradient: ∂c1/∂ℓ_t = c1·mask_t / Σmask, and the Σ over the

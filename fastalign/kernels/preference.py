@@ -15,6 +15,10 @@ smoothing, and logσ(x) = min(x, 0) − log(1 + e^−|x|):
 
 One program handles ``BLOCK`` pairs; the derivatives are written out below, no autograd. Floor: a few
 bytes per pair: negligible next to the log-probs that feed it.
+
+``log_sum_sq_probs`` is WPO's per-token statistic log Σ_v p_v² of a chunk of logits [C, V], one program
+per row in a single online pass over the vocabulary (running max m, s₁ = Σ e^(z−m), s₂ = Σ e^(2(z−m)),
+then log s₂ − 2·log s₁); forward only (WPO's weights carry no gradient). Floor: one read of the chunk.
 """
 
 from __future__ import annotations
@@ -144,3 +148,34 @@ def pair_loss(
         c, r, loss, dc, dr, n, beta, smoothing, tau, LOSS=LOSS_CODES[loss_type], BLOCK=block
     )
     return loss, dc, dr
+
+
+@triton.jit
+def _log_sum_sq_probs_kernel(logits_ptr, out_ptr, stride_row, V, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    running_max = float("-inf")
+    exp_sum = 0.0  # Σ exp(z − running_max)
+    sq_sum = 0.0  # Σ exp(2(z − running_max))
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_vocab = cols < V
+        z = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        rescale = tl.exp(running_max - new_max)
+        e = tl.where(in_vocab, tl.exp(z - new_max), 0.0)
+        exp_sum = exp_sum * rescale + tl.sum(e, axis=0)
+        sq_sum = sq_sum * rescale * rescale + tl.sum(e * e, axis=0)
+        running_max = new_max
+    tl.store(out_ptr + row, tl.log(sq_sum) - 2.0 * tl.log(exp_sum))
+
+
+def log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log Σ_v softmax(logits)_v² per row [C] (fp32) of logits [C, V] (any float dtype, unit stride in V)."""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        block = min(triton.next_power_of_2(vocab), 4096)
+        _log_sum_sq_probs_kernel[(rows,)](logits, out, logits.stride(0), vocab, BLOCK_V=block)
+    return out

@@ -2,5 +2,14 @@
 
 from fastalign.losses.grpo import GRPOLoss, GRPOLossOutput
 from fastalign.losses.preference import KTOLoss, PreferenceLoss, PreferenceLossOutput
+from fastalign.losses.rloo import RLOOLoss, RLOOLossOutput
 
-__all__ = ["GRPOLoss", "GRPOLossOutput", "KTOLoss", "PreferenceLoss", "PreferenceLossOutput"]
+__all__ = [
+    "GRPOLoss",
+    "GRPOLossOutput",
+    "KTOLoss",
+    "PreferenceLoss",
+    "PreferenceLossOutput",
+    "RLOOLoss",
+    "RLOOLossOutput",
+]

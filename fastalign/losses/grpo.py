@@ -24,6 +24,59 @@ LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
+def check_completion_inputs(
+    hidden: Tensor,
+    weight: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    *,
+    per_token: dict[str, Tensor | None],
+    bias: Tensor | None,
+    **optional: Tensor | None,
+) -> None:
+    """Types and shapes of a completion loss's inputs (GRPO's, RLOO's): ``hidden`` [B, T, D], integer
+    ``completion_ids`` [B, T], ``completion_mask`` and the ``per_token`` tensors [B, T], ``advantages``
+    [B]; ``optional`` tensors only need to be tensors (their shapes are the caller's to check)."""
+    for name, tensor in (
+        ("hidden", hidden),
+        ("weight", weight),
+        ("completion_ids", completion_ids),
+        ("completion_mask", completion_mask),
+        ("advantages", advantages),
+    ):
+        validation.require_tensor(name, tensor)
+    for name, tensor in (*per_token.items(), ("bias", bias), *optional.items()):
+        validation.require_tensor(name, tensor, optional=True)
+    if completion_ids.dim() != 2:
+        raise ValueError(f"completion_ids must have shape [B, T], got {tuple(completion_ids.shape)}")
+    if (
+        completion_ids.is_floating_point()
+        or completion_ids.is_complex()
+        or completion_ids.dtype == torch.bool
+    ):
+        raise ValueError(f"completion_ids must be integer token ids, got dtype {completion_ids.dtype}")
+    batch, length = completion_ids.shape
+    for name, tensor in (("completion_mask", completion_mask), *per_token.items()):
+        if tensor is not None and tensor.shape != completion_ids.shape:
+            raise ValueError(
+                f"{name} shape {tuple(tensor.shape)} must equal completion_ids shape {(batch, length)}"
+            )
+    if hidden.shape[:2] != completion_ids.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [B, T, D] with [B, T] = {(batch, length)}")
+    if advantages.shape != (batch,):
+        raise ValueError(f"advantages must have shape [B] = ({batch},), got {tuple(advantages.shape)}")
+
+
+def completion_value_checks(completion_mask: Tensor, advantages: Tensor) -> validation.DeferredChecks:
+    """The value checks of a completion loss's mask (0/1) and advantages (finite), deferred so that the
+    caller adds its own and pays one host sync for all (``raise_first``)."""
+    checks = validation.DeferredChecks()
+    checks.binary_mask("completion_mask", completion_mask)
+    checks.finite("advantages", advantages)
+    return checks
+
+
 class GRPOLossOutput(NamedTuple):
     loss: Tensor
     metrics: dict[str, Tensor]  # TRL's names: kl, entropy, clip_ratio/{low,high,region}_mean (detached)
@@ -90,11 +143,6 @@ class GRPOLoss(nn.Module):
         if beta < 0 or epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
             raise ValueError(
                 f"beta, epsilon and epsilon_high must be >= 0, got {beta}, {epsilon}, {epsilon_high}"
-            )
-        if use_bias_correction_kl and beta > 0 and importance_sampling_level == "sequence":
-            raise ValueError(
-                "use_bias_correction_kl (the KL term times the importance ratio) is not implemented for "
-                "importance_sampling_level='sequence' yet: set use_bias_correction_kl=False (or beta=0)"
             )
         if delta is not None and delta <= 1.0 + (epsilon_high if epsilon_high is not None else epsilon):
             raise ValueError(f"delta must exceed 1 + epsilon_high, got {delta}")
@@ -168,49 +216,21 @@ class GRPOLoss(nn.Module):
         fused log-softmax, so whatever their hidden states hold (NaN at padding) reaches nothing, and
         their ``per_token_logps`` are 0. One host sync checks the values of the mask, the advantages
         and a tensor ``num_items_in_batch``."""
-        for name, tensor in (
-            ("hidden", hidden),
-            ("weight", weight),
-            ("completion_ids", completion_ids),
-            ("completion_mask", completion_mask),
-            ("advantages", advantages),
-        ):
-            validation.require_tensor(name, tensor)
-        for name, tensor in (
-            ("old_per_token_logps", old_per_token_logps),
-            ("ref_per_token_logps", ref_per_token_logps),
-            ("bias", bias),
-        ):
-            validation.require_tensor(name, tensor, optional=True)
-        if completion_ids.dim() != 2:
-            raise ValueError(f"completion_ids must have shape [B, T], got {tuple(completion_ids.shape)}")
-        if (
-            completion_ids.is_floating_point()
-            or completion_ids.is_complex()
-            or completion_ids.dtype == torch.bool
-        ):
-            raise ValueError(f"completion_ids must be integer token ids, got dtype {completion_ids.dtype}")
-        batch, length = completion_ids.shape
-        for name, tensor in (
-            ("completion_mask", completion_mask),
-            ("old_per_token_logps", old_per_token_logps),
-            ("ref_per_token_logps", ref_per_token_logps),
-        ):
-            if tensor is not None and tensor.shape != completion_ids.shape:
-                raise ValueError(
-                    f"{name} shape {tuple(tensor.shape)} must equal completion_ids shape {(batch, length)}"
-                )
-        if hidden.shape[:2] != completion_ids.shape:
-            raise ValueError(
-                f"hidden {tuple(hidden.shape)} must be [B, T, D] with [B, T] = {(batch, length)}"
-            )
-        if advantages.shape != (batch,):
-            raise ValueError(f"advantages must have shape [B] = ({batch},), got {tuple(advantages.shape)}")
+        check_completion_inputs(
+            hidden,
+            weight,
+            completion_ids,
+            completion_mask,
+            advantages,
+            per_token={
+                "old_per_token_logps": old_per_token_logps,
+                "ref_per_token_logps": ref_per_token_logps,
+            },
+            bias=bias,
+        )
         if self.config.beta > 0 and ref_per_token_logps is None:
             raise ValueError("beta > 0 needs ref_per_token_logps")
-        checks = validation.DeferredChecks()
-        checks.binary_mask("completion_mask", completion_mask)
-        checks.finite("advantages", advantages)
+        checks = completion_value_checks(completion_mask, advantages)
         if num_items_in_batch is not None and not self.uses_item_count:
             raise ValueError(
                 f"num_items_in_batch is used by loss_type 'dapo' and 'cispo' only; {self.loss_type!r} would "

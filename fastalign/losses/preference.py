@@ -17,7 +17,17 @@ from torch import nn
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import token_logprobs, validation
 from fastalign.ops.backend import BACKENDS, Backend
-from fastalign.ops.preference import DPO_LOSS_TYPES, SMOOTHED_DPO_LOSS_TYPES, dpo_pair_inputs, pair_loss
+from fastalign.ops.preference import (
+    DPO_LOSS_TYPES,
+    F_DIVERGENCE_LOSS_TYPES,
+    F_DIVERGENCE_TYPES,
+    SMOOTHED_DPO_LOSS_TYPES,
+    UNWEIGHTED_DPO_LOSS_TYPES,
+    dpo_pair_inputs,
+    length_desensitised_weights,
+    pair_loss,
+    token_log_sum_sq_probs,
+)
 
 OBJECTIVES: tuple[str, ...] = ("dpo", "simpo", "cpo", "orpo")
 CPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo")
@@ -29,6 +39,9 @@ SMOOTHED: dict[str, tuple[str, ...]] = {
     "simpo": ("sigmoid",),
     "orpo": (),
 }
+#: KTO's loss types (TRL 1.16's KTOConfig): 'apo_zero_unpaired' is APO-zero on unpaired completions, with
+#: no KL reference point.
+KTO_LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
 
 
 class PreferenceLossOutput(NamedTuple):
@@ -61,19 +74,90 @@ def _check_options(chunk_size, backend) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def sequence_logprobs(
-    hidden, weight, targets, bias=None, *, chunk_size=None, backend: Backend = "auto"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Σ log p over each sequence's loss tokens [N], loss-token counts [N], token log-probs [N, T]).
+class _Sequences(NamedTuple):
+    """Per-sequence sums and per-token values of N sequences' loss tokens."""
 
+    logps: torch.Tensor  # [N] Σ log p (weighted by ``token_weights`` when given)
+    lengths: torch.Tensor  # [N] loss-token counts
+    tokens: torch.Tensor  # [N, T] log p, 0 where ignored
+    entropy: torch.Tensor | None  # [N, T] detached entropy of each position's distribution, if asked
+
+
+def _check_dpo_options(
+    objective: str,
+    loss_types: list[str],
+    ld_alpha: float | None,
+    f_divergence_type: str,
+    f_alpha_divergence_coef: float,
+    use_weighting: bool,
+) -> None:
+    """LD-DPO, f-DPO and WPO: DPO only (TRL 1.16's DPOConfig), refused where TRL refuses the combination
+    or would ignore the value."""
+    if f_divergence_type not in F_DIVERGENCE_TYPES:
+        raise ValueError(f"f_divergence_type must be one of {F_DIVERGENCE_TYPES}, got {f_divergence_type!r}")
+    if ld_alpha is not None and not 0.0 <= validation.real("ld_alpha", ld_alpha) <= 1.0:
+        raise ValueError(f"ld_alpha must be in [0, 1] or None, got {ld_alpha}")
+    validation.real("f_alpha_divergence_coef", f_alpha_divergence_coef)
+    changed = [
+        name
+        for name, value, default in (
+            ("ld_alpha", ld_alpha, None),
+            ("f_divergence_type", f_divergence_type, "reverse_kl"),
+            ("f_alpha_divergence_coef", f_alpha_divergence_coef, 0.5),
+            ("use_weighting", use_weighting, False),
+        )
+        if value != default
+    ]
+    if objective != "dpo" and changed:
+        raise ValueError(f"{', '.join(changed)}: dpo options (TRL's DPOConfig), not {objective}'s")
+    if f_divergence_type != "reverse_kl":
+        unsupported = [name for name in loss_types if name not in F_DIVERGENCE_LOSS_TYPES]
+        if unsupported or set(loss_types) == {"sft"}:
+            raise ValueError(
+                f"f_divergence_type {f_divergence_type!r} applies to loss_type "
+                f"{', '.join(name for name in F_DIVERGENCE_LOSS_TYPES if name != 'sft')} (as TRL 1.16), not "
+                f"{', '.join(unsupported or loss_types)}; use reverse_kl"
+            )
+    if f_alpha_divergence_coef != 0.5 and f_divergence_type != "alpha_divergence":
+        raise ValueError(
+            f"f_alpha_divergence_coef ({f_alpha_divergence_coef}) would be ignored: only f_divergence_type "
+            "alpha_divergence uses it"
+        )
+    unweighted = [name for name in loss_types if name in UNWEIGHTED_DPO_LOSS_TYPES]
+    if use_weighting and unweighted:
+        raise ValueError(
+            f"use_weighting (WPO) is not available for loss_type {', '.join(unweighted)}, as in TRL 1.16 "
+            "(aot and aot_unpaired sort the pairs; TRL fails on sft)"
+        )
+
+
+def sequence_logprobs(
+    hidden,
+    weight,
+    targets,
+    bias=None,
+    *,
+    token_weights: torch.Tensor | None = None,
+    entropy: bool = False,
+    chunk_size=None,
+    backend: Backend = "auto",
+) -> _Sequences:
+    """Sequence log-probs of ``targets``' loss tokens, from the fused log-softmax (no logits).
+
+    ``token_weights`` [N, T] make the sum a weighted one (LD-DPO); ``entropy`` also returns the
+    per-token entropy, which the fused kernel's statistics hold already (Σ p·z beside log Σ e^z).
     Raises a ValueError naming the first sequence without a loss token."""
     validation.require_tensor("targets", targets)
     lengths = (targets != IGNORE_INDEX).sum(-1).float()
     if bool((lengths == 0).any()):
         index = int((lengths == 0).nonzero()[0, 0])
         raise ValueError(f"sequence {index} of the batch has no loss tokens (all masked)")
-    tokens = token_logprobs(hidden, weight, targets, bias, chunk_size=chunk_size, backend=backend)
-    return tokens.sum(-1), lengths, tokens
+    out = token_logprobs(
+        hidden, weight, targets, bias, return_entropy=entropy, chunk_size=chunk_size, backend=backend
+    )
+    tokens, token_entropy = out if entropy else (out, None)
+    logps = (tokens if token_weights is None else tokens * token_weights).sum(-1)
+    return _Sequences(logps, lengths, tokens, None if token_entropy is None else token_entropy.detach())
 
 
 def _reward_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
@@ -126,6 +210,17 @@ class PreferenceLoss(nn.Module):
         'cpo': sigmoid / hinge / ipo on the log-prob margin (ipo on mean log-probs) + ``cpo_alpha``·NLL.
         'orpo': chosen NLL − β·logσ(log-odds ratio), on mean log-probs.
 
+    DPO's options beyond the loss type (TRL 1.16's DPOConfig; each refused where TRL refuses it or would
+    ignore it):
+        ld_alpha: LD-DPO. Each sequence log-prob (policy and reference) counts the completion tokens past
+            the shorter completion of its pair with weight ``ld_alpha`` (None: off).
+        f_divergence_type, f_alpha_divergence_coef: f-DPO. The losses on the score difference compare
+            f'(π/π_ref) instead of the log-ratios (``fastalign.ops.preference.f_divergence_scores``).
+        use_weighting: WPO. Each pair's loss (every loss type) is weighted by w_c·w_r, w = exp(mean over
+            the completion of log p_t − log Σ_v p_v²) under the policy, without gradient.
+    DPO also logs ``entropy``: the mean entropy of the policy's next-token distribution over all loss
+    tokens, chosen and rejected.
+
     ``label_smoothing`` (ε) is refused where TRL 1.16's formula would ignore it (see ``SMOOTHED``), and
     exo_pair, whose loss has log ε, needs it positive.
     """
@@ -142,6 +237,10 @@ class PreferenceLoss(nn.Module):
         reference_free: bool = False,
         gamma: float = 0.5,
         cpo_alpha: float = 1.0,
+        ld_alpha: float | None = None,
+        f_divergence_type: str = "reverse_kl",
+        f_alpha_divergence_coef: float = 0.5,
+        use_weighting: bool = False,
         chunk_size: int | None = None,
         backend: Backend = "auto",
     ):
@@ -175,6 +274,9 @@ class PreferenceLoss(nn.Module):
             )
         if "exo_pair" in loss_types and label_smoothing == 0:
             raise ValueError("loss_type exo_pair needs label_smoothing > 0: its loss has log ε (as TRL 1.16)")
+        _check_dpo_options(
+            objective, loss_types, ld_alpha, f_divergence_type, f_alpha_divergence_coef, use_weighting
+        )
         self.objective = objective
         self.loss_types = loss_types
         self.loss_weights = list(loss_weights) if loss_weights is not None else [1.0] * len(loss_types)
@@ -184,8 +286,17 @@ class PreferenceLoss(nn.Module):
         self.reference_free = reference_free or objective != "dpo"
         self.gamma = float(gamma)
         self.cpo_alpha = float(cpo_alpha)
+        self.ld_alpha = None if ld_alpha is None else float(ld_alpha)
+        self.f_divergence_type = f_divergence_type
+        self.f_alpha_divergence_coef = float(f_alpha_divergence_coef)
+        self.use_weighting = bool(use_weighting)
         self.chunk_size = chunk_size
         self.backend = backend
+
+    def token_weights(self, targets: torch.Tensor) -> torch.Tensor | None:
+        """LD-DPO's per-token weights of chosen-then-rejected ``targets`` [2P, T] (None without
+        ``ld_alpha``): a reference computed elsewhere must weight its token log-probs with them."""
+        return None if self.ld_alpha is None else length_desensitised_weights(targets, self.ld_alpha)
 
     def _pair(self, kernel_type: str, c, r, smoothed: bool) -> torch.Tensor:
         """The per-pair loss; ``smoothed``: whether TRL's formula for this loss type uses ε."""
@@ -234,8 +345,17 @@ class PreferenceLoss(nn.Module):
             )
         pairs = hidden.shape[0] // 2
         targets = _masked_targets(targets, loss_mask)
-        seq, lengths, tokens = sequence_logprobs(
-            hidden, weight, targets, bias, chunk_size=self.chunk_size, backend=self.backend
+        dpo = self.objective == "dpo"
+        token_weights = self.token_weights(targets)
+        seq, lengths, tokens, entropy = sequence_logprobs(
+            hidden,
+            weight,
+            targets,
+            bias,
+            token_weights=token_weights,
+            entropy=dpo,
+            chunk_size=self.chunk_size,
+            backend=self.backend,
         )
         pair = _Pairs(
             seq[:pairs],
@@ -244,11 +364,23 @@ class PreferenceLoss(nn.Module):
             lengths[pairs:],
             -tokens[:pairs].sum() / (lengths[:pairs].sum() if nll_tokens is None else nll_tokens),
         )
-        if self.objective == "dpo":
+        if dpo:
             refs = self._reference(
-                pairs, targets, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps
+                pairs,
+                targets,
+                token_weights,
+                ref_hidden,
+                ref_weight,
+                ref_bias,
+                ref_chosen_logps,
+                ref_rejected_logps,
             )
-            loss, rewards = self._dpo(pair, *refs)
+            pair_weights = (
+                self._wpo_weights(hidden, weight, bias, targets, tokens, lengths)
+                if self.use_weighting
+                else None
+            )
+            loss, rewards = self._dpo(pair, *refs, pair_weights)
             logps = (pair.chosen, pair.rejected)
         else:
             # the log-probs a reference-free loss compares (means for SimPO, CPO's ipo, ORPO) are both
@@ -263,10 +395,31 @@ class PreferenceLoss(nn.Module):
             metrics["nll_loss"] = pair.nll.detach()
         if self.objective == "orpo":
             metrics |= _log_odds_metrics(pair)
+        if entropy is not None:
+            metrics["entropy"] = entropy.sum() / lengths.sum()
         return PreferenceLossOutput(loss, metrics)
 
-    def _dpo(self, pair: _Pairs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
-        """The weighted DPO-family loss and the implicit rewards' log-ratios."""
+    @torch.no_grad()
+    def _wpo_weights(self, hidden, weight, bias, targets, tokens, lengths) -> torch.Tensor:
+        """WPO's pair weights [P]: w_chosen·w_rejected, w = exp(mean over the loss tokens of
+        log p_t − log Σ_v p_v²), the policy's length-normalised probability aligned by its own
+        distribution (TRL 1.16's ``use_weighting``; whole completions, whatever ``ld_alpha``)."""
+        log_sum_sq = token_log_sum_sq_probs(
+            hidden, weight, targets, bias, chunk_size=self.chunk_size, backend=self.backend
+        )
+        weights = torch.exp((tokens - log_sum_sq).sum(-1) / lengths)
+        chosen, rejected = weights.chunk(2)
+        return chosen * rejected
+
+    def _dpo(
+        self,
+        pair: _Pairs,
+        ref_chosen: torch.Tensor,
+        ref_rejected: torch.Tensor,
+        pair_weights: torch.Tensor | None,
+    ):
+        """The weighted DPO-family loss and the implicit rewards' log-ratios; ``pair_weights`` [P] (WPO)
+        scale every loss type's per-pair loss."""
         loss = torch.zeros((), device=pair.chosen.device)
         for loss_type, loss_weight in zip(self.loss_types, self.loss_weights, strict=True):
             if loss_type == "sft":
@@ -280,9 +433,14 @@ class PreferenceLoss(nn.Module):
                 ref_rejected,
                 pair.chosen_len,
                 pair.rejected_len,
+                f_divergence_type=self.f_divergence_type,
+                f_alpha_divergence_coef=self.f_alpha_divergence_coef,
             )
             smoothed = loss_type in SMOOTHED_DPO_LOSS_TYPES
-            loss = loss + loss_weight * self._pair(kernel_type, c, r, smoothed).mean()
+            losses = self._pair(kernel_type, c, r, smoothed)
+            if pair_weights is not None:
+                losses = losses * pair_weights
+            loss = loss + loss_weight * losses.mean()
         return loss, (pair.chosen - ref_chosen, pair.rejected - ref_rejected)
 
     def _reference_free(self, pair: _Pairs):
@@ -299,8 +457,11 @@ class PreferenceLoss(nn.Module):
         loss = pair.nll + self._pair("orpo", chosen_mean, rejected_mean, False).mean()
         return loss, (chosen_mean, rejected_mean)
 
-    def _reference(self, pairs, targets, ref_hidden, ref_weight, ref_bias, ref_chosen, ref_rejected):
-        """Reference sequence log-probs (chosen [P], rejected [P]): given, computed, or 0 (reference-free)."""
+    def _reference(
+        self, pairs, targets, token_weights, ref_hidden, ref_weight, ref_bias, ref_chosen, ref_rejected
+    ):
+        """Reference sequence log-probs (chosen [P], rejected [P]): given (weighted by LD-DPO's
+        ``token_weights`` already, when on), computed, or 0 (reference-free)."""
         if self.reference_free:
             zeros = torch.zeros(pairs, device=targets.device)
             return zeros, zeros
@@ -315,9 +476,15 @@ class PreferenceLoss(nn.Module):
                 "ref_weight, or use reference_free=True"
             )
         with torch.no_grad():
-            ref_seq, _, _ = sequence_logprobs(
-                ref_hidden, ref_weight, targets, ref_bias, chunk_size=self.chunk_size, backend=self.backend
-            )
+            ref_seq = sequence_logprobs(
+                ref_hidden,
+                ref_weight,
+                targets,
+                ref_bias,
+                token_weights=token_weights,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
+            ).logps
         return ref_seq[:pairs], ref_seq[pairs:]
 
 
@@ -326,12 +493,16 @@ class KTOLoss(nn.Module):
     estimate, undesirable ones below (``desirable_weight``/``undesirable_weight`` balance them).
 
     The KL estimate is TRL's: mean over the batch of (policy − reference) log-probs of mismatched
-    prompt/completion pairs, clamped at 0, without gradient.
+    prompt/completion pairs, clamped at 0, without gradient. ``loss_type`` 'apo_zero_unpaired' (APO-zero
+    on unpaired completions, TRL 1.16) has no KL reference point: 1 − σ(β·log-ratio) for a desirable
+    completion, σ(β·log-ratio) for an undesirable one, i.e. the KTO loss at KL 0; it takes no KL log-probs.
+    Also logs ``entropy``: the mean entropy of the policy's next-token distribution over the loss tokens.
     """
 
     def __init__(
         self,
         *,
+        loss_type: str = "kto",
         beta: float = 0.1,
         desirable_weight: float = 1.0,
         undesirable_weight: float = 1.0,
@@ -339,10 +510,13 @@ class KTOLoss(nn.Module):
         backend: Backend = "auto",
     ):
         super().__init__()
+        if loss_type not in KTO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
         beta = validation.positive_finite("beta", beta)
         validation.real("desirable_weight", desirable_weight)
         validation.real("undesirable_weight", undesirable_weight)
         _check_options(chunk_size, backend)
+        self.loss_type = loss_type
         self.beta = float(beta)
         self.desirable_weight = float(desirable_weight)
         self.undesirable_weight = float(undesirable_weight)
@@ -358,19 +532,22 @@ class KTOLoss(nn.Module):
         loss_mask: torch.Tensor | None = None,
         *,
         ref_logps: torch.Tensor,
-        kl_logps: torch.Tensor,
-        ref_kl_logps: torch.Tensor,
+        kl_logps: torch.Tensor | None = None,
+        ref_kl_logps: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
     ) -> PreferenceLossOutput:
         """hidden [N, T, D] of N completions; ``labels`` [N] True where desirable; reference sequence
-        log-probs [N]; policy and reference log-probs of the mismatched (KL) completions [M]."""
+        log-probs [N]; policy and reference log-probs of the mismatched (KL) completions [M] ('kto'
+        only)."""
+        uses_kl = self.loss_type == "kto"
+        if not uses_kl and (kl_logps is not None or ref_kl_logps is not None):
+            raise ValueError(f"loss_type {self.loss_type!r} has no KL term: pass no kl_logps/ref_kl_logps")
         for name, tensor in (
             ("hidden", hidden),
             ("weight", weight),
             ("labels", labels),
             ("ref_logps", ref_logps),
-            ("kl_logps", kl_logps),
-            ("ref_kl_logps", ref_kl_logps),
+            *((("kl_logps", kl_logps), ("ref_kl_logps", ref_kl_logps)) if uses_kl else ()),
         ):
             validation.require_tensor(name, tensor)
         if hidden.dim() != 3:
@@ -380,19 +557,23 @@ class KTOLoss(nn.Module):
             raise ValueError(f"labels must have shape [N] = ({count},), got {tuple(labels.shape)}")
         if ref_logps.shape != (count,):
             raise ValueError(f"ref_logps must have shape [N] = ({count},), got {tuple(ref_logps.shape)}")
-        if kl_logps.shape != ref_kl_logps.shape:
+        if uses_kl and kl_logps.shape != ref_kl_logps.shape:
             raise ValueError(
                 f"kl_logps {tuple(kl_logps.shape)} and ref_kl_logps {tuple(ref_kl_logps.shape)} differ"
             )
-        seq, _, _ = sequence_logprobs(
+        seq, lengths, _, entropy = sequence_logprobs(
             hidden,
             weight,
             _masked_targets(targets, loss_mask),
             bias,
+            entropy=True,
             chunk_size=self.chunk_size,
             backend=self.backend,
         )
-        kl = (kl_logps.float() - ref_kl_logps.float()).mean().clamp(min=0).detach()
+        if uses_kl:
+            kl = (kl_logps.float() - ref_kl_logps.float()).mean().clamp(min=0).detach()
+        else:
+            kl = torch.zeros((), device=seq.device)
         logratios = seq - ref_logps.float()
         desirable = labels.bool()
         c = torch.where(desirable, logratios, kl)
@@ -400,7 +581,7 @@ class KTOLoss(nn.Module):
         losses = pair_loss(c, r, "kto", beta=self.beta, backend=self.backend)
         weights = torch.where(desirable, self.desirable_weight, self.undesirable_weight)
         rewards = self.beta * logratios.detach()
-        metrics = {"kl": kl}
+        metrics = {"kl": kl, "entropy": entropy.sum() / lengths.sum()}
         for name, selected in (("chosen", desirable), ("rejected", ~desirable)):
             if bool(selected.any()):
                 metrics[f"rewards/{name}"] = rewards[selected].mean()

@@ -113,6 +113,25 @@ def group_advantages(
     return GroupAdvantages(advantages.view(rewards.shape), zero_std, std)
 
 
+def nan_std(values: torch.Tensor) -> torch.Tensor:
+    """The unbiased std [] of the non-NaN entries of ``values`` (any shape); 0 for fewer than two."""
+    validation.require_tensor("values", values)
+    return _batch_std(values.reshape(-1).float())[0]
+
+
+def normalize_advantages(advantages: torch.Tensor, valid: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """RLOO's ``normalize_advantages``: (A − mean) / (std + eps) with the mean and the unbiased std of the
+    ``valid`` entries (the completions some reward function scored), 0 elsewhere, and 0 everywhere when
+    fewer than two are valid (TRL's NaN statistics, which its ``nan_to_num`` makes 0)."""
+    validation.require_tensor("advantages", advantages)
+    validation.require_tensor("valid", valid)
+    if valid.shape != advantages.shape or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool tensor shaped like advantages {tuple(advantages.shape)}")
+    values = torch.where(valid, advantages.float(), float("nan"))
+    scaled = (values - values.nanmean()) / (nan_std(values) + eps)
+    return torch.where(valid & (valid.sum() > 1), scaled, 0.0)
+
+
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum over reward functions [N, F] → [N], skipping NaN (a function that returned None);
     NaN where every function returned None, so the sample stays out of the group statistics."""
@@ -139,12 +158,9 @@ class TokenLossConfig:
     delta: float | None
     sequence_level: bool
     cispo: bool
-    #: TRL's ``use_bias_correction_kl``: the KL term times the importance ratio (token level only)
+    #: TRL's ``use_bias_correction_kl``: the KL term times the importance ratio (at sequence level, the
+    #: completion's: its gradient then couples a completion's tokens, so that runs in PyTorch)
     bias_correction_kl: bool = False
-
-    def __post_init__(self) -> None:
-        if self.bias_correction_kl and self.sequence_level:
-            raise ValueError("bias_correction_kl is for token-level importance sampling only")
 
 
 class TokenLossInputs(NamedTuple):
@@ -297,7 +313,11 @@ def grpo_token_loss(
     log_weight = None
     if config.sequence_level:
         log_weight = sequence_log_weights(logp, mask, old_logp)[:, None].expand_as(logp).reshape(-1)
-    if resolve_backend(backend, logp) == "torch":
+    # The kernel takes a completion's importance weight as a value: right for the clipped term, whose
+    # gradient per token is the same through it, not for a KL term it multiplies, whose gradient through
+    # it sums the completion's KL; autograd does that (on [B, T] values, elementwise).
+    coupled = config.sequence_level and config.bias_correction_kl and config.beta > 0
+    if coupled or resolve_backend(backend, logp) == "torch":
         return _token_loss_torch(logp.reshape(-1), log_weight, inputs, config)
     return _TokenLossFunction.apply(logp.reshape(-1), log_weight, inputs, config)
 

@@ -1,4 +1,6 @@
-"""Pairwise preference losses: ``pair_loss`` (dispatch + PyTorch) and the inputs each loss type needs.
+"""Pairwise preference losses: ``pair_loss`` (dispatch + PyTorch) and the inputs each loss type needs,
+with the DPO options that reshape those inputs (f-divergence scores, LD-DPO token weights) and WPO's
+per-token statistic ``token_log_sum_sq_probs``.
 
 The per-pair math is stated in ``fastalign/kernels/preference.py``; the PyTorch versions here follow
 TRL 1.16's ``DPOTrainer`` loss (and its CPO/SimPO/ORPO trainers) op for op; ``tests/parity`` runs TRL
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastalign.ops.backend import Backend, resolve_backend
+from fastalign.ops.linear_cross_entropy import default_chunk_size
 
 #: Loss types whose pair inputs are the chosen and rejected log-ratios π − π_ref (after the prep below).
 DPO_LOSS_TYPES: tuple[str, ...] = (
@@ -25,6 +28,16 @@ DPO_LOSS_TYPES: tuple[str, ...] = (
 SMOOTHED_DPO_LOSS_TYPES: tuple[str, ...] = ("robust", "exo_pair", "aot", "aot_unpaired")
 #: The DPO loss types TRL 1.16 compares on length-normalised (per completion token) log-ratios.
 LENGTH_NORMALISED_DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid_norm", "ipo")
+#: f-DPO's regularisers (TRL's ``f_divergence_type``); reverse_kl is DPO's own.
+F_DIVERGENCE_TYPES: tuple[str, ...] = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+#: The DPO loss types TRL 1.16 allows with another f-divergence than reverse_kl: those built on the
+#: chosen − rejected score difference, where f-DPO's β·log Z(x) term cancels ('sft' has no scores).
+F_DIVERGENCE_LOSS_TYPES: tuple[str, ...] = (
+    "sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft",
+)  # fmt: skip
+#: The DPO loss types TRL 1.16 refuses WPO weighting for: 'aot'/'aot_unpaired' sort the pairs (their
+#: weights would no longer match), and 'sft' fails in TRL's in-place weighting of its expanded loss.
+UNWEIGHTED_DPO_LOSS_TYPES: tuple[str, ...] = ("aot", "aot_unpaired", "sft")
 
 
 def _pair_loss_torch(c, r, loss_type: str, beta: float, smoothing: float, tau: float):
@@ -96,6 +109,28 @@ def pair_loss(
     return _PairLossFunction.apply(c, r, loss_type, float(beta), float(label_smoothing), float(discopop_tau))
 
 
+def f_divergence_scores(
+    logratios: torch.Tensor, f_divergence_type: str = "reverse_kl", alpha: float = 0.5
+) -> torch.Tensor:
+    """f'(π/π_ref) of the log-ratios log π/π_ref [P]: f-DPO's scores, which the losses of
+    ``F_DIVERGENCE_LOSS_TYPES`` compare in place of the log-ratios (TRL 1.16's formulas).
+
+    reverse_kl: log t. forward_kl: 1 − 1/t. js_divergence: log(2t/(1 + t)) = log 2 + logσ(log t).
+    alpha_divergence: (t^(α−1) − 1)/(α − 1), with (α−1)·log t clamped at 80 (fp32) so the exponential
+    stays finite; at |α − 1| < 1e-6 its limit, log t."""
+    if f_divergence_type == "reverse_kl" or (
+        f_divergence_type == "alpha_divergence" and abs(alpha - 1.0) < 1e-6
+    ):
+        return logratios
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if f_divergence_type == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    if f_divergence_type == "alpha_divergence":
+        return torch.expm1(((alpha - 1.0) * logratios.float()).clamp(max=80.0)) / (alpha - 1.0)
+    raise ValueError(f"f_divergence_type must be one of {F_DIVERGENCE_TYPES}, got {f_divergence_type!r}")
+
+
 def dpo_pair_inputs(
     loss_type: str,
     chosen: torch.Tensor,
@@ -104,16 +139,84 @@ def dpo_pair_inputs(
     ref_rejected: torch.Tensor,
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
+    *,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
 ) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """(kernel loss type, c, r) of a DPO-family loss from sequence log-probs [P] (differentiable)."""
+    """(kernel loss type, c, r) of a DPO-family loss from sequence log-probs [P] (differentiable).
+
+    The loss types of ``F_DIVERGENCE_LOSS_TYPES`` compare f-divergence scores of the log-ratios; the
+    others are defined for reverse_kl only (a ValueError otherwise)."""
+    if f_divergence_type != "reverse_kl" and loss_type not in F_DIVERGENCE_LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r} has no f-divergence form: only reverse_kl")
     if loss_type == "aot":  # sorted policy margins against sorted reference margins
         return "sigmoid", torch.sort(chosen - rejected)[0], torch.sort(ref_chosen - ref_rejected)[0]
     if loss_type == "aot_unpaired":
         return "sigmoid", torch.sort(chosen - ref_chosen)[0], torch.sort(rejected - ref_rejected)[0]
-    if loss_type in LENGTH_NORMALISED_DPO_LOSS_TYPES:  # the log-ratios per completion token
+    c, r = (
+        f_divergence_scores(logratios, f_divergence_type, f_alpha_divergence_coef)
+        for logratios in (chosen - ref_chosen, rejected - ref_rejected)
+    )
+    if loss_type in LENGTH_NORMALISED_DPO_LOSS_TYPES:  # the scores per completion token
         return (
             "sigmoid" if loss_type == "sigmoid_norm" else loss_type,
-            (chosen - ref_chosen) / chosen_lengths.clamp(min=1.0),
-            (rejected - ref_rejected) / rejected_lengths.clamp(min=1.0),
+            c / chosen_lengths.clamp(min=1.0),
+            r / rejected_lengths.clamp(min=1.0),
         )
-    return loss_type, chosen - ref_chosen, rejected - ref_rejected
+    return loss_type, c, r
+
+
+def length_desensitised_weights(
+    targets: torch.Tensor, ld_alpha: float, ignore_index: int = -100
+) -> torch.Tensor:
+    """LD-DPO's per-token weights [2P, T] for ``targets`` [2P, T] (P chosen rows, then their P rejected
+    ones; ``ignore_index`` where not a loss token): 1 on a completion's first k tokens, k the shorter
+    completion length of its pair, ``ld_alpha`` on the tokens after them, 0 where ignored. Σ weight·log p
+    is then TRL 1.16's shared + ld_alpha·tail log-prob, for the policy and the reference alike."""
+    counted = targets != ignore_index
+    position = counted.cumsum(-1)  # 1-based index of each loss token within its completion
+    chosen, rejected = position[:, -1].chunk(2)
+    shared = torch.minimum(chosen, rejected).repeat(2)
+    weights = torch.where(position > shared[:, None], ld_alpha, 1.0)
+    return weights * counted
+
+
+def _log_sum_sq_probs_torch(logits: torch.Tensor) -> torch.Tensor:
+    z = logits.float()
+    return torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
+
+
+@torch.no_grad()
+def token_log_sum_sq_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """log Σ_v p_v² of softmax(hidden @ weight.T + bias) at each loss token (fp32, shaped like
+    ``targets``, 0 where it is ``ignore_index``), without gradient: WPO's alignment term (TRL's
+    ``log_sum_sq_probs``).
+
+    The fused log-softmax's statistics have no Σ p², so this is a second, forward-only pass over the
+    loss tokens in chunks of logits (one [C, V] chunk alive): 2·N·V·D FLOPs next to its 8·N·V·D, run
+    only when ``use_weighting`` is on."""
+    dim, vocab = weight.shape[1], weight.shape[0]
+    flat_hidden, flat_targets = hidden.reshape(-1, dim), targets.reshape(-1)
+    rows = (flat_targets != ignore_index).nonzero().squeeze(-1)
+    out = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
+    step = chunk_size or default_chunk_size(vocab, weight.dtype, weight.device)
+    use_triton = resolve_backend(backend, hidden) == "triton"
+    for start in range(0, rows.numel(), step):
+        index = rows[start : start + step]
+        logits = F.linear(flat_hidden[index], weight, bias)
+        if use_triton:
+            from fastalign.kernels import preference as kernels
+
+            out[index] = kernels.log_sum_sq_probs(logits)
+        else:
+            out[index] = _log_sum_sq_probs_torch(logits)
+    return out.view(targets.shape)

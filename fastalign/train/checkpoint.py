@@ -7,9 +7,11 @@ own shards; loading re-shards), ``trainer_state.json`` (step, data position, sch
 ``rng-<rank>.pt`` of tensors per rank. It is written under ``.tmp-checkpoint-<step>`` and renamed when
 complete: a kill during a save leaves only a temporary directory, which resume never picks and the next
 save deletes; a disk that fills during a save is a one-line ``DiskFullError``, the partial directory
-removed. The last ``save_total_limit`` checkpoints are kept, and besides them the newest one that a
-finite step has followed, until the run ends: a checkpoint saved just before a run diverges may hold the
-weights that diverge, and must not be the only one left.
+removed. ``save_total_limit`` checkpoints are kept (None: all), as transformers rotates them: the newest
+and the best (``load_best_model_at_end``) always, the others newest first; and besides them, until the
+run ends, the newest one that a finite step has followed: a checkpoint saved just before a run diverges
+may hold the weights that diverge, and must not be the only one left. At the end the best is kept, not
+the newest, where only one may stay.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from fastalign.train.distributed import DistributedContext
 
@@ -113,6 +121,9 @@ def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str | Pa
 
 #: Frozen parameters (the base model under LoRA) are not saved: they come from the base weights.
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
+#: Loading sets only what was saved (not strict: the frozen weights are not in it, and stay as they are);
+#: ``_load`` has already refused a checkpoint that lacks any tensor asked for.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -141,11 +152,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict,
     ctx: DistributedContext,
-    save_total_limit: int,
+    save_total_limit: int | None,
     objective_state: dict[str, torch.Tensor] | None = None,
+    best: Path | None = None,
 ) -> Path:
     """Write ``checkpoint-<step>`` atomically (every rank calls this); returns its path. The objective's
-    state (tensors it carries across steps, possibly sharded) goes into ``objective/`` beside the model."""
+    state (tensors it carries across steps, possibly sharded) goes into ``objective/`` beside the model.
+    Older checkpoints beyond ``save_total_limit`` are deleted, never ``best``."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
     try:
@@ -176,28 +189,49 @@ def save_checkpoint(
     if ctx.is_main:
         os.replace(tmp, final)
         fsync_dir(root)
-        for old in _beyond_limit(list_checkpoints(root), save_total_limit, step):
+        for old in _beyond_limit(list_checkpoints(root), save_total_limit, best, step):
             shutil.rmtree(old)
     _barrier(ctx)
     return final
 
 
-def prune_checkpoints(output_dir: str | Path, save_total_limit: int, ctx: DistributedContext) -> None:
-    """Keep only the last ``save_total_limit`` checkpoints (at the end of a run that finished)."""
+def prune_checkpoints(
+    output_dir: str | Path, save_total_limit: int | None, ctx: DistributedContext, best: Path | None = None
+) -> None:
+    """At the end of a run that finished: ``save_total_limit`` checkpoints, the best among them."""
     if ctx.is_main:
-        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+        for old in _beyond_limit(list_checkpoints(output_dir), save_total_limit, best):
             shutil.rmtree(old)
     _barrier(ctx)
 
 
-def _beyond_limit(checkpoints: list[Path], limit: int, step: int) -> list[Path]:
-    """The checkpoints a save at ``step`` prunes: all but the last ``limit``, except that while none of
-    those has been followed by a finite step (with ``limit`` 1: the one just saved), the newest of the
-    others stays too: a run that diverges on its next step leaves a checkpoint that trains on."""
-    old, kept = checkpoints[:-limit], checkpoints[-limit:]
-    if old and all((checkpoint_step(path) or 0) >= step for path in kept):
-        old = old[:-1]
-    return old
+def _beyond_limit(
+    checkpoints: list[Path], limit: int | None, best: Path | None, step: int | None = None
+) -> list[Path]:
+    """The checkpoints to delete, oldest first, so that ``limit`` stay (None: all stay), as transformers'
+    ``rotate_checkpoints``: never ``best``, nor while the run goes on (``step``: the one just saved) the
+    newest, which a resume continues (so with both and ``limit`` 1, two stay until the end). While the run
+    goes on, if none of those that stay has been followed by a finite step (e.g. ``limit`` 1: only the one
+    just saved), the newest of the others stays too: a run that diverges on its next step leaves a
+    checkpoint that trains on."""
+    if limit is None or not checkpoints:
+        return []
+    best = next((path for path in checkpoints if best is not None and path == Path(best)), None)
+    protected = {best} if step is None and best is not None else {checkpoints[-1], best} - {None}
+    others = [path for path in checkpoints if path not in protected]
+    doomed = others[: max(0, len(checkpoints) - max(limit, len(protected)))]
+    staying = [path for path in checkpoints if path not in doomed]
+    if step is not None and doomed and all((checkpoint_step(path) or 0) >= step for path in staying):
+        doomed = doomed[:-1]
+    return doomed
+
+
+def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:
+    """Only the model's weights from checkpoint ``path`` (with LoRA: the adapters), re-sharded as the model
+    is: the best checkpoint's, loaded into the trained model at the end of a run (every rank calls this)."""
+    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+    _load(state, Path(path))
+    set_model_state_dict(model, state["model"], options=_LOAD_OPTIONS)
 
 
 def load_checkpoint(
@@ -226,7 +260,7 @@ def load_checkpoint(
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
-        options=_OPTIONS,
+        options=_LOAD_OPTIONS,
     )
     rng_file = path / f"rng-{ctx.rank}.pt"
     if rng_file.is_file():

@@ -17,7 +17,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from fastalign.data.packing import PACKING_STRATEGIES
 from fastalign.ops.grpo import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
+from fastalign.ops.preference import F_DIVERGENCE_TYPES
 
 
 @dataclass
@@ -28,6 +30,12 @@ class TrainConfig:
     model_name_or_path: str = "tiny-llama"  # a local directory (config + tokenizer), a built-in tiny name,
     # or a Hugging Face Hub id ("org/name", safetensors only) resolved through the Hugging Face cache
     model_revision: str | None = None  # branch, tag or commit of a Hub model_name_or_path; None: main
+    dtype: str | None = None  # the weights' dtype: float32 (TRL's default), bfloat16, float16, or auto (the
+    # checkpoint's); None: float32, but QLoRA keeps its frozen unquantized rest in bfloat16 under bf16
+    attn_implementation: str | None = None  # eager, sdpa, flex_attention, flash_attention_2/_3 (each needs
+    # its package); None: transformers' default (sdpa)
+    model_init_kwargs: dict[str, Any] | None = None  # from_pretrained options, as TRL's: dtype (torch_dtype)
+    # and attn_implementation, or a value that is what fastalign does anyway (device_map: null, ...)
     dataset_name: str | None = None  # a local JSONL/JSON/Parquet file or directory, a built-in name, or a
     # Hub dataset id; None: the objective's built-in tiny data set (tiny-sft, tiny-preference, tiny-kto, ...)
     dataset_config: str | None = None  # configuration (subset) of a Hub dataset; None: its default
@@ -37,26 +45,39 @@ class TrainConfig:
     eval_dataset_name: str | None = None
     eval_split_ratio: float = 0.0  # held-out fraction of dataset_name when no eval_dataset_name
     output_dir: str = "outputs/run"
-    max_length: int = 512
+    max_length: int = 1024  # TRL's default for every objective
     truncation: bool = False  # without it, an over-long example is an error naming its row
     packing: bool = False
     completion_only_loss: bool | None = None  # None: on for prompt-completion data
     assistant_only_loss: bool = False
 
+    # data: columns, tokens, chat templates, packing, embedding noise (TRL's SFTConfig / GRPOConfig and
+    # transformers' TrainingArguments names)
+    dataset_text_field: str = "text"  # sft: the column of standard language-modeling rows
+    eos_token: str | None = None  # a token of the vocabulary that replaces the tokenizer's EOS (appended to
+    # standard text and completions, where generation stops); None: the tokenizer's
+    pad_token: str | None = None  # a token of the vocabulary that pads; None: the tokenizer's (else EOS)
+    chat_template_path: str | None = None  # a .jinja/.j2 file or a local tokenizer directory whose chat
+    # template replaces the tokenizer's (a directory's EOS too, as TRL's clone_chat_template)
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables for every conversational row,
+    # e.g. {enable_thinking: false}; a row's own chat_template_kwargs column wins, its tools column is passed
+    packing_strategy: str = "bfd"  # with packing: bfd, bfd_split or wrapped (fastalign.data.packing)
+    neftune_noise_alpha: float | None = None  # NEFTune: uniform noise on the input embeddings in training
+
     # schedule
     max_steps: int = -1  # > 0 overrides num_train_epochs; -1: train num_train_epochs (0 is an error)
-    num_train_epochs: float = 1.0
+    num_train_epochs: float = 3.0  # transformers' default
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
-    learning_rate: float = 2e-5
+    learning_rate: float | None = None  # None: the objective's TRL default (sft 2e-5, the others 1e-6)
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0  # > 0 (clip_grad_norm_ with 0 would zero every gradient)
     optim: str = "adamw_torch_fused"  # one of OPTIMIZERS (transformers' names)
-    lr_scheduler_type: str = "cosine"  # one of LR_SCHEDULERS (transformers' names), after the warmup
+    lr_scheduler_type: str = "linear"  # one of LR_SCHEDULERS (transformers' names and default), after warmup
     lr_scheduler_kwargs: dict[str, Any] | None = None  # the schedule's own options, e.g. {min_lr_rate: 0.1}
     warmup_ratio: float = 0.0
     warmup_steps: float = 0  # >= 1: steps; in (0, 1): a ratio of the run's steps; 0: warmup_ratio decides
@@ -64,9 +85,11 @@ class TrainConfig:
 
     # precision and memory
     bf16: bool = False
+    fp16: bool = False  # fp16 autocast with a gradient scaler (one process; not with bf16), as transformers
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
     use_liger_kernel: bool = True  # patch_model the model (named as in transformers' TrainingArguments)
+    tf32: bool | None = None  # TF32 matmuls on Ampere+ CUDA GPUs (true needs one); None: torch's default
 
     # LoRA
     use_peft: bool = False
@@ -74,17 +97,23 @@ class TrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    use_rslora: bool = False  # rank-stabilized LoRA: scaling lora_alpha/√r instead of lora_alpha/r
+    use_dora: bool = False  # DoRA: a trained magnitude per output row over LoRA's direction (not with
+    # quantization: peft's DoRA cannot read fastalign's 4-bit weights)
+    lora_modules_to_save: list[str] | None = None  # modules trained in full and saved with the adapter,
+    # e.g. [lm_head, embed_tokens]
 
     # 4-bit base weights (QLoRA: needs use_peft), bitsandbytes' layout and names
     quantization: str | None = None  # nf4 or fp4: the decoder layers' linear layers in 4 bits
     bnb_4bit_use_double_quant: bool = True  # quantize the per-block scales too
 
     # preference training: dpo, orpo, simpo, cpo (TRL's DPOConfig / CPOConfig / ORPOConfig) and kto
-    beta: float | None = None  # None: the objective's TRL default (0.1; grpo and rloo 0.0)
-    loss_type: list[str] | None = None  # None: sigmoid (dpo, cpo), dapo (grpo); dpo takes several
+    beta: float | None = None  # None: the objective's TRL default (0.1; grpo 0.0, rloo 0.05)
+    loss_type: list[str] | None = None  # None: sigmoid (dpo, cpo), kto (kto), dapo (grpo); dpo takes several
     loss_weights: list[float] | None = None  # one per dpo loss_type (a weighted sum)
     label_smoothing: float = 0.0
-    max_prompt_length: int | None = 512  # None: no limit; longer prompts fail unless truncation
+    max_prompt_length: int | None = None  # a prompt limit of its own (TRL 1.16 has none); longer prompts
+    # fail unless truncation
     disable_dropout: bool | None = None  # None: the objective's TRL default (true for the preference
     # objectives and kto, false for grpo and rloo); sft does not read it
     ref_model_name_or_path: str | None = None  # None: the policy's initial weights (or LoRA disabled)
@@ -96,16 +125,28 @@ class TrainConfig:
     simpo_gamma: float = 0.5  # simpo: target reward margin
     desirable_weight: float = 1.0  # kto
     undesirable_weight: float = 1.0  # kto
+    ld_alpha: float | None = None  # dpo, LD-DPO: weight of the tokens past the pair's shorter completion
+    f_divergence_type: str = "reverse_kl"  # dpo, f-DPO: forward_kl, js_divergence, alpha_divergence
+    f_alpha_divergence_coef: float = 0.5  # dpo: α of f_divergence_type alpha_divergence
+    use_weighting: bool = False  # dpo, WPO: weight each pair by its policy probabilities
 
     # grpo / rloo (TRL's GRPOConfig / RLOOConfig)
     reward_funcs: list[str] = field(default_factory=list)  # built-ins, or import paths "module:function" /
     # "path/file.py:function": the module or file is imported (its code runs) when the run starts, so name
     # only code you trust; nothing else is imported, and a missing function is an error naming the file
     reward_weights: list[float] | None = None
-    num_generations: int = 8  # completions per prompt; per_device_train_batch_size counts completions
-    max_completion_length: int = 256
+    num_generations: int | None = None  # completions per prompt (None: TRL's, grpo 8, rloo 2);
+    # per_device_train_batch_size counts completions
+    num_generations_eval: int | None = None  # completions per evaluation prompt; None: num_generations
+    max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    min_p: float | None = None  # None: no min-p filtering
+    repetition_penalty: float = 1.0  # 1: none
+    generation_kwargs: dict[str, Any] | None = None  # more GenerationConfig options, over the ones above
+    log_completions: bool = False  # write each generation's prompts, completions, rewards and advantages
+    # to <output_dir>/completions.jsonl at the logging steps
     epsilon: float = 0.2
     epsilon_high: float | None = None
     delta: float | None = None
@@ -116,13 +157,25 @@ class TrainConfig:
     importance_sampling_level: str = "token"  # token, sequence
     use_bias_correction_kl: bool = True  # the KL term times the importance ratio (TRL's default; token level)
     mask_truncated_completions: bool = False
+    normalize_advantages: bool = False  # rloo: advantages standardised over the generation batch
+    reward_clip_range: list[float] | None = None  # rloo: [low, high] the rewards are clamped to
     use_vllm: bool = False  # generate with vLLM (colocated) instead of model.generate; needs vllm
 
     # logging, evaluation, checkpoints
-    logging_steps: int = 10
-    eval_steps: int = 0  # 0: no evaluation during training
-    save_steps: int = 0  # 0: only the final model
-    save_total_limit: int = 2
+    # When to log, evaluate and save, as transformers' TrainingArguments: a strategy ("no", "steps" every
+    # <x>_steps, "epoch" at each epoch's end); "steps" and "epoch" also act at the run's last step. A
+    # <x>_steps >= 1 is a number of steps, one in (0, 1) a ratio of the run's steps (rounded up).
+    logging_strategy: str = "steps"
+    logging_steps: float = 10
+    eval_strategy: str = "no"  # steps/epoch need eval_dataset_name or eval_split_ratio
+    eval_steps: float | None = None  # None: logging_steps
+    eval_on_start: bool = False  # evaluate before the first step (a sanity check)
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: int | None = None  # keep the newest N checkpoints (and the best); None: all
+    load_best_model_at_end: bool = False  # the exported model is the best checkpoint's (needs evaluation)
+    metric_for_best_model: str | None = None  # an evaluation metric, "eval_" prefix optional; None: "loss"
+    greater_is_better: bool | None = None  # None: false for a metric ending in "loss", else true
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir
     overwrite_output_dir: bool = False  # a non-empty output_dir is refused unless resuming; true: one that
     # holds a fastalign run (fastalign_config.yaml) is emptied, all of it, once the new run has loaded
@@ -142,8 +195,38 @@ LR_SCHEDULERS = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
 )  # fmt: skip
+#: When to log, evaluate and save (transformers' ``IntervalStrategy``).
+STRATEGIES = ("no", "steps", "epoch")
+_STEPS_OR_RATIO = "a whole number of steps, or a ratio of the run's steps in (0, 1)"
+
+
+def _steps_or_ratio(value: float | None) -> bool:
+    """A ``<x>_steps`` value: whole steps >= 1 or a ratio in (0, 1), as transformers (0 is no longer
+    fastalign's old "never": the strategies say that); None (eval_steps unset) passes."""
+    return value is None or (value > 0 and (value < 1 or float(value).is_integer()))
+
+
 #: Where metrics can be reported besides ``metrics.jsonl``.
 REPORT_TO = ("tensorboard", "wandb")
+#: ``dtype`` values (TRL's ModelConfig choices): a torch dtype by name, or "auto": the checkpoint's own.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: ``attn_implementation`` values: transformers' attention kernels (the flash ones need their package).
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+#: ``model_init_kwargs`` keys that are TrainConfig keys too (``torch_dtype``: transformers' older name).
+MODEL_INIT_KEYS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation"}
+#: ``model_init_kwargs`` keys for what fastalign's loader does itself: key → (the one value that says what
+#: it does anyway, accepted as a no-op; what to do instead of any other value).
+MODEL_INIT_OWN = {
+    "revision": (None, "set model_revision"),
+    "trust_remote_code": (False, "fastalign never runs a checkpoint's own code (transformers' models only)"),
+    "device_map": (None, "fastalign places the model itself (one device per process; FSDP2 under torchrun)"),
+    "quantization_config": (None, "set quantization (nf4 or fp4, with use_peft)"),
+    "load_in_4bit": (False, "set quantization (nf4 or fp4, with use_peft)"),
+    "load_in_8bit": (False, "8-bit base weights are not supported; quantization takes nf4 or fp4"),
+    "use_cache": (False, "training runs without a KV cache; generation turns it on itself"),
+    "use_safetensors": (True, "only safetensors weights are ever loaded"),
+    "low_cpu_mem_usage": (True, "checkpoints are always streamed in layer by layer"),
+}
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 _NULL = ("none", "null")
@@ -154,7 +237,6 @@ _POSITIVE = (
     "gradient_accumulation_steps",
     "max_length",
     "logging_steps",
-    "learning_rate",
 )
 #: What picks within a Hub model or dataset: a name (or null, the default, where allowed), never blank.
 _NOT_BLANK = (
@@ -185,9 +267,10 @@ _FLOATS = tuple(name for name, kind in typing.get_type_hints(TrainConfig).items(
 _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     *((key, _finite, "a finite number") for key in _FLOATS),
     *((key, lambda value: value > 0, "positive") for key in _POSITIVE),
+    ("learning_rate", lambda value: value is None or value > 0, "positive or null"),
     ("max_steps", lambda value: value > 0 or value == -1, "positive, or -1 to train num_train_epochs"),
     ("num_train_epochs", lambda value: value >= 0, "non-negative"),
-    ("save_total_limit", lambda value: value >= 1, "at least 1"),
+    ("save_total_limit", lambda value: value is None or value >= 1, "at least 1, or null to keep all"),
     ("warmup_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
     (
         "warmup_steps",
@@ -208,7 +291,31 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("lora_alpha", lambda value: value > 0, "positive"),
     ("lora_dropout", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("quantization", lambda value: value in (None, "nf4", "fp4"), "nf4, fp4 or null"),
-    ("num_generations", lambda value: value >= 2, "at least 2 (advantages compare completions)"),
+    (
+        "lora_modules_to_save",
+        lambda value: value is None or (value and all(name.strip() for name in value)),
+        "a non-empty list of module names or null",
+    ),
+    ("dtype", lambda value: value is None or value in DTYPES, f"one of {', '.join(DTYPES)} or null"),
+    (
+        "attn_implementation",
+        lambda value: value is None or value in ATTN_IMPLEMENTATIONS,
+        f"one of {', '.join(ATTN_IMPLEMENTATIONS)} or null",
+    ),
+    (
+        "num_generations",
+        lambda value: value is None or value >= 2,
+        "at least 2 (advantages compare completions) or null",
+    ),
+    ("num_generations_eval", lambda value: value is None or value >= 1, "at least 1 or null"),
+    ("top_k", lambda value: value >= 0, "non-negative (0: no top-k filtering)"),
+    ("min_p", lambda value: value is None or 0 <= value <= 1, "in [0, 1] or null"),
+    ("repetition_penalty", lambda value: value > 0, "positive"),
+    (
+        "reward_clip_range",
+        lambda value: value is None or (len(value) == 2 and value[0] <= value[1]),
+        "null or [low, high] with low <= high",
+    ),
     ("max_completion_length", lambda value: value > 0, "positive"),
     ("max_prompt_length", lambda value: value is None or value > 0, "positive or null"),
     ("temperature", lambda value: value > 0, "positive"),
@@ -227,6 +334,13 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("simpo_gamma", lambda value: value >= 0, "non-negative"),
     ("desirable_weight", lambda value: value > 0, "positive"),
     ("undesirable_weight", lambda value: value > 0, "positive"),
+    ("ld_alpha", lambda value: value is None or 0 <= value <= 1, "in [0, 1] or null"),
+    (
+        "f_divergence_type",
+        lambda value: value in F_DIVERGENCE_TYPES,
+        f"one of {', '.join(F_DIVERGENCE_TYPES)}",
+    ),
+    ("f_alpha_divergence_coef", _finite, "any finite number (as TRL; 1 is reverse_kl)"),
     ("reward_weights", lambda value: value is None or any(value), "null or a list with a non-zero weight"),
     ("scale_rewards", lambda value: value in SCALE_REWARDS, f"one of {', '.join(SCALE_REWARDS)}"),
     (
@@ -235,9 +349,30 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         f"one of {', '.join(ADVANTAGE_ESTIMATORS)}",
     ),
     ("importance_sampling_level", lambda value: value in ("token", "sequence"), "one of token, sequence"),
-    ("eval_steps", lambda value: value >= 0, "non-negative (0: no evaluation during training)"),
-    ("save_steps", lambda value: value >= 0, "non-negative (0: only the final model)"),
+    *(
+        (f"{kind}_strategy", lambda value: value in STRATEGIES, f"one of {', '.join(STRATEGIES)}")
+        for kind in ("logging", "eval", "save")
+    ),
+    ("logging_steps", _steps_or_ratio, _STEPS_OR_RATIO),
+    (
+        "eval_steps",
+        _steps_or_ratio,
+        f"{_STEPS_OR_RATIO}, or null for logging_steps (0 is not 'never': set eval_strategy no)",
+    ),
+    ("save_steps", _steps_or_ratio, f"{_STEPS_OR_RATIO} (0 is not 'never': set save_strategy no)"),
     ("report_to", lambda value: set(value) <= set(REPORT_TO), f"a list of {', '.join(REPORT_TO)}"),
+    ("dataset_text_field", lambda value: value.strip() != "", "a non-empty column name"),
+    *(
+        (key, lambda value: value is None or value != "", "a token (non-empty) or null")
+        for key in ("eos_token", "pad_token")
+    ),
+    ("chat_template_path", lambda value: value is None or value.strip() != "", "a path or null"),
+    (
+        "packing_strategy",
+        lambda value: value in PACKING_STRATEGIES,
+        f"one of {', '.join(PACKING_STRATEGIES)}",
+    ),
+    ("neftune_noise_alpha", lambda value: value is None or value > 0, "positive or null"),
 )
 
 
@@ -470,6 +605,7 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
         if not test(value):
             at = f" ({where[key]})" if key in where else ""
             raise ConfigError(f"config key {key!r}{at} must be {wanted}, got {value!r}")
+    _check_model_options(config, where)
     if config.quantization and not config.use_peft:
         at = f" ({where['quantization']})" if "quantization" in where else ""
         raise ConfigError(
@@ -489,6 +625,147 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
             for key in ("max_steps", "num_train_epochs")
         )
         raise ConfigError(f"config key 'max_steps' or 'num_train_epochs' must be positive, got {got}")
+    _check_evaluation_and_saving(config, where)
+
+
+def model_option(config: TrainConfig, key: str) -> str | None:
+    """``dtype`` or ``attn_implementation`` as the run loads the model: the key, or where it is null, the
+    same option in ``model_init_kwargs`` (``_check_model_options`` refuses the two disagreeing)."""
+    if getattr(config, key) is not None:
+        return getattr(config, key)
+    kwargs = config.model_init_kwargs or {}
+    return next((value for name, value in kwargs.items() if MODEL_INIT_KEYS.get(name) == key), None)
+
+
+def _check_model_options(config: TrainConfig, where: dict[str, str]) -> None:
+    """``model_init_kwargs`` (TRL's from_pretrained options) and the LoRA options: a key fastalign's loader
+    takes (dtype, attn_implementation) with a valid value given once, or an option it handles itself with
+    the value that says what it does anyway; LoRA options only with use_peft; DoRA not over 4-bit weights.
+    Anything else would be silently ignored, or clash with what fastalign does: an error."""
+
+    def fail(key: str, message: str) -> typing.NoReturn:
+        raise ConfigError(f"config key {key!r}{f' ({where[key]})' if key in where else ''} {message}")
+
+    for name, value in (config.model_init_kwargs or {}).items():
+        if name in MODEL_INIT_KEYS:
+            key = MODEL_INIT_KEYS[name]
+            allowed = DTYPES if key == "dtype" else ATTN_IMPLEMENTATIONS
+            if value not in allowed:
+                fail("model_init_kwargs", f"{name}: must be one of {', '.join(allowed)}, got {value!r}")
+            if model_option(config, key) != value:
+                fail(
+                    "model_init_kwargs",
+                    f"{name}: {value!r}, but {key} is {model_option(config, key)!r}: give it once",
+                )
+        elif name in MODEL_INIT_OWN:
+            same, instead = MODEL_INIT_OWN[name]
+            if value != same:
+                fail("model_init_kwargs", f"{name}: {value!r} is not what fastalign does ({instead})")
+        else:
+            fail(
+                "model_init_kwargs",
+                f"{name}: fastalign takes {', '.join(MODEL_INIT_KEYS)} here, or {', '.join(MODEL_INIT_OWN)} "
+                "with the value of what it does anyway; a model config attribute goes in its config.json",
+            )
+    attention, dtype = model_option(config, "attn_implementation"), model_option(config, "dtype")
+    if attention in ("flash_attention_2", "flash_attention_3") and not (
+        config.bf16 or config.fp16 or dtype in ("bfloat16", "float16")
+    ):
+        fail(
+            "attn_implementation",
+            f"({attention}) computes in bf16 or fp16 only: set bf16 (or fp16, or dtype)",
+        )
+    if dtype == "float16" and config.fp16 and not config.use_peft:
+        fail(
+            "dtype",
+            "float16 cannot train in full with fp16: its gradient scaler cannot unscale fp16 gradients",
+        )
+    lora = {"use_rslora": False, "use_dora": False, "lora_modules_to_save": None}
+    for key, default in lora.items():
+        if getattr(config, key) != default and not config.use_peft:
+            fail(key, "is a LoRA option: it needs use_peft: true")
+    if config.use_dora and config.quantization:
+        fail(
+            "use_dora",
+            f"cannot go with quantization ({config.quantization}): peft's DoRA reads the dense base weight "
+            "(its norm) and cannot read fastalign's 4-bit layers; use plain LoRA (QLoRA) or no quantization",
+        )
+
+
+def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str]) -> None:
+    """Strategies, precision and the best model, as transformers' ``TrainingArguments`` checks them, and
+    a step count or metric that the strategies would leave unread (an error, not silently ignored)."""
+
+    def fail(key: str, message: str) -> typing.NoReturn:
+        raise ConfigError(f"config key {key!r}{f' ({where[key]})' if key in where else ''} {message}")
+
+    if config.fp16 and config.bf16:
+        fail("fp16", "and 'bf16' are both true: set at most one (transformers allows only one)")
+    has_eval_data = bool(config.eval_dataset_name) or config.eval_split_ratio > 0
+    for key, asks in (
+        ("eval_strategy", config.eval_strategy != "no"),
+        ("eval_on_start", config.eval_on_start),
+        ("load_best_model_at_end", config.load_best_model_at_end),
+    ):
+        if asks and not has_eval_data:
+            fail(
+                key,
+                f"({getattr(config, key)!r}) needs held-out data: set eval_dataset_name or eval_split_ratio",
+            )
+    if (
+        has_eval_data
+        and config.eval_strategy == "no"
+        and not (config.eval_on_start or config.load_best_model_at_end)
+    ):
+        held = "eval_dataset_name" if config.eval_dataset_name else "eval_split_ratio"
+        fail(
+            held, "holds data out for evaluation, but eval_strategy is 'no': set eval_strategy steps or epoch"
+        )
+    defaults = TrainConfig()
+    eval_reads_logging_steps = config.eval_strategy == "steps" and config.eval_steps is None
+    for kind, read in (
+        ("logging", config.logging_strategy == "steps" or eval_reads_logging_steps),
+        ("eval", config.eval_strategy == "steps"),
+        ("save", config.save_strategy == "steps"),
+    ):
+        key = f"{kind}_steps"
+        if not read and getattr(config, key) != getattr(defaults, key):
+            fail(
+                key,
+                f"({getattr(config, key)!r}) is read only with {kind}_strategy steps, not "
+                f"{getattr(config, f'{kind}_strategy')!r}",
+            )
+    if not config.load_best_model_at_end:
+        for key in ("metric_for_best_model", "greater_is_better"):
+            if getattr(config, key) is not None:
+                fail(key, f"({getattr(config, key)!r}) is read only with load_best_model_at_end: true")
+        return
+    if config.eval_strategy == "no":
+        fail(
+            "load_best_model_at_end",
+            "needs evaluations to pick the best: set eval_strategy (and save_strategy) steps or epoch",
+        )
+    if config.eval_strategy != config.save_strategy:
+        fail(
+            "load_best_model_at_end",
+            f"needs save_strategy ({config.save_strategy!r}) to match eval_strategy "
+            f"({config.eval_strategy!r}): the best evaluation must be a saved checkpoint",
+        )
+    eval_steps = config.eval_steps if config.eval_steps is not None else config.logging_steps
+    if config.eval_strategy == "steps" and not _multiple(config.save_steps, eval_steps):
+        fail(
+            "load_best_model_at_end",
+            f"needs save_steps ({config.save_steps!r}) to be a multiple of the "
+            f"eval steps ({eval_steps!r}; both steps or both ratios), so that every checkpoint is evaluated",
+        )
+
+
+def _multiple(save_steps: float, eval_steps: float) -> bool:
+    """Whether ``save_steps`` is a whole multiple of ``eval_steps``, both step counts or both ratios (a
+    ratio and a count cannot be compared before the run's length is known), as transformers checks."""
+    if (save_steps < 1) != (eval_steps < 1):
+        return False
+    return round(save_steps * 1_000_000) % round(eval_steps * 1_000_000) == 0
 
 
 OptionsT = TypeVar("OptionsT")

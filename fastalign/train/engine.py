@@ -11,8 +11,19 @@ trains on: weights that are not finite are never saved, and the checkpoint holdi
 a non-finite loss is set aside as ``checkpoint-<step>.diverged`` (``resume_from_checkpoint: latest``
 would only diverge again). A run that collapses (loss ln V, gradient norm 0) trains on, with a warning.
 
-A checkpoint holds the model, the optimizer, the RNG, the data position and the objective's own state
-(``Objective.state_dict``, e.g. TR-DPO's synced reference), so a resumed run continues exactly.
+When to log, evaluate and save is transformers' (``Schedule``): each of them "no", every N "steps", or
+at each "epoch"'s end, and under "steps" and "epoch" also at the run's last step (an evaluation before the
+first step with ``eval_on_start``). With ``load_best_model_at_end`` each checkpoint's evaluation is
+compared on ``metric_for_best_model``; the best checkpoint outlives ``save_total_limit``, and its weights
+are loaded when the run ends, so that the exported model is the best one.
+
+fp16 autocast trains with a gradient scaler, as transformers: the loss is scaled up before backward and the
+gradients unscaled before clipping; a step whose gradients overflow is skipped (no optimizer or scheduler
+step) and the scale halves.
+
+A checkpoint holds the model, the optimizer, the RNG, the data position, the gradient scaler and the
+objective's own state (``Objective.state_dict``, e.g. TR-DPO's synced reference), so a resumed run
+continues exactly.
 Where metrics go (JSONL, progress bar, TensorBoard, W&B) and anything else users add are callbacks
 (``fastalign.train.callbacks``), so behaviour is added without editing the loop.
 """
@@ -34,10 +45,12 @@ import torch
 
 from fastalign.train import checkpoint
 from fastalign.train.batches import FILLER_KEY, BatchPosition
+from fastalign.train.config import ConfigError
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
 from fastalign.train.metrics import peak_memory_gib
 
 if TYPE_CHECKING:  # objectives import the engine's Callback and autocast
+    from fastalign.train.config import TrainConfig
     from fastalign.train.objectives.base import BatchSource, Objective
 
 
@@ -54,7 +67,10 @@ class TrainerState:
     position: BatchPosition = field(default_factory=BatchPosition)
     tokens_seen: int = 0
     scheduler: dict = field(default_factory=dict)
+    scaler: dict = field(default_factory=dict)  # fp16's gradient scaler: its scale and growth count
     log_history: list[dict] = field(default_factory=list)
+    best_metric: float | None = None  # load_best_model_at_end: the best checkpoint's metric and step
+    best_step: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,12 +99,58 @@ class Callback:
 
 @dataclass
 class Schedule:
+    """When the engine logs, evaluates and saves: transformers' strategies ("no", "steps", "epoch"), with
+    the step counts resolved (``from_config``). ``best_metric`` (an evaluation metric, e.g. "eval_loss"):
+    the checkpoint best by it is kept and loaded at the end (``load_best_model_at_end``)."""
+
     max_steps: int
     max_grad_norm: float = 1.0
+    logging_strategy: str = "steps"
     logging_steps: int = 10
-    eval_steps: int = 0
-    save_steps: int = 0
-    save_total_limit: int = 2
+    eval_strategy: str = "no"
+    eval_steps: int = 10
+    save_strategy: str = "steps"
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    eval_on_start: bool = False
+    best_metric: str | None = None
+    greater_is_better: bool = False
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, max_steps: int) -> Schedule:
+        """A ratio below 1 is a share of ``max_steps``, rounded up; ``eval_steps`` None is
+        ``logging_steps``; ``metric_for_best_model`` gets its "eval_" prefix, and ``greater_is_better``
+        its default: false for a metric ending in "loss" (as transformers)."""
+
+        def steps(value: float) -> int:
+            return math.ceil(max_steps * value) if value < 1 else int(value)
+
+        metric = config.metric_for_best_model or "loss"
+        greater = config.greater_is_better
+        return cls(
+            max_steps,
+            config.max_grad_norm,
+            config.logging_strategy,
+            steps(config.logging_steps),
+            config.eval_strategy,
+            steps(config.eval_steps if config.eval_steps is not None else config.logging_steps),
+            config.save_strategy,
+            steps(config.save_steps),
+            config.save_total_limit,
+            config.eval_on_start,
+            best_metric=(metric if metric.startswith("eval_") else f"eval_{metric}")
+            if config.load_best_model_at_end
+            else None,
+            greater_is_better=greater if greater is not None else not metric.endswith("loss"),
+        )
+
+    def due(self, kind: str, step: int, epoch_ended: bool, last: bool) -> bool:
+        """Whether ``kind`` ("logging", "eval", "save") acts after ``step``: every ``<kind>_steps`` steps
+        or at each epoch's end, and at the run's last step (unless its strategy is "no")."""
+        strategy = getattr(self, f"{kind}_strategy")
+        if strategy == "steps":
+            return last or step % getattr(self, f"{kind}_steps") == 0
+        return strategy == "epoch" and (last or epoch_ended)
 
 
 class Engine:
@@ -117,7 +179,9 @@ class Engine:
         self.output_dir = Path(output_dir)
         self.eval_batches, self.callbacks = list(eval_batches), list(callbacks)
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.autocast_dtype = autocast_dtype  # single-process bf16: fp32 weights, bf16 matmuls
+        self.autocast_dtype = autocast_dtype  # single process: fp32 weights, bf16 or fp16 matmuls
+        # fp16's narrow range underflows small gradients unless the loss is scaled up (bf16 needs none)
+        self.scaler = torch.amp.GradScaler(self.ctx.device.type) if autocast_dtype == torch.float16 else None
         self.run_config = run_config  # saved in each checkpoint: what a resume is checked against
         self.state = TrainerState()
         self.should_stop = False
@@ -131,6 +195,8 @@ class Engine:
         self.objective.load_state_dict(objective_state)
         self.state = TrainerState.from_dict(data)
         self.scheduler.load_state_dict(self.state.scheduler)
+        if self.scaler is not None and self.state.scaler:
+            self.scaler.load_state_dict(self.state.scaler)
 
     def save(self) -> Path:
         """``checkpoint-<step>``, unless the weights are not finite (then ``NonFiniteLossError``)."""
@@ -139,7 +205,9 @@ class Engine:
                 f"step {self.state.step}: the weights are not finite after the optimizer step, so they were "
                 f"not saved as checkpoint-{self.state.step}; {self._last_good_checkpoint()}"
             )
+        self._note_best()
         self.state.scheduler = self.scheduler.state_dict()
+        self.state.scaler = self.scaler.state_dict() if self.scaler is not None else {}
         trainer_state = self.state.to_dict()
         if self.run_config is not None:
             trainer_state[checkpoint.CONFIG_KEY] = self.run_config
@@ -152,33 +220,76 @@ class Engine:
             self.ctx,
             self.schedule.save_total_limit,
             objective_state=self.objective.state_dict(),
+            best=self.best_checkpoint(),
         )
         self._call("on_save", path)
         return path
 
     def train(self) -> TrainerState:
+        """Steps to ``max_steps`` (or a callback's ``should_stop``), logging, evaluating and saving as the
+        schedule says; then, with ``load_best_model_at_end``, the best checkpoint's weights."""
         self.model.train()
         self._call("on_train_begin")
         try:
+            if self.schedule.eval_on_start and self.state.step == 0:
+                self.evaluate()
             while self.state.step < self.schedule.max_steps and not self.should_stop:
                 metrics = self.train_step()
                 self._call("on_step_end", metrics)
-                step = self.state.step
-                if step % self.schedule.logging_steps == 0 or step == self.schedule.max_steps:
-                    self._log()
-                if self.schedule.eval_steps and step % self.schedule.eval_steps == 0 and self.eval_batches:
-                    self.evaluate()
-                if self.schedule.save_steps and step % self.schedule.save_steps == 0:
-                    self.save()
+                self._log_evaluate_save()
         except BaseException as error:
             for callback in self.callbacks:
                 with contextlib.suppress(Exception):  # the error that ended the run is the one to report
                     callback.on_train_error(self, error)
             raise
-        if self.schedule.save_steps:  # the run did not diverge: the last save_total_limit are enough
-            checkpoint.prune_checkpoints(self.output_dir, self.schedule.save_total_limit, self.ctx)
+        best = self.best_checkpoint()
+        if self.schedule.save_strategy != "no":  # the run did not diverge: save_total_limit is enough
+            checkpoint.prune_checkpoints(self.output_dir, self.schedule.save_total_limit, self.ctx, best=best)
+        if best is not None:
+            checkpoint.load_model_weights(best, self.model)
+        elif self.state.best_step is not None:
+            warnings.warn(
+                f"load_best_model_at_end: the best checkpoint, checkpoint-{self.state.best_step}, is not in "
+                f"{self.output_dir} (deleted?): the model of the last step is kept",
+                UserWarning,
+                stacklevel=2,
+            )
         self._call("on_train_end")
         return self.state
+
+    def best_checkpoint(self) -> Path | None:
+        """The checkpoint best by ``metric_for_best_model`` so far, if it (still) exists."""
+        if self.state.best_step is None:
+            return None
+        path = self.output_dir / f"checkpoint-{self.state.best_step}"
+        return path if path.is_dir() else None
+
+    def _log_evaluate_save(self) -> None:
+        """After a step: log, evaluate, save, each when its strategy says (a callback that sets
+        ``should_stop``, even during the evaluation, makes this the last step)."""
+        step, epoch_ended = self.state.step, self.state.position.step_in_epoch == 0
+
+        def due(kind: str) -> bool:
+            last = step >= self.schedule.max_steps or self.should_stop
+            return self.schedule.due(kind, step, epoch_ended, last)
+
+        if due("logging"):
+            self._log()
+        if due("eval"):
+            self.evaluate()
+        if due("save"):
+            self.save()
+
+    def _note_best(self) -> None:
+        """Before a save: whether this step's evaluation makes its checkpoint the best (a step count or
+        ratio that lets a checkpoint go unevaluated is refused by the config checks)."""
+        metric = self.schedule.best_metric
+        evaluation = next((row for row in reversed(self.state.log_history) if "eval_loss" in row), None)
+        if metric is None or evaluation is None or evaluation["step"] != self.state.step:
+            return
+        value, best = evaluation[metric], self.state.best_metric
+        if best is None or (value > best if self.schedule.greater_is_better else value < best):
+            self.state.best_metric, self.state.best_step = value, self.state.step
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (global over ranks)."""
@@ -200,12 +311,16 @@ class Engine:
                     self.model, _to(batch, self.ctx.device), num_items
                 )
             # FSDP2 averages gradients over ranks; each rank's loss is its share of the global mean.
-            (loss * self.ctx.world_size).backward()
+            scaled = loss * self.ctx.world_size
+            (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
             loss_sum += loss.detach().double().cpu()
             _accumulate(objective_sums, metrics)
         loss_value = float(all_reduce_sum(loss_sum, self.ctx))
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trainable(), self.schedule.max_grad_norm))
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        # fp16: gradients that overflow are the scaler's to handle (it skips the step); a loss is not
+        if not (math.isfinite(loss_value) and (math.isfinite(grad_norm) or self.scaler is not None)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(
                 f"step {self.state.step + 1}: loss {loss_value}, gradient norm {grad_norm}: not finite; "
@@ -213,8 +328,15 @@ class Engine:
             )
         self._warn_if_collapsed(loss_value, grad_norm)
         learning_rate = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        if self.scaler is None:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped when the unscaled gradients are not finite
+            self.scaler.update()  # halves the scale after a skipped step
+            if self.scaler.get_scale() >= scale:  # as transformers: no scheduler step for a skipped one
+                self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = int(all_reduce_sum(sum(_token_count(batch) for batch in micro_batches), self.ctx))
         self.state.step += 1
@@ -258,6 +380,11 @@ class Engine:
         total, items = all_reduce_sum(total, self.ctx), all_reduce_sum(items, self.ctx).clamp_min(1)
         metrics = {"step": self.state.step, "eval_loss": float(total / items)}
         metrics |= {f"eval_{key}": value / float(items) for key, value in self._global_sums(sums).items()}
+        if self.schedule.best_metric is not None and self.schedule.best_metric not in metrics:
+            raise ConfigError(
+                f"config key 'metric_for_best_model': {self.schedule.best_metric!r} is not an evaluation "
+                f"metric of this run; its metrics: {', '.join(key for key in metrics if key != 'step')}"
+            )
         self.state.log_history.append(metrics)
         self._call("on_evaluate", metrics)
         return metrics

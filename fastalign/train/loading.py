@@ -93,7 +93,8 @@ def load_model_and_tokenizer(
     materialize: bool = True,
     revision: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """fp32 weights (mixed precision is the engine's business), ``use_cache`` off for training.
+    """fp32 weights, transformers' default attention, ``use_cache`` off for training (a run's ``dtype``
+    and ``attn_implementation`` are set on the result: ``fastalign.train.policy.set_model_options``).
 
     ``name_or_path`` is anything ``resolve_model`` resolves (a Hub id at ``revision``): a checkpoint is
     then read from the local directory it resolves to.
@@ -191,18 +192,39 @@ def materialize_model(
     seed: int,
     *,
     revision: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
     """Fill a skeleton from ``load_model_and_tokenizer(..., materialize=False)`` (maybe LoRA-wrapped and
     sharded since) from its checkpoint (``resolve_model(name_or_path, revision)``: pass what the skeleton
     was loaded from, or the directory that resolved to): every rank reads (and quantizes) each layer and
-    keeps its own shard. A model that is already materialized is returned as it is."""
+    keeps its own shard, in ``dtype`` (with ``quantization``, its own ``dtype`` is the unquantized rest's).
+    A model that is already materialized is returned as it is."""
     if not any(param.is_meta for param in model.parameters()):
         return model
     tensors = checkpoint_tensors(resolve_model(name_or_path, revision))
     source = f"checkpoint {name_or_path}"
     if quantization is None:
-        return fill_model(model, tensors, dtype=torch.float32, device=device, source=source, seed=seed)
+        return fill_model(model, tensors, dtype=dtype, device=device, source=source, seed=seed)
     return fill_4bit_model(model, tensors, quantization, device=device, source=source, seed=seed)
+
+
+@torch.no_grad()
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter of ``model`` in ``dtype``, in place, as ``from_pretrained(dtype=...)``
+    loads them: each Parameter keeps its identity (tied weights stay one), buffers (RoPE's frequencies)
+    stay as the model computed them, and 4-bit bytes are no floats. Free on a meta-device skeleton."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def checkpoint_dtype(config) -> torch.dtype:
+    """The dtype a checkpoint's config declares for its weights (``dtype``, or ``torch_dtype`` as older
+    configs name it); fp32 where it declares none."""
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32
 
 
 def is_hub_dataset(name_or_path: str) -> bool:

@@ -20,11 +20,13 @@ def merge_adapter(
     (default ``<run_dir>/merged``) for ``from_pretrained``, in ``dtype`` (default: the base
     checkpoint's own dtype, fp32 for a built-in model).
 
-    The base is rebuilt as the run trained it (read from ``fastalign_config.yaml``): with QLoRA, the
-    4-bit weights, dequantized — the weights the adapter was trained against. The sum is formed in fp32
-    and rounded once, to ``dtype``: a typical LoRA update (~1e-4) is below bf16's rounding step for
-    weights of magnitude ~0.05, so adding it to bf16 weights in bf16 would lose most of what training
-    learned (on SmolLM2-135M a bf16 merge scored worse than the untrained model).
+    The base is rebuilt as the run trained it (read from ``fastalign_config.yaml``): in the run's
+    ``dtype``; with QLoRA, the 4-bit weights, dequantized — the weights the adapter was trained against.
+    peft merges what the adapter holds: LoRA's B·A at its scaling (lora_alpha/√r with rslora), DoRA's
+    magnitude and direction, and the ``lora_modules_to_save`` copies in place of their modules. The sum
+    is formed in fp32 and rounded once, to ``dtype``: a typical LoRA update (~1e-4) is below bf16's
+    rounding step for weights of magnitude ~0.05, so adding it to bf16 weights in bf16 would lose most of
+    what training learned (on SmolLM2-135M a bf16 merge scored worse than the untrained model).
 
     Every problem is a one-line ValueError naming the file: a missing run directory, adapter or
     fastalign_config.yaml; an unreadable adapter; pickle weights (``adapter_model.bin``, or a base with
@@ -34,9 +36,14 @@ def merge_adapter(
     import peft
 
     from fastalign.quant import dequantize_model
-    from fastalign.train.config import load_config
-    from fastalign.train.loading import load_model_and_tokenizer, resolve_model
-    from fastalign.train.policy import quant_options
+    from fastalign.train.config import load_config, model_option
+    from fastalign.train.loading import (
+        cast_parameters,
+        checkpoint_dtype,
+        load_model_and_tokenizer,
+        resolve_model,
+    )
+    from fastalign.train.policy import model_dtype, quant_options
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -93,6 +100,8 @@ def merge_adapter(
             f"{_merge_first_line(error)}"
         ) from None
     dtype = dtype or checkpoint_dtype(base.config)
+    if model_option(config, "dtype") is not None:  # the base weights as the run rounded them
+        cast_parameters(base, model_dtype(config, config.model_name_or_path))
     try:
         model = peft.PeftModel.from_pretrained(base, run_dir)
     except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as error:
@@ -172,12 +181,3 @@ def _merge_save(model, tokenizer, output_dir: Path) -> None:
         raise ValueError(f"cannot save the merged model to {output_dir}: {error.strerror or error}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def checkpoint_dtype(config) -> torch.dtype:
-    """The dtype a checkpoint's config declares for its weights (``dtype``, or ``torch_dtype`` as older
-    configs name it); fp32 where it declares none."""
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(declared, str):
-        declared = getattr(torch, declared, None)
-    return declared if isinstance(declared, torch.dtype) else torch.float32

@@ -110,5 +110,5 @@ def build_scheduler(
 
 def check_schedule(config: TrainConfig) -> None:
     """``lr_scheduler_kwargs`` tried on a stand-in optimizer, so a bad one fails before any model work."""
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.learning_rate)
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # its rate plays no part
     build_scheduler(probe, config, max_steps=max(config.max_steps, 1))

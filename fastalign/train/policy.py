@@ -1,16 +1,26 @@
-"""The model a run trains, and its frozen reference: patched, with LoRA and the activation-memory
-savers when asked for, on the device, sharded with FSDP2 under ``torchrun``."""
+"""The model a run trains, and its frozen reference: in the dtype and with the attention kernel asked for,
+patched, with LoRA and the activation-memory savers when asked for, on the device, sharded with FSDP2
+under ``torchrun``."""
 
 from __future__ import annotations
 
 import torch
+from transformers import AutoConfig
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_torch_tf32_available
 
 import fastalign
+from fastalign.errors import one_line
 from fastalign.quant import QuantOptions
 from fastalign.train import memory
-from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.config import ConfigError, TrainConfig, model_option
 from fastalign.train.distributed import DistributedContext, shard_model
-from fastalign.train.loading import load_model_and_tokenizer, materialize_model, resolve_model
+from fastalign.train.loading import (
+    cast_parameters,
+    checkpoint_dtype,
+    load_model_and_tokenizer,
+    materialize_model,
+    resolve_model,
+)
 
 
 def prepare_policy(
@@ -19,9 +29,18 @@ def prepare_policy(
     """Patched (every fused kernel with ``use_liger_kernel``; else only the fused loss head when the
     objective's loss needs it, i.e. all but SFT), LoRA, activation checkpointing/offloading, on the
     device, sharded. A 4-bit skeleton (``load_model_and_tokenizer(..., materialize=False)``) is filled
-    from its checkpoint last, once sharded, so that each rank only ever holds its shard of it."""
+    from its checkpoint last, once sharded, so that each rank only ever holds its shard of it.
+
+    First the run's ``dtype`` and ``attn_implementation`` (``set_model_options``) and ``tf32``. LoRA
+    variants that read the base weights when they are added (DoRA: the magnitude starts as each row's
+    norm; ``lora_modules_to_save``: a trainable copy of each module) get a filled model: under torchrun each
+    rank then holds the whole model while it loads."""
+    set_tf32(config.tf32)
+    set_model_options(model, config.model_name_or_path, config, ctx.device)
     _patch(model, config, needs_fused_head)
     if config.use_peft:
+        if config.use_dora or config.lora_modules_to_save:
+            _fill(model, config.model_name_or_path, config, ctx.device)
         model = _add_lora(model, config)
     if config.gradient_checkpointing:
         memory.enable_activation_checkpointing(model)
@@ -37,15 +56,34 @@ def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: 
         model.to(ctx.device)
     model = shard_model(model, mixed_precision=config.bf16)
     if skeleton:
-        revision = config.model_revision if name_or_path == config.model_name_or_path else None
-        materialize_model(
-            model, name_or_path, quant_options(config), ctx.device, config.seed, revision=revision
-        )
+        _fill(model, name_or_path, config, ctx.device)
     return model
 
 
+def _fill(model: torch.nn.Module, name_or_path: str, config: TrainConfig, device: torch.device) -> None:
+    """A skeleton filled from its checkpoint in the run's dtype (a filled model stays as it is)."""
+    revision = config.model_revision if name_or_path == config.model_name_or_path else None
+    materialize_model(
+        model,
+        name_or_path,
+        quant_options(config),
+        device,
+        config.seed,
+        revision=revision,
+        dtype=model_dtype(config, name_or_path),
+    )
+
+
 def autocast_dtype(config: TrainConfig, ctx: DistributedContext) -> torch.dtype | None:
-    """bf16 autocast over fp32 weights in a single process; under FSDP2 the policy casts instead."""
+    """bf16 or fp16 autocast over fp32 weights in a single process (fp16 with the engine's gradient
+    scaler); under FSDP2 the bf16 policy casts instead, and fp16 is refused: the scaler would decide to
+    skip a step on each rank's gradient shards alone, and the ranks would drift apart."""
+    if config.fp16:
+        if ctx.enabled:
+            raise ConfigError(
+                "config key 'fp16' works in a single process only, not under torchrun (FSDP2): use bf16"
+            )
+        return torch.float16
     return torch.bfloat16 if config.bf16 and not ctx.enabled else None
 
 
@@ -53,11 +91,80 @@ def quant_options(config: TrainConfig) -> QuantOptions | None:
     """The 4-bit quantization the config asks for, if any."""
     if not config.quantization:
         return None
+    rest = model_dtype(config, config.model_name_or_path)  # the frozen unquantized rest
     return QuantOptions(
         quant_type=config.quantization,
         double_quant=config.bnb_4bit_use_double_quant,
-        dtype=torch.bfloat16 if config.bf16 else torch.float32,  # the frozen unquantized rest
+        dtype=torch.bfloat16 if config.bf16 and model_option(config, "dtype") is None else rest,
     )
+
+
+def model_dtype(config: TrainConfig, name_or_path: str) -> torch.dtype:
+    """The dtype the weights of model ``name_or_path`` are loaded in: ``dtype`` (or model_init_kwargs'),
+    "auto" the dtype its checkpoint declares (fp32 for a built-in model); unset, fp32: TRL's default
+    (``create_model_from_path``), where transformers 5 alone would take the checkpoint's."""
+    dtype = model_option(config, "dtype")
+    if dtype == "auto":
+        revision = config.model_revision if name_or_path == config.model_name_or_path else None
+        resolved = resolve_model(name_or_path, revision)
+        if isinstance(resolved, str):  # a built-in model: random fp32 weights
+            return torch.float32
+        return checkpoint_dtype(AutoConfig.from_pretrained(resolved))
+    return getattr(torch, dtype or "float32")
+
+
+def set_model_options(
+    model: torch.nn.Module, name_or_path: str, config: TrainConfig, device: torch.device
+) -> None:
+    """What ``from_pretrained(dtype=..., attn_implementation=...)`` would have made of the model just
+    loaded (a skeleton or a built-in model, in fp32, transformers' default attention): its floating
+    parameters in ``model_dtype`` when a dtype is asked for (buffers such as RoPE's stay fp32, as
+    from_pretrained keeps them), and the attention kernel switched by transformers'
+    ``set_attn_implementation``, which checks that the model supports it. A flash kernel must be
+    installed (transformers would otherwise fetch one from the Hub); flex attention has no CPU backward.
+    The policy and its frozen reference both go through here, so they load alike."""
+    if model_option(config, "dtype") is not None:
+        cast_parameters(model, model_dtype(config, name_or_path))
+    attention = model_option(config, "attn_implementation")
+    if attention is None:
+        return
+    package, available = _FLASH.get(attention, (None, None))
+    if available is not None and not available():
+        raise ConfigError(
+            f"config key 'attn_implementation' ({attention!r}) needs the {package} package and a CUDA GPU: "
+            "one of them is missing here"
+        )
+    if attention == "flex_attention" and device.type == "cpu":
+        raise ConfigError(
+            "config key 'attn_implementation' ('flex_attention') cannot train on the CPU: PyTorch's flex "
+            "attention has no CPU backward; use sdpa or eager"
+        )
+    try:
+        model.set_attn_implementation(attention)
+    except (ValueError, ImportError) as error:
+        raise ConfigError(f"config key 'attn_implementation' ({attention!r}): {one_line(error)}") from None
+
+
+#: The package each flash attention kernel needs, and transformers' check that it is usable here (without
+#: its fallback, which would fetch a kernel from the Hub instead).
+_FLASH = {
+    "flash_attention_2": ("flash-attn", is_flash_attn_2_available),
+    "flash_attention_3": ("flash-attn-3", is_flash_attn_3_available),
+}
+
+
+def set_tf32(tf32: bool | None) -> None:
+    """transformers' ``tf32``: true lets fp32 matmuls and convolutions use TF32 tensor cores (Ampere or
+    newer CUDA GPUs: elsewhere an error, never ignored); false keeps them IEEE fp32; None leaves torch's
+    default."""
+    if tf32 is None:
+        return
+    if tf32 and not is_torch_tf32_available():
+        raise ConfigError(
+            "config key 'tf32' needs a CUDA GPU of the Ampere generation or newer (compute capability 8.0+), "
+            "and there is none here"
+        )
+    torch.backends.fp32_precision = "tf32" if tf32 else "ieee"
 
 
 def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:
@@ -69,6 +176,7 @@ def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedCo
     key = "ref_model_name_or_path" if name_or_path == config.ref_model_name_or_path else "model_name_or_path"
     path = str(resolve_model(name_or_path, revision, key=key))
     model, _ = load_model_and_tokenizer(path, quant_options(config), ctx.device, materialize=False)
+    set_model_options(model, path, config, ctx.device)
     _patch(model, config, needs_fused_head=True)
     model.requires_grad_(False).eval()
     return _place(model, path, config, ctx)
@@ -82,6 +190,12 @@ def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool) 
 
 
 def _add_lora(model, config: TrainConfig):
+    """peft's LoRA as TRL's ModelConfig builds it: ``lora_r``, ``lora_alpha`` (scaled by 1/√r with
+    ``use_rslora``), ``lora_dropout``, ``lora_target_modules``, DoRA with ``use_dora``, and
+    ``lora_modules_to_save`` wrapped as trainable copies. peft skips a modules_to_save name that matches
+    nothing; here that is an error. A model that ties its head to its input embedding keeps them tied
+    (peft's ``ensure_weight_tying``) when one of them trains in full: untied, the copy saved with the
+    adapter would be tied back over when the merged model loads."""
     import peft
 
     targets = config.lora_target_modules
@@ -90,9 +204,22 @@ def _add_lora(model, config: TrainConfig):
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
+        use_rslora=config.use_rslora,
+        use_dora=config.use_dora,
+        modules_to_save=config.lora_modules_to_save,
+        ensure_weight_tying=bool(getattr(model.config, "tie_word_embeddings", False)),
         task_type="CAUSAL_LM",
     )
     try:
-        return peft.get_peft_model(model, lora)
+        model = peft.get_peft_model(model, lora)
     except ValueError as error:  # e.g. target modules not found: name the config key
         raise ConfigError(f"config key 'lora_target_modules' ({', '.join(targets)}): {error}") from None
+    wrapper = peft.utils.ModulesToSaveWrapper
+    wrapped = [name for name, module in model.named_modules() if isinstance(module, wrapper)]
+    for name in config.lora_modules_to_save or ():
+        if not any(path == name or path.endswith(f".{name}") for path in wrapped):
+            raise ConfigError(
+                f"config key 'lora_modules_to_save': {name!r} names no module of "
+                f"{type(model.get_base_model()).__name__}"
+            )
+    return model

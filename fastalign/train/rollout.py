@@ -1,36 +1,63 @@
-"""GRPO's rollout: sample completions of each prompt with the current policy, score them with the
-reward functions, and turn the scores into group advantages.
+"""The online objectives' rollout (GRPO, RLOO): sample completions of each prompt with the current policy,
+and score them with the reward functions.
 
 Generation is ``model.generate`` with a KV cache, in eval mode, without gradient. Under FSDP2 the
 sharded model generates as is (each forward gathers the layers it runs), with ``synced_gpus`` so that a
 rank whose completions all ended keeps stepping until every rank's have: FSDP's all-gathers are
 collective, and a rank that stopped early would leave the others waiting forever.
 
-Rewards of all ranks are gathered before the advantages, so ``scale_rewards='batch'`` and the logged
-reward statistics are over the whole generation batch; a prompt's completions are all generated on one
-rank, so groups never straddle ranks.
+Rewards of all ranks are gathered (``gather_rewards``) before an objective turns them into advantages,
+so batch statistics (``scale_rewards='batch'``, RLOO's ``normalize_advantages``) and the logged reward
+statistics are over the whole generation batch; a prompt's completions are all generated on one rank,
+so groups never straddle ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fastalign.ops import combine_rewards, group_advantages
+from fastalign.ops import combine_rewards
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.rewards import RewardFunction, compute_rewards, reward_metrics
+
+#: ``generation_kwargs`` keys that would change the shape of what ``generate`` returns (the rollout
+#: repeats each prompt ``num_generations`` times itself and reads plain token ids).
+STRUCTURAL_GENERATION_KWARGS = ("num_return_sequences", "return_dict_in_generate", "synced_gpus")
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """How completions are sampled (TRL's GRPOConfig names)."""
+    """How completions are sampled (TRL's GRPOConfig / RLOOConfig names). As in TRL, the options below
+    make the generation config and ``generation_kwargs`` is merged over them (its keys win)."""
 
     num_generations: int
     max_completion_length: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
+
+    def generate_kwargs(self, tokenizer) -> dict[str, Any]:
+        """The keyword arguments of ``model.generate`` besides the prompts: an unknown key in
+        ``generation_kwargs`` is refused by ``generate`` itself rather than ignored."""
+        return {
+            "do_sample": True,
+            "max_new_tokens": self.max_completion_length,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            **(self.generation_kwargs or {}),
+        }
 
 
 @dataclass
@@ -68,15 +95,9 @@ def generate_completions(
         output = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            do_sample=True,
-            top_k=0,
-            temperature=options.temperature,
-            top_p=options.top_p,
-            max_new_tokens=options.max_completion_length,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
             use_cache=True,
             synced_gpus=ctx.enabled,
+            **options.generate_kwargs(tokenizer),
         )
     finally:
         model.train(was_training)
@@ -110,7 +131,7 @@ def raise_on_every_rank(error: str | None, ctx: DistributedContext) -> None:
         raise ValueError(error)
 
 
-def _all_gather_rows(local: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
+def all_gather_rows(local: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
     """Every rank's rows, rank 0 first (every rank has the same number)."""
     if not ctx.enabled:
         return local
@@ -119,57 +140,67 @@ def _all_gather_rows(local: torch.Tensor, ctx: DistributedContext) -> torch.Tens
     return torch.cat(parts)
 
 
+def all_gather_list(local: list, ctx: DistributedContext) -> list:
+    """Every rank's items (any picklable objects), rank 0's first."""
+    if not ctx.enabled:
+        return list(local)
+    parts: list[list | None] = [None] * ctx.world_size
+    dist.all_gather_object(parts, list(local))
+    return [item for part in parts for item in part]
+
+
 @dataclass(frozen=True)
-class Scoring:
-    """How completions become advantages (TRL's GRPOConfig names)."""
+class Rewards:
+    """A generation batch's rewards and completion statistics, gathered from every rank (rank 0's rows
+    first); ``rows`` are this rank's."""
 
-    reward_funcs: list[RewardFunction]
-    reward_weights: list[float] | None
-    num_generations: int
-    scale_rewards: str = "group"
-    advantage_estimator: str = "grpo"
+    per_func: torch.Tensor  # [N, F] fp32, NaN where a function returned None
+    total: torch.Tensor  # [N] weighted sum over the functions, NaN where none applied
+    lengths: torch.Tensor  # [N] completion lengths (tokens, up to and including the EOS)
+    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+    rows: slice
+
+    def metrics(self, reward_funcs: list[RewardFunction]) -> dict[str, float]:
+        """The metrics GRPO and RLOO log alike (TRL's names): the mean reward, the completion lengths and
+        the truncated share, and each function's mean and std."""
+        return {
+            "reward": float(self.total.nanmean()),
+            "completions/mean_length": float(self.lengths.mean()),
+            "completions/min_length": float(self.lengths.min()),
+            "completions/max_length": float(self.lengths.max()),
+            "completions/clipped_ratio": float(self.truncated.float().mean()),
+            **reward_metrics(reward_funcs, self.per_func),
+        }
 
 
-def score_completions(
-    scoring: Scoring,
+def gather_rewards(
+    reward_funcs: list[RewardFunction],
+    reward_weights: list[float] | None,
     prompts: list,
     completions: list,
     completion_ids: list[list[int]],
     columns: dict[str, list],
     truncated: torch.Tensor,
     ctx: DistributedContext,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """This rank's advantages [N] and the generation batch's reward metrics (global over ranks)."""
+) -> Rewards:
+    """Score this rank's completions with every reward function and gather the whole batch's scores
+    (one collective). A reward function that fails on any rank raises on every rank."""
     local, error = None, None
     try:
-        local = compute_rewards(scoring.reward_funcs, prompts, completions, completion_ids, columns)
+        local = compute_rewards(reward_funcs, prompts, completions, completion_ids, columns)
     except ValueError as failure:  # a reward function that raised or returned nonsense, named
         error = str(failure)
     raise_on_every_rank(error, ctx)
     lengths = torch.tensor([float(len(ids)) for ids in completion_ids])
-    # rewards of every function, length and truncation: one gather for all of them
     stats = torch.cat([local, lengths[:, None], truncated.float().cpu()[:, None]], dim=1).to(ctx.device)
-    everything = _all_gather_rows(stats, ctx).cpu()
-    rewards_per_func, all_lengths, all_truncated = everything[:, :-2], everything[:, -2], everything[:, -1]
-    weights = None if scoring.reward_weights is None else torch.tensor(scoring.reward_weights)
-    rewards = combine_rewards(rewards_per_func, weights)
-    result = group_advantages(
-        rewards,
-        scoring.num_generations,
-        scale_rewards=scoring.scale_rewards,
-        advantage_estimator=scoring.advantage_estimator,
-        backend="torch",
-    )
+    everything = all_gather_rows(stats, ctx).cpu()
+    per_func = everything[:, :-2]
+    weights = None if reward_weights is None else torch.tensor(reward_weights)
     start = ctx.rank * local.shape[0]
-    groups = result.group_std.numel()
-    metrics = {
-        "reward": float(rewards.nanmean()),
-        "reward_std": float(result.group_std.mean()),
-        "frac_reward_zero_std": float(result.num_zero_std_groups) / max(groups, 1),
-        "completions/mean_length": float(all_lengths.mean()),
-        "completions/min_length": float(all_lengths.min()),
-        "completions/max_length": float(all_lengths.max()),
-        "completions/clipped_ratio": float(all_truncated.mean()),
-        **reward_metrics(scoring.reward_funcs, rewards_per_func),
-    }
-    return result.advantages.reshape(-1)[start : start + local.shape[0]], metrics
+    return Rewards(
+        per_func,
+        combine_rewards(per_func, weights),
+        everything[:, -2],
+        everything[:, -1].bool(),
+        slice(start, start + local.shape[0]),
+    )

@@ -11,12 +11,14 @@ objectives lives in each one's own file, ``fastalign.train.objectives.<name>``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from fastalign.data.tokenizer_options import override_tokenizer
 from fastalign.train.batches import evaluation_batches
 from fastalign.train.callbacks import (
     JsonlMetrics,
@@ -31,7 +33,8 @@ from fastalign.train.engine import Callback, Engine, Schedule
 from fastalign.train.export import export_model
 from fastalign.train.loading import is_hub_dataset, load_dataset_rows, load_model_and_tokenizer, resolve_model
 from fastalign.train.metrics import peak_flops, training_flops_per_token
-from fastalign.train.objectives import make_objective
+from fastalign.train.neftune import enable_neftune
+from fastalign.train.objectives import make_objective, with_objective_defaults
 from fastalign.train.objectives.base import BatchPlan, Objective, RunParts
 from fastalign.train.optim import build_optimizer, build_scheduler, check_schedule
 from fastalign.train.policy import autocast_dtype, load_frozen_model, prepare_policy, quant_options
@@ -45,6 +48,7 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
     ctx = init_distributed()
     try:
         check_config(config)  # a TrainConfig built in code skips load_config's checks
+        config = with_objective_defaults(name, config)  # saved with the run: the values it trained with
         check_schedule(config)
         _seed_everything(config.seed)
         _check_hub_dataset_keys(config)
@@ -54,8 +58,10 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
         model, tokenizer = load_model_and_tokenizer(
             config.model_name_or_path, quant_options(config), ctx.device, materialize=False
         )
+        override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
         objective = make_objective(name, config, ctx)  # checks the config before any work
         model = prepare_policy(model, config, ctx, needs_fused_head=objective.needs_fused_head)
+        enable_neftune(model, config.neftune_noise_alpha)  # in training mode only
 
         train_examples, eval_examples = _tokenized_splits(config, objective, tokenizer)
         prepared = objective.setup(model, train_examples, eval_examples, _run_parts(config, tokenizer, ctx))
@@ -63,7 +69,7 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
         max_steps = (
             config.max_steps
             if config.max_steps > 0
-            else max(1, int(config.num_train_epochs * batches.steps_per_epoch))
+            else max(1, math.ceil(config.num_train_epochs * batches.steps_per_epoch))  # as Trainer
         )
         optimizer = build_optimizer(model, config)
         scheduler = build_scheduler(optimizer, config, max_steps)
@@ -75,14 +81,7 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
             optimizer,
             scheduler,
             batches,
-            Schedule(
-                max_steps,
-                config.max_grad_norm,
-                config.logging_steps,
-                config.eval_steps,
-                config.save_steps,
-                config.save_total_limit,
-            ),
+            Schedule.from_config(config, max_steps),
             ctx,
             output_dir=output_dir,
             eval_batches=evaluation_batches(
@@ -103,12 +102,7 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
             resume(engine, resume_path, given)  # before anything is written: a misfit changes no file
         if ctx.is_main:
             start_writing(given, output_dir, clear=earlier_files)
-        engine.train()
-        evaluated = any(
-            row.get("step") == engine.state.step and "eval_loss" in row for row in engine.state.log_history
-        )
-        if prepared.evaluation and not evaluated:
-            engine.evaluate()  # a final evaluation, unless the last step just had one
+        engine.train()  # evaluates at the last step as eval_strategy says; ends with the best model's weights
         export_model(model, tokenizer, output_dir, ctx)
         return output_dir
     finally:

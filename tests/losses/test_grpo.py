@@ -115,8 +115,8 @@ def test_matches_trl_formulas_fp32(backend, loss_type, level, beta, with_old):
     hidden, weight, ids, mask, advantages, old, ref = make_batch(torch.float32)
     epsilon_high = 1.4 if loss_type == "cispo" else 0.28
     options = dict(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=epsilon_high)
-    # TRL's default bias-corrected KL, at token level (sequence level: not yet, so off)
-    options["use_bias_correction_kl"] = level == "token"
+    # TRL's default bias-corrected KL (at sequence level the completion's ratio weighs its tokens' KL)
+    options["use_bias_correction_kl"] = True
     count = 40 if loss_type in ("dapo", "cispo") else None  # the step's token count: dapo/cispo only
     loss_fn = GRPOLoss(
         **options,

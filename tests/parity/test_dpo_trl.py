@@ -1,6 +1,7 @@
 """TRL 1.16 as the oracle for the DPO family: one optimizer step of TRL's own ``DPOTrainer`` (every
-``loss_type``), ``CPOTrainer`` (cpo sigmoid/hinge/ipo; simpo is its loss type) and ``ORPOTrainer``, and of
-``fastalign train`` on the same tiny model, rows and options give the same loss, gradient norm and metrics.
+``loss_type``; LD-DPO's ``ld_alpha``, f-DPO's ``f_divergence_type``, WPO's ``use_weighting``),
+``CPOTrainer`` (cpo sigmoid/hinge/ipo; simpo is its loss type) and ``ORPOTrainer``, and of ``fastalign
+train`` on the same tiny model, rows and options give the same loss, gradient norm and metrics.
 
 DPO's reference is a perturbed copy of the policy (``ref_model_name_or_path``), so the log-ratios are not
 zero and every loss type's formula is exercised away from its value at the start."""
@@ -8,9 +9,13 @@ zero and every loss type's formula is exercised away from its value at the start
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fastalign.builtin import tiny_preference_rows
 from fastalign.ops.preference import DPO_LOSS_TYPES
+from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.distributed import DistributedContext
+from fastalign.train.objectives import make_objective
 from tests.parity.steps import fastalign_step, trl_step
 
 pytestmark = pytest.mark.slow
@@ -44,7 +49,102 @@ def test_one_step_equals_trl(models, tmp_path, loss_type):
     )
     theirs = trl_step(DPOTrainer, DPOConfig, PAIRS, tmp_path, models[0], ref_model=models[1], **options)
     assert abs(theirs["rewards/margins"]) > 1e-3  # the reference differs: the formula is exercised
-    assert_equal(ours, theirs, ("loss", "grad_norm", *REWARDS))
+    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS))
+
+
+#: DPO options beyond the loss type, each with loss types whose formulas use them differently: LD-DPO
+#: (summed, length-normalised and sorted log-ratios), f-DPO (every divergence; the sigmoid, hinge,
+#: length-normalised and smoothed forms), WPO (pair-wise and per-log-ratio losses, a weighted mixture),
+#: and all three at once.
+OPTION_CASES = {
+    "ld-sigmoid": dict(ld_alpha=0.5, loss_type=["sigmoid"]),
+    "ld-ipo": dict(ld_alpha=0.3, loss_type=["ipo"]),
+    "ld-aot": dict(ld_alpha=0.0, loss_type=["aot"], label_smoothing=0.1),
+    "forward_kl-sigmoid": dict(f_divergence_type="forward_kl", loss_type=["sigmoid"]),
+    "js-hinge": dict(f_divergence_type="js_divergence", loss_type=["hinge"]),
+    "alpha-sigmoid_norm": dict(
+        f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3, loss_type=["sigmoid_norm"]
+    ),
+    "alpha-robust": dict(
+        f_divergence_type="alpha_divergence",
+        f_alpha_divergence_coef=1.7,
+        loss_type=["robust"],
+        label_smoothing=0.1,
+    ),
+    "wpo-sigmoid": dict(use_weighting=True, loss_type=["sigmoid"]),
+    "wpo-mixture": dict(use_weighting=True, loss_type=["ipo", "bco_pair"], loss_weights=[0.7, 0.3]),
+    "all-three": dict(
+        ld_alpha=0.5, f_divergence_type="js_divergence", use_weighting=True, loss_type=["sigmoid"]
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_dpo_option_step_equals_trl(models, tmp_path, case):
+    from trl import DPOConfig, DPOTrainer
+
+    options = dict(beta=0.1, **OPTION_CASES[case])
+    ours = fastalign_step(
+        "dpo", PAIRS, tmp_path, model_name_or_path=models[0], ref_model_name_or_path=models[1], **options
+    )
+    theirs = trl_step(DPOTrainer, DPOConfig, PAIRS, tmp_path, models[0], ref_model=models[1], **options)
+    (tmp_path / "plain").mkdir()
+    plain = fastalign_step(
+        "dpo",
+        PAIRS,
+        tmp_path / "plain",
+        model_name_or_path=models[0],
+        ref_model_name_or_path=models[1],
+        beta=0.1,
+        loss_type=options["loss_type"],
+        **{key: options[key] for key in ("label_smoothing", "loss_weights") if key in options},
+    )
+    # the option changes the step by more than the tolerance of the comparison below
+    assert abs(ours["loss"] - plain["loss"]) > 2 * 2e-4 * abs(plain["loss"]), (ours["loss"], plain["loss"])
+    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS))
+
+
+#: Combinations TRL 1.16 refuses (or would silently ignore), and the keys fastalign's error names.
+REFUSED = [
+    (dict(f_divergence_type="forward_kl", loss_type=["bco_pair"]), "f_divergence_type"),
+    (dict(f_divergence_type="js_divergence", loss_type=["sigmoid", "apo_zero"]), "f_divergence_type"),
+    (dict(f_alpha_divergence_coef=0.3), "f_alpha_divergence_coef"),  # only alpha_divergence reads it
+    (dict(use_weighting=True, loss_type=["aot"], label_smoothing=0.1), "use_weighting"),
+    (dict(use_weighting=True, loss_type=["sigmoid", "sft"]), "use_weighting"),
+    (dict(ld_alpha=0.5, precompute_ref_log_probs=True), "ld_alpha"),
+]
+
+
+@pytest.mark.parametrize(("options", "key"), REFUSED)
+def test_refused_dpo_options_are_a_config_error_naming_the_key(options, key):
+    with pytest.raises(ConfigError, match=key):
+        make_objective("dpo", TrainConfig(**options), DistributedContext(0, 1, 0, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("name", ["cpo", "simpo", "orpo", "kto"])
+@pytest.mark.parametrize(
+    "options", [dict(ld_alpha=0.5), dict(use_weighting=True), dict(f_divergence_type="forward_kl")]
+)
+def test_dpo_options_are_refused_for_other_objectives(name, options):
+    with pytest.raises(ConfigError, match=next(iter(options))):
+        make_objective(name, TrainConfig(**options), DistributedContext(0, 1, 0, torch.device("cpu")))
+
+
+def test_trl_refuses_what_fastalign_refuses(models, tmp_path):
+    """The refusals above that are TRL's own: its DPOTrainer raises for them too."""
+    from trl import DPOConfig, DPOTrainer
+
+    for options in (
+        dict(f_divergence_type="forward_kl", loss_type=["bco_pair"]),
+        dict(use_weighting=True, loss_type=["aot"]),
+    ):
+        with pytest.raises((ValueError, NotImplementedError)):
+            trl_step(DPOTrainer, DPOConfig, PAIRS, tmp_path, models[0], ref_model=models[1], **options)
+    with pytest.raises(RuntimeError, match="memory location"):  # sft's expanded loss weighted in place
+        trl_step(
+            DPOTrainer, DPOConfig, PAIRS, tmp_path, models[0], ref_model=models[1], use_weighting=True,
+            loss_type=["sigmoid", "sft"],
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,7 @@ give the same loss and the same gradients.
 Sampling is not compared here (each tool draws its own completions); the batch is given. Prompts have one
 length: TRL scores left-padded prompts at positions that count the padding, fastalign at the positions
 ``generate`` sampled them with (a documented difference). TRL's ``use_bias_correction_kl`` (on by default:
-the KL term times the importance ratio) is compared on at token level; fastalign does not have it at
-sequence level yet, so there it is off on both sides."""
+the KL term times the importance ratio, the completion's at sequence level) is compared on and off."""
 
 from __future__ import annotations
 
@@ -53,11 +52,10 @@ def policy_logps(model, data) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, data["completion_ids"][..., None]).squeeze(-1)
 
 
-def trl_loss_and_grads(models, tmp_path, data, options) -> tuple[float, dict]:
-    import datasets
-    from trl import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(
+def trl_args(tmp_path) -> dict:
+    """The TRL config keys of a one-batch loss comparison (GRPOConfig's and RLOOConfig's alike): fp32 on
+    the CPU without checkpointing, the batch's group and completion width."""
+    return dict(
         output_dir=str(tmp_path / "trl"),
         per_device_train_batch_size=2 * GROUP,
         num_generations=GROUP,
@@ -66,8 +64,14 @@ def trl_loss_and_grads(models, tmp_path, data, options) -> tuple[float, dict]:
         bf16=False,
         gradient_checkpointing=False,
         report_to=[],
-        **options,
     )
+
+
+def trl_loss_and_grads(models, tmp_path, data, options) -> tuple[float, dict]:
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(**trl_args(tmp_path), **options)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32),
         reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],
@@ -119,8 +123,8 @@ def fastalign_loss_and_grads(models, data, options) -> tuple[float, dict]:
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_loss_and_gradients_equal_trl(models, tmp_path, loss_type, level, beta):
+@pytest.mark.parametrize(("beta", "bias_correction"), [(0.0, False), (0.04, True), (0.04, False)])
+def test_loss_and_gradients_equal_trl(models, tmp_path, loss_type, level, beta, bias_correction):
     data = batch(tiny_tokenizer().vocab_size)
     options = dict(
         loss_type=loss_type,
@@ -128,7 +132,7 @@ def test_loss_and_gradients_equal_trl(models, tmp_path, loss_type, level, beta):
         beta=beta,
         epsilon=0.2,
         epsilon_high=0.28 if loss_type != "cispo" else 5.0,
-        use_bias_correction_kl=level == "token",
+        use_bias_correction_kl=bias_correction,
     )
     theirs, their_grads = trl_loss_and_grads(models, tmp_path, data, options)
     ours, our_grads = fastalign_loss_and_grads(models, data, options)

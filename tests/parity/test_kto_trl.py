@@ -1,12 +1,16 @@
 """TRL 1.16 as the oracle for KTO: one optimizer step of TRL's own ``KTOTrainer`` and of ``fastalign
-train kto`` on the same tiny model, perturbed reference, rows and options give the same loss, gradient norm
-and metrics."""
+train kto`` on the same tiny model, perturbed reference, rows and options (both loss types) give the same
+loss, gradient norm and metrics."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fastalign.builtin import tiny_kto_rows
+from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.distributed import DistributedContext
+from fastalign.train.objectives import make_objective
 from tests.parity.steps import fastalign_step, trl_step
 
 pytestmark = pytest.mark.slow
@@ -16,6 +20,7 @@ METRICS = (
     "loss",
     "grad_norm",
     "kl",
+    "entropy",
     "rewards/chosen",
     "rewards/rejected",
     "rewards/margins",
@@ -24,14 +29,36 @@ METRICS = (
 )
 
 
-@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 1.33)])
-def test_one_step_equals_trl(models, tmp_path, weights):
+@pytest.mark.parametrize(
+    ("loss_type", "weights"), [("kto", (1.0, 1.0)), ("kto", (1.0, 1.33)), ("apo_zero_unpaired", (1.0, 1.33))]
+)
+def test_one_step_equals_trl(models, tmp_path, loss_type, weights):
     from trl import KTOConfig, KTOTrainer
 
     options = dict(beta=0.1, desirable_weight=weights[0], undesirable_weight=weights[1])
     ours = fastalign_step(
-        "kto", ROWS, tmp_path, model_name_or_path=models[0], ref_model_name_or_path=models[1], **options
+        "kto",
+        ROWS,
+        tmp_path,
+        model_name_or_path=models[0],
+        ref_model_name_or_path=models[1],
+        loss_type=[loss_type],
+        **options,
     )
-    theirs = trl_step(KTOTrainer, KTOConfig, ROWS, tmp_path, models[0], ref_model=models[1], **options)
+    theirs = trl_step(
+        KTOTrainer, KTOConfig, ROWS, tmp_path, models[0], ref_model=models[1], loss_type=loss_type, **options
+    )
+    if loss_type == "kto":
+        assert theirs["kl"] > 0  # the KL reference point is exercised
+    else:
+        assert ours["kl"] == 0  # apo_zero_unpaired has none, and logs 0 as TRL
     for key in METRICS:
         assert ours[key] == pytest.approx(theirs[key], rel=2e-4, abs=2e-6), (key, ours[key], theirs[key])
+
+
+@pytest.mark.parametrize("loss_type", [["sigmoid"], ["kto", "apo_zero_unpaired"], []])
+def test_kto_takes_one_of_its_own_loss_types(loss_type):
+    with pytest.raises(ConfigError, match="'loss_type' for kto"):
+        make_objective(
+            "kto", TrainConfig(loss_type=loss_type), DistributedContext(0, 1, 0, torch.device("cpu"))
+        )

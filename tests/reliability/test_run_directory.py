@@ -227,11 +227,11 @@ def test_overwrite_and_resume_together_are_refused(bad_input, earlier_run):
     ("flags", "culprit"),
     [
         (("--learning_rate", "5e-3"), "learning_rate"),
-        (("--lr_scheduler_type", "linear"), "lr_scheduler_type"),
+        (("--lr_scheduler_type", "cosine"), "lr_scheduler_type"),
         (("--seed", "7"), "seed"),
-        (("--max_steps", "4"), "max_steps"),  # a cosine schedule over 4 steps is another schedule
+        (("--max_steps", "4"), "max_steps"),  # a linear decay over 4 steps is another schedule
     ],
-    ids=["learning_rate", "lr_scheduler_type", "seed", "max_steps-cosine"],
+    ids=["learning_rate", "lr_scheduler_type", "seed", "max_steps-linear"],
 )
 def test_resume_with_a_changed_training_key_is_refused(bad_input, earlier_run, flags, culprit):
     """Before: the resumed run silently kept the checkpoint's schedule (or mixed old and new)."""
@@ -295,9 +295,10 @@ def test_resuming_into_another_runs_output_dir_is_refused(bad_input, earlier_run
 def test_resume_latest_of_a_finished_run_without_checkpoints_is_refused(bad_input, tmp_path):
     """Nothing to resume from, and starting again would replace the finished run's model."""
     out = tmp_path / "run"
-    assert main(list(train(out, "--save_steps", "0"))) == 0
+    no_saves = ("--save_strategy", "no", "--save_steps", "500")  # BASE's save_steps: read under "steps" only
+    assert main(list(train(out, *no_saves))) == 0
     before = snapshot(out)
-    bad_input(*train(out, "--save_steps", "0", "--resume_from_checkpoint", "latest"), culprit="checkpoint")
+    bad_input(*train(out, *no_saves, "--resume_from_checkpoint", "latest"), culprit="checkpoint")
     assert snapshot(out) == before
 
 
@@ -436,5 +437,5 @@ def test_a_collapsed_run_warns_once(tmp_path):
                     parameter.zero_()
 
     with pytest.warns(UserWarning, match="collapsed") as caught:
-        run_training(api_config(tmp_path / "run", max_steps=3, save_steps=0), "sft", callbacks=[Collapse()])
+        run_training(api_config(tmp_path / "run", max_steps=3), "sft", callbacks=[Collapse()])
     assert len([w for w in caught if "collapsed" in str(w.message)]) == 1

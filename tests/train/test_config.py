@@ -101,8 +101,8 @@ def test_yaml_values_are_coerced_to_the_field_type(tmp_path, field, yaml_text, e
         (["--bf16", "false"], "bf16", False),
         (["--bf16", "0"], "bf16", False),
         (["--bf16", "no"], "bf16", False),
-        (["--save_steps", "30"], "save_steps", 30),
-        (["--save_steps", "1e3"], "save_steps", 1000),
+        (["--save_steps", "30"], "save_steps", 30.0),  # a step count or a ratio, as transformers
+        (["--save_steps", "1e3"], "save_steps", 1000.0),
         (["--learning_rate", "1e-4"], "learning_rate", 1e-4),
         (["--num_train_epochs", "2"], "num_train_epochs", 2.0),
         (["--model_name_or_path", "/models/llama"], "model_name_or_path", "/models/llama"),
@@ -133,8 +133,16 @@ def test_flag_values_are_coerced_to_the_field_type(flags, field, expected):
         ("packing: 1\n", [], "'packing' (in {path}) must be a boolean, got 1 (int)"),
         ("packing: 'true'\n", [], "'packing' (in {path}) must be a boolean, got 'true' (str)"),
         ("", ["--packing", "maybe"], "'packing' (on the command line) must be a boolean, got 'maybe' (str)"),
-        ("learning_rate: fast\n", [], "'learning_rate' (in {path}) must be a number, got 'fast' (str)"),
-        ("learning_rate: .nan\n", [], "'learning_rate' (in {path}) must be a number, got nan (float)"),
+        (
+            "learning_rate: fast\n",
+            [],
+            "'learning_rate' (in {path}) must be a number or null, got 'fast' (str)",
+        ),
+        (
+            "learning_rate: .nan\n",
+            [],
+            "'learning_rate' (in {path}) must be a number or null, got nan (float)",
+        ),
         ("output_dir: [a, b]\n", [], "'output_dir' (in {path}) must be a string, got ['a', 'b'] (list)"),
         ("output_dir: null\n", [], "'output_dir' (in {path}) must be a string, got None (NoneType)"),
         ("output_dir: 2024\n", [], "'output_dir' (in {path}) must be a string, got 2024 (int)"),  # quote it
@@ -204,8 +212,8 @@ def test_malformed_flags_fail_in_one_line(flags, message):
         ("per_device_eval_batch_size", "-2", "must be positive, got -2"),
         ("gradient_accumulation_steps", "0", "must be positive, got 0"),
         ("max_length", "0", "must be positive, got 0"),
-        ("logging_steps", "0", "must be positive, got 0"),
-        ("learning_rate", "0", "must be positive, got 0.0"),
+        ("logging_steps", "0", "must be positive, got 0.0"),
+        ("learning_rate", "0", "must be positive or null, got 0.0"),
         ("warmup_ratio", "1.0", "must be in [0, 1), got 1.0"),
         ("warmup_ratio", "-0.1", "must be in [0, 1), got -0.1"),
         ("eval_split_ratio", "1", "must be in [0, 1), got 1.0"),
@@ -228,7 +236,7 @@ def test_malformed_flags_fail_in_one_line(flags, message):
             "must be a whole number of steps, a ratio of the run's steps below 1, or 0 "
             "(warmup_ratio decides), got 2.5",
         ),
-        ("save_total_limit", "0", "must be at least 1, got 0"),
+        ("save_total_limit", "0", "must be at least 1, or null to keep all, got 0"),
         ("report_to", "[wandb, mlflow]", "must be a list of tensorboard, wandb, got ['wandb', 'mlflow']"),
     ],
 )
@@ -292,6 +300,7 @@ def test_save_and_load_round_trip(tmp_path):
     config = dataclasses.replace(
         TrainConfig(),
         eval_dataset_name="null",  # strings that look like other YAML types come back as strings
+        eval_strategy="epoch",
         output_dir="2024",
         resume_from_checkpoint="none",
         completion_only_loss=False,

@@ -73,6 +73,7 @@ def test_loss_falls_and_the_model_is_saved(tmp_path):
         logging_steps=10,
         loss_curve_png=True,
         eval_split_ratio=0.05,
+        eval_strategy="steps",
         eval_steps=20,
     )
     out = run_sft(cfg)
@@ -205,7 +206,7 @@ def test_lora_adapter_is_saved_in_peft_format(tmp_path):
 
 def test_early_stopping_callback_ends_the_run(tmp_path):
     stopper = EarlyStopping(patience=1, min_delta=100.0)  # no evaluation can improve by 100
-    cfg = config(tmp_path, max_steps=50, eval_split_ratio=0.25, eval_steps=1)
+    cfg = config(tmp_path, max_steps=50, eval_split_ratio=0.25, eval_strategy="steps", eval_steps=1)
     out = run_sft(cfg, callbacks=[stopper])
     assert max(train_losses(out)) == 2  # first evaluation sets the best, the second stops
 
@@ -252,7 +253,7 @@ def test_runs_from_a_checkpoint_are_sharded_before_their_weights_exist(tmp_path,
     checkpoint = tmp_path / "checkpoint"
     tiny_model("llama").save_pretrained(checkpoint)
     tiny_tokenizer().save_pretrained(checkpoint)
-    options = dict(max_steps=3, save_steps=0, use_peft=use_peft, lora_r=4, lora_dropout=0.0)
+    options = dict(max_steps=3, save_strategy="no", use_peft=use_peft, lora_r=4, lora_dropout=0.0)
     builtin = train_losses(run_sft(config(tmp_path / "builtin", **options)))
     single = train_losses(run_sft(config(tmp_path / "one", model_name_or_path=str(checkpoint), **options)))
     assert single[1] == pytest.approx(builtin[1], rel=1e-6)

@@ -164,7 +164,7 @@ def test_sft_trains_a_hub_model_on_a_hub_dataset_offline(hub, tmp_path):
     split for evaluation (``eval_dataset_name`` naming the same dataset, TRL's evaluation)."""
     snapshot = cache_tiny_model(hub)
     cache_tiny_dataset(hub)
-    config = sft_config(tmp_path, eval_dataset_name=DATA_ID)
+    config = sft_config(tmp_path, eval_dataset_name=DATA_ID, eval_strategy="steps")
     out = run_training(config, "sft")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
@@ -297,7 +297,12 @@ def test_local_paths_and_builtins_are_not_hub_ids(hub, tmp_path, monkeypatch):
         ({"dataset_name": DATA_ID, "dataset_test_split": "validation"}, "dataset_test_split"),
         ({"dataset_name": "tiny-sft", "dataset_config": "short"}, "dataset_config"),
         (
-            {"dataset_name": "tiny-sft", "eval_dataset_name": "tiny-sft", "dataset_revision": "v2"},
+            {
+                "dataset_name": "tiny-sft",
+                "eval_dataset_name": "tiny-sft",
+                "eval_strategy": "steps",
+                "dataset_revision": "v2",
+            },
             "dataset_revision",
         ),
         ({"model_name_or_path": "tiny-llama", "model_revision": "v2"}, "model_revision"),
@@ -316,7 +321,10 @@ def test_a_hub_key_that_would_be_ignored_is_an_error(hub, tmp_path, overrides, k
     ("overrides", "named"),
     [
         ({"dataset_train_split": "validation"}, '"validation"'),
-        ({"eval_dataset_name": DATA_ID, "dataset_test_split": "validation"}, '"validation"'),
+        (
+            {"eval_dataset_name": DATA_ID, "eval_strategy": "steps", "dataset_test_split": "validation"},
+            '"validation"',
+        ),
         ({"dataset_config": "nope"}, "dataset_config 'nope'"),
         ({"dataset_revision": "v9"}, "dataset_revision 'v9'"),
     ],

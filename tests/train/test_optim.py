@@ -46,7 +46,7 @@ def test_fused_and_unfused_adamw_agree():
 
 def test_weight_decay_skips_biases_and_norms_as_trainer_does():
     model = tiny_model("qwen2")  # q/k/v biases and RMSNorms
-    optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1, learning_rate=1e-3))
     decayed = {id(p) for group in optimizer.param_groups if group["weight_decay"] for p in group["params"]}
     names = {name for name, p in model.named_parameters() if id(p) in decayed}
     own = {name for name, _ in model.named_parameters()}  # a tied head is the embedding's parameter

@@ -12,6 +12,7 @@ from fastalign.train.objectives.base import Objective
 from fastalign.train.objectives.dpo import DPOObjective
 from fastalign.train.objectives.grpo import GRPOObjective
 from fastalign.train.objectives.kto import KTOObjective
+from fastalign.train.objectives.rloo import RLOOObjective
 from fastalign.train.objectives.sft import SFTObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {
@@ -22,7 +23,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "orpo": DPOObjective,
     "kto": KTOObjective,
     "grpo": GRPOObjective,
-    "rloo": GRPOObjective,
+    "rloo": RLOOObjective,
 }
 
 #: Keys some objectives read that the runner reads too, for every objective (never unread).
@@ -37,6 +38,16 @@ def make_objective(name: str, config: TrainConfig, ctx: DistributedContext) -> O
         raise ConfigError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
     _refuse_unread_keys(name, config)
     return OBJECTIVES[name].from_config(name, config, ctx)
+
+
+def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
+    """``config`` with the keys it leaves null that the runner reads set to objective ``name``'s TRL
+    default (``learning_rate``: SFTConfig's 2e-5, the preference and RL trainers' 1e-6)."""
+    if name not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
+    if config.learning_rate is not None:
+        return config
+    return dataclasses.replace(config, learning_rate=OBJECTIVES[name].default_learning_rate)
 
 
 def _refuse_unread_keys(name: str, config: TrainConfig) -> None:
@@ -60,6 +71,8 @@ __all__ = [
     "GRPOObjective",
     "KTOObjective",
     "Objective",
+    "RLOOObjective",
     "SFTObjective",
     "make_objective",
+    "with_objective_defaults",
 ]

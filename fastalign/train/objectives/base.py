@@ -101,6 +101,8 @@ class Objective(ABC):
 
     #: The built-in data set when the config names none.
     default_dataset: ClassVar[str]
+    #: TRL's ``learning_rate`` for this trainer (its config's default), used when the config leaves it null.
+    default_learning_rate: ClassVar[float] = 1e-6
     #: Whether the loss runs inside the patched model's forward (``head_fn``): the fused head is needed
     #: even when the other kernels are off (``use_liger_kernel: false``).
     needs_fused_head: ClassVar[bool] = True

@@ -7,7 +7,8 @@ patched model's forward (``head_fn``): it takes the hidden states and never buil
 
 - dpo: the DPO family (``loss_type``, several with ``loss_weights``) against a reference policy, which is
   a frozen copy, the LoRA policy with its adapters off, or log-probs precomputed before training
-  (``fastalign.train.reference``); ``sync_ref_model`` is TR-DPO.
+  (``fastalign.train.reference``); ``sync_ref_model`` is TR-DPO, ``ld_alpha`` LD-DPO, ``f_divergence_type``
+  f-DPO, ``use_weighting`` WPO (``PreferenceLoss`` states each).
 - simpo, cpo, orpo: reference-free. SimPO is TRL's CPO with loss type simpo (margin ``simpo_gamma``,
   chosen NLL weight ``cpo_alpha``, 1 by default as in TRL; 0 for the paper's loss); CPO's chosen NLL
   weight is ``cpo_alpha``; ORPO's odds ratio.
@@ -42,11 +43,13 @@ from fastalign.train.reference import (
 
 #: TRL's default ``beta`` of each (``beta: null`` in the config).
 DEFAULT_BETA = {"dpo": 0.1, "simpo": 0.1, "cpo": 0.1, "orpo": 0.1}
+#: DPO's own options (LD-DPO, f-DPO, WPO): simpo, cpo and orpo do not read them, so a set one is refused.
+_DPO_ONLY = ("ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "use_weighting")
 #: DPOOptions fields that are PreferenceLoss's arguments of the same name.
-_LOSS_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "cpo_alpha")
+_LOSS_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "cpo_alpha", *_DPO_ONLY)
 #: The keys each reads besides the lengths (``PreferenceLoss`` checks their values).
 _LOSS_KEYS = {
-    "dpo": ("beta", "loss_type", "loss_weights", "label_smoothing"),
+    "dpo": ("beta", "loss_type", "loss_weights", "label_smoothing", *_DPO_ONLY),
     "simpo": ("beta", "simpo_gamma", "label_smoothing", "cpo_alpha"),
     "cpo": ("beta", "loss_type", "label_smoothing", "cpo_alpha"),
     "orpo": ("beta",),
@@ -63,10 +66,15 @@ class DPOOptions:
     label_smoothing: float
     simpo_gamma: float
     cpo_alpha: float
+    ld_alpha: float | None
+    f_divergence_type: str
+    f_alpha_divergence_coef: float
+    use_weighting: bool
     max_length: int
     max_prompt_length: int | None
     truncation: bool
     disable_dropout: bool
+    chat_template_kwargs: dict | None  # template variables of conversational rows
 
     @classmethod
     def from_config(cls, config: TrainConfig, name: str) -> DPOOptions:
@@ -94,6 +102,12 @@ class DPOObjective(Objective):
             )
         except ValueError as error:
             raise ConfigError(f"config for {name}: {error}") from None
+        if options.ld_alpha is not None and reference_options.precompute_ref_log_probs:
+            # the precomputed reference keeps one sum per completion, not the shared/tail split LD-DPO needs
+            raise ConfigError(
+                "config keys 'ld_alpha' and 'precompute_ref_log_probs' cannot be combined yet: set "
+                "precompute_ref_log_probs: false with ld_alpha"
+            )
         self.reference: Reference | None = None
         self._step_chosen_tokens = torch.ones(())
 
@@ -104,14 +118,16 @@ class DPOObjective(Objective):
     @classmethod
     def config_keys(cls, name: str) -> frozenset[str]:
         reference = ReferenceOptions.config_keys() if name == "dpo" else set()
-        return frozenset({*_LOSS_KEYS[name], *LENGTH_KEYS, *reference, "disable_dropout"})
+        return frozenset(
+            {*_LOSS_KEYS[name], *LENGTH_KEYS, *reference, "disable_dropout", "chat_template_kwargs"}
+        )
 
     # --- data --------------------------------------------------------------------------------------
     def tokenize(self, rows: list[dict], tokenizer) -> list:
         # TRL's CPO and ORPO trainers (simpo is CPO's) start prompts with BOS; its DPO trainer does not
         bos_prompt = self.name != "dpo"
         return tokenize_preference_dataset(
-            rows, tokenizer, bos_prompt=bos_prompt, **pick(self.options, *LENGTH_KEYS)
+            rows, tokenizer, bos_prompt=bos_prompt, **pick(self.options, *LENGTH_KEYS, "chat_template_kwargs")
         )
 
     def collate(self, tokenizer) -> PreferenceCollator:
@@ -167,7 +183,10 @@ class DPOObjective(Objective):
             return {name: batch[name] for name in ("ref_chosen_logps", "ref_rejected_logps")}
         if self.reference is None:
             raise ValueError("this loss needs a reference: none was set up and none was precomputed")
-        logps = self.reference.sequence_logprobs(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        targets = shift_labels(batch["labels"])
+        tokens = self.reference.token_logprobs(batch["input_ids"], batch["attention_mask"], targets)
+        weights = self.loss.token_weights(targets)  # LD-DPO weighs the reference's tokens as the policy's
+        logps = (tokens if weights is None else tokens * weights).sum(-1)
         return {"ref_chosen_logps": logps[:pairs], "ref_rejected_logps": logps[pairs:]}
 
     # --- what a checkpoint keeps -------------------------------------------------------------------

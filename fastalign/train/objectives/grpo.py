@@ -1,9 +1,13 @@
-"""``fastalign train grpo|rloo``: TRL's ``GRPOTrainer`` (and ``RLOOTrainer``'s leave-one-out baseline).
+"""``fastalign train grpo``: TRL's ``GRPOTrainer``; and ``RolloutObjective``, what the online objectives
+(GRPO here, RLOO in ``rloo.py``) share.
 
 Rows are prompts (TRL's prompt-only format; other columns reach the reward functions). The policy
 samples ``num_generations`` completions of each prompt (``fastalign.train.rollout``), reward functions
-score them (``fastalign.train.rewards``), group advantages weigh them, and ``GRPOLoss`` (fused: no
-logits) trains on them; with ``beta`` > 0 a reference model's log-probs add the KL term.
+score them (``fastalign.train.rewards``), the objective turns the rewards into advantages, and its loss
+(fused: no logits) trains on them. GRPO: group advantages, and ``GRPOLoss`` with, for ``beta`` > 0, a
+reference model's log-probs in a per-token KL term. ``advantage_estimator: rloo`` (a fastalign option)
+keeps all of that but for the baseline, the mean of the group's other rewards; TRL's RLOO algorithm
+(sequence-level ratio, KL folded into the reward) is ``fastalign train rloo``.
 
 The data's micro-batches are prompts; ``prepare_step`` turns a generation batch of them into training
 micro-batches once (``GenerationBatches`` says which generation and which slice of it a step trains
@@ -15,14 +19,23 @@ they are not computed (as TRL).
 Sampling is seeded by the data position (``GenerationBatches``), so a run resumed from a checkpoint
 at a generation boundary continues exactly; one resumed in the middle of a generation's
 ``num_iterations`` passes samples that generation again with the newer policy.
+
+Evaluation (as TRL): the held-out prompts are sampled ``num_generations_eval`` times each (one
+evaluation micro-batch is ``per_device_eval_batch_size`` completions), scored, and the loss and the
+reward metrics are logged with an ``eval_`` prefix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import math
 import time
+from abc import abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -30,20 +43,24 @@ from fastalign.data.preference import PromptCollator, tokenize_prompt_dataset
 from fastalign.losses import GRPOLoss
 from fastalign.losses.grpo import LOSS_TYPES
 from fastalign.models.structure import IGNORE_INDEX, disable_dropout
+from fastalign.ops import group_advantages
 from fastalign.train.batches import BatchPosition, MicroBatches
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
+from fastalign.train.engine import Callback
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
 from fastalign.train.reference import Reference, reference_model, token_logprobs_of
 from fastalign.train.rewards import resolve_reward_funcs
 from fastalign.train.rollout import (
+    STRUCTURAL_GENERATION_KWARGS,
     Completions,
+    Rewards,
     SamplingOptions,
-    Scoring,
+    all_gather_list,
     decode_completions,
+    gather_rewards,
     generate_completions,
     position_ids_of,
-    score_completions,
 )
 
 #: The key of a prompt micro-batch that says which generation it belongs to and which slice a step trains.
@@ -97,136 +114,155 @@ class GenerationBatches:
         return BatchPosition(position.epoch, step)
 
 
-#: TRL's default ``beta`` (``beta: null`` in the config): no KL term, so no reference model.
-DEFAULT_BETA = 0.0
-
-
 @dataclass(frozen=True)
-class GRPOOptions:
-    """The keys GRPO and RLOO read (TRL's GRPOConfig / RLOOConfig names)."""
+class RolloutOptions:
+    """The keys every online objective reads (TRL's GRPOConfig / RLOOConfig names)."""
 
     beta: float
-    loss_type: list[str]
     reward_funcs: list[str]
     reward_weights: list[float] | None
     num_generations: int
+    num_generations_eval: int | None
     max_prompt_length: int | None
     max_completion_length: int
     truncation: bool
     temperature: float
     top_p: float
+    top_k: int
+    min_p: float | None
+    repetition_penalty: float
+    generation_kwargs: dict[str, Any] | None
+    chat_template_kwargs: dict[str, Any] | None  # template variables of conversational prompts
     epsilon: float
     epsilon_high: float | None
-    delta: float | None
-    scale_rewards: str
-    advantage_estimator: str
     num_iterations: int
     steps_per_generation: int | None
-    importance_sampling_level: str
-    use_bias_correction_kl: bool
     mask_truncated_completions: bool
+    log_completions: bool
     use_vllm: bool
     ref_model_name_or_path: str | None
     disable_dropout: bool
 
-    @classmethod
-    def from_config(cls, config: TrainConfig, name: str) -> GRPOOptions:
-        """The options, checked together (each key alone was checked with the config): a one-line
+    def sampling(self, num_generations: int) -> SamplingOptions:
+        return SamplingOptions(
+            num_generations,
+            self.max_completion_length,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.repetition_penalty,
+            self.generation_kwargs,
+        )
+
+    @property
+    def eval_generations(self) -> int:
+        return self.num_generations_eval or self.num_generations
+
+    def check(self, name: str, config: TrainConfig) -> None:
+        """The checks of options together (each key alone was checked with the config): a one-line
         ``ConfigError`` naming the key."""
-        options = options_from(config, cls, beta=DEFAULT_BETA, loss_type=["dapo"], disable_dropout=False)
-        if name == "rloo":
-            options = dataclasses.replace(options, advantage_estimator="rloo")
-        _check(options, name, config)
-        return options
+        if not self.reward_funcs:
+            raise ConfigError(f"config key 'reward_funcs' must name at least one reward function for {name}")
+        if config.per_device_train_batch_size % self.num_generations:
+            raise ConfigError(
+                f"config key 'per_device_train_batch_size' ({config.per_device_train_batch_size}) counts "
+                f"completions and must be a multiple of num_generations ({self.num_generations})"
+            )
+        if (config.eval_dataset_name or config.eval_split_ratio) and (
+            config.per_device_eval_batch_size % self.eval_generations
+        ):
+            raise ConfigError(
+                f"config key 'per_device_eval_batch_size' ({config.per_device_eval_batch_size}) counts "
+                f"completions and must be a multiple of num_generations_eval ({self.eval_generations})"
+            )
+        steps = self.steps_per_generation
+        if steps is not None and steps % config.gradient_accumulation_steps:
+            raise ConfigError(
+                f"config key 'steps_per_generation' ({steps}) must be a multiple of "
+                f"gradient_accumulation_steps ({config.gradient_accumulation_steps}): a generation serves "
+                "whole optimizer steps"
+            )
+        if self.use_vllm:  # so no sampling option is ever left out of a vLLM generation either
+            found = importlib.util.find_spec("vllm") is not None
+            raise ConfigError(
+                "config key 'use_vllm': "
+                + ("vLLM generation is not wired in yet" if found else "the vllm package is not installed")
+                + "; set it to false to generate with model.generate"
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(
+                f"config key 'reward_weights' has {len(self.reward_weights)} values for "
+                f"{len(self.reward_funcs)} reward_funcs"
+            )
+        structural = sorted(set(self.generation_kwargs or ()) & set(STRUCTURAL_GENERATION_KWARGS))
+        if structural:
+            raise ConfigError(
+                f"config key 'generation_kwargs' sets {', '.join(structural)}: the rollout decides it "
+                "(num_generations)"
+            )
 
 
-def _check(options: GRPOOptions, name: str, config: TrainConfig) -> None:
-    if not options.reward_funcs:
-        raise ConfigError(f"config key 'reward_funcs' must name at least one reward function for {name}")
-    if config.per_device_train_batch_size % options.num_generations:
-        raise ConfigError(
-            f"config key 'per_device_train_batch_size' ({config.per_device_train_batch_size}) counts "
-            f"completions and must be a multiple of num_generations ({options.num_generations})"
-        )
-    if len(options.loss_type) != 1 or options.loss_type[0] not in LOSS_TYPES:
-        raise ConfigError(f"config key 'loss_type' for {name} must be one of {', '.join(LOSS_TYPES)}")
-    if config.eval_dataset_name or config.eval_split_ratio:
-        raise ConfigError(f"evaluation (eval_dataset_name, eval_split_ratio) is not available for {name}")
-    steps = options.steps_per_generation
-    if steps is not None and steps % config.gradient_accumulation_steps:
-        raise ConfigError(
-            f"config key 'steps_per_generation' ({steps}) must be a multiple of gradient_accumulation_steps "
-            f"({config.gradient_accumulation_steps}): a generation serves whole optimizer steps"
-        )
-    if options.use_vllm:
-        found = importlib.util.find_spec("vllm") is not None
-        raise ConfigError(
-            "config key 'use_vllm': "
-            + ("vLLM generation is not wired in yet" if found else "the vllm package is not installed")
-            + "; set it to false to generate with model.generate"
-        )
-    if options.reward_weights is not None and len(options.reward_weights) != len(options.reward_funcs):
-        raise ConfigError(
-            f"config key 'reward_weights' has {len(options.reward_weights)} values for "
-            f"{len(options.reward_funcs)} reward_funcs"
-        )
+class RolloutObjective(Objective):
+    """What GRPO and RLOO share: prompt data, generation batches, the rollout (sampling, the policy's and
+    the reference's log-probs, rewards), evaluation by sampling and the completions log. A subclass
+    says how rewards become advantages (``advantages``), which log-probs it needs, and its loss.
 
-
-class GRPOObjective(Objective):
-    """Rollout in ``prepare_step``; ``GRPOLoss`` on prompt + completion rows in ``compute_loss``.
-
-    A loss term is a completion or a completion token, as the loss type normalises
-    (``GRPOLoss.per_token``), counted over the whole step on all ranks. So bnpo is the step's token mean,
-    like dapo: TRL's bnpo averages each micro-batch over its own tokens and then the micro-batches, which
-    weighs a token by its batch. The ``timing/*`` metrics are the logging rank's (rank 0's) own."""
+    A loss term is a completion or a completion token, as the subclass says (``loss_tokens``), counted
+    over the whole step on all ranks. The ``timing/*`` metrics are the logging rank's (rank 0's) own."""
 
     default_dataset = "tiny-prompts"
+    options_class: ClassVar[type[RolloutOptions]]
 
-    def __init__(self, name: str, options: GRPOOptions, ctx: DistributedContext | None = None):
+    def __init__(self, name: str, options: RolloutOptions, ctx: DistributedContext | None = None):
         super().__init__(ctx)
         self.name, self.options = name, options
         try:
             self.reward_funcs = resolve_reward_funcs(options.reward_funcs)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        try:
-            self.loss = GRPOLoss(
-                beta=options.beta,
-                epsilon=options.epsilon,
-                epsilon_high=options.epsilon_high,
-                delta=options.delta,
-                loss_type=options.loss_type[0],
-                importance_sampling_level=options.importance_sampling_level,
-                temperature=options.temperature,
-                max_completion_length=options.max_completion_length,
-                use_bias_correction_kl=options.use_bias_correction_kl,
-            )
-        except ValueError as error:
-            raise ConfigError(f"config for {name}: {error}") from None
-        self.sampling = SamplingOptions(
-            options.num_generations, options.max_completion_length, options.temperature, options.top_p
-        )
-        self.scoring = Scoring(
-            self.reward_funcs,
-            options.reward_weights,
-            options.num_generations,
-            options.scale_rewards,
-            options.advantage_estimator,
-        )
+        self.sampling = options.sampling(options.num_generations)
         self.reference: Reference | None = None
         self.tokenizer = None  # set up with the model: it decodes completions for the reward functions
         self.conversational = False
         self._generation: tuple | None = None
         self._batches: list[dict] = []
         self._metrics: dict[str, float] = {}
+        self.completion_rows: list[dict] = []  # the last generation's, for log_completions
 
     @classmethod
-    def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> GRPOObjective:
-        return cls(name, GRPOOptions.from_config(config, name), ctx)
+    def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> RolloutObjective:
+        options = cls.options_class.from_config(config, name)
+        options.check(name, config)
+        return cls(name, options, ctx)
 
     @classmethod
     def config_keys(cls, name: str) -> frozenset[str]:
-        return frozenset(GRPOOptions.__dataclass_fields__)
+        return frozenset(cls.options_class.__dataclass_fields__)
+
+    # --- what a subclass says ----------------------------------------------------------------------
+    @abstractmethod
+    def keeps_policy_logprobs(self, reused: bool) -> bool:
+        """Whether the rollout computes the sampling policy's per-token log-probs
+        (``old_per_token_logps``); ``reused``: the generation serves more than one optimizer step."""
+
+    @abstractmethod
+    def advantages(
+        self, rewards: Rewards, batches: list[dict], group: int, reused: bool
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The whole generation batch's advantages [N] from its gathered ``rewards`` (groups of ``group``
+        adjacent completions), and the metrics they make. ``batches`` are this rank's training
+        micro-batches without advantages yet: a subclass may read their log-probs, and take out what its
+        loss does not use."""
+
+    @abstractmethod
+    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items):
+        """The loss of ``batch`` (an output with ``loss`` and ``metrics``) from the completion tokens'
+        hidden states, inside the model's forward; ``num_items`` is given to a loss that normalises by
+        the step's count itself (``normalises``)."""
+
+    #: Whether ``head_loss`` divides by the step's loss-term count itself (else: the micro-batch's mean).
+    normalises = False
 
     # --- data --------------------------------------------------------------------------------------
     def tokenize(self, rows: list[dict], tokenizer) -> list:
@@ -235,6 +271,7 @@ class GRPOObjective(Objective):
             tokenizer,
             max_prompt_length=self.options.max_prompt_length,
             truncation=self.options.truncation,
+            chat_template_kwargs=self.options.chat_template_kwargs,
         )
 
     def collate(self, tokenizer) -> PromptCollator:
@@ -256,46 +293,49 @@ class GRPOObjective(Objective):
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         if self.options.disable_dropout:
             disable_dropout(model)
-        if self.loss.config.beta > 0:
+        if self.options.beta > 0:
             self.reference = reference_model(model, self.options.ref_model_name_or_path, parts)
         self.tokenizer = parts.tokenizer
         self.conversational = isinstance(train[0].prompt, list)
-        return Prepared(train, evaluation)
+        # each held-out prompt once per completion, adjacent: an evaluation micro-batch of
+        # per_device_eval_batch_size rows (a multiple of the group) holds whole groups, as in TRL
+        group = self.options.eval_generations
+        repeated = [example for example in evaluation for _ in range(group)]
+        callbacks = [CompletionsLog(self)] if self.options.log_completions else []
+        return Prepared(train, repeated, callbacks)
 
     # --- a step ------------------------------------------------------------------------------------
     def loss_tokens(self, batch: dict) -> int:
-        mask = batch["completion_mask"]
-        return int(mask.sum()) if self.loss.per_token else mask.shape[0]
+        if "completion_mask" not in batch:  # an evaluation micro-batch of prompts, one row a completion
+            return batch["input_ids"].shape[0]
+        return self.batch_loss_terms(batch)
+
+    def batch_loss_terms(self, batch: dict) -> int:
+        """The loss terms of a training micro-batch: its completions (a subclass may count tokens)."""
+        return batch["completion_mask"].shape[0]
 
     def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
         generation, part, slices, _ = micro_batches[0][ROLLOUT_KEY]
         if generation != self._generation:
             # a generation that serves more than one optimizer step keeps the sampling policy's log-probs
             # (the importance ratio's denominator); otherwise the ratio is 1 and they are not computed
-            keep_old_logprobs = slices > 1 or self.options.num_iterations > 1
-            self._batches, self._metrics = self._rollout(model, micro_batches, keep_old_logprobs)
+            reused = slices > 1 or self.options.num_iterations > 1
+            self._batches, self._metrics = self._rollout(model, micro_batches, reused)
             self._generation = generation
         size = len(self._batches) // slices
         return self._batches[part * size : (part + 1) * size], self._metrics
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
+        if "completion_mask" not in batch:
+            return self._evaluate(model, batch)
         mask = batch["completion_mask"]
         prompt_width = batch["input_ids"].shape[1] - mask.shape[1]
         completion_ids = batch["input_ids"][:, prompt_width:]
-        global_count = num_items_in_batch if self.loss.uses_item_count else None
+        num_items = num_items_in_batch if self.normalises else None
 
         def head(hidden, weight, bias):
-            return self.loss(
-                hidden[:, prompt_width - 1 : -1],
-                weight,
-                completion_ids,
-                mask,
-                batch["advantages"],
-                old_per_token_logps=batch.get("old_per_token_logps"),
-                ref_per_token_logps=batch.get("ref_per_token_logps"),
-                bias=bias,
-                num_items_in_batch=global_count,
-            )
+            states = hidden[:, prompt_width - 1 : -1]
+            return self.head_loss(states, weight, bias, completion_ids, batch, num_items)
 
         result = model(
             input_ids=batch["input_ids"],
@@ -303,26 +343,45 @@ class GRPOObjective(Objective):
             position_ids=batch["position_ids"],
             head_fn=head,
         ).head_output
-        share = self.loss_tokens(batch) / num_items_in_batch
-        loss = result.loss if global_count is not None else result.loss * share
+        share = self.batch_loss_terms(batch) / num_items_in_batch
+        loss = result.loss if self.normalises else result.loss * share
         return loss, {key: value * share for key, value in result.metrics.items()}
 
     # ---------------------------------------------------------------------------------------------
+    def _evaluate(self, model, prompts: dict) -> tuple[torch.Tensor, dict]:
+        """An evaluation micro-batch (its prompts repeated, one row a completion): sample one completion
+        a row, score the groups, and return the micro-batch's mean loss and metrics."""
+        (batch,), metrics = self._rollout(model, [prompts], reused=False, evaluation=True)
+        batch = {key: value.to(self.ctx.device) for key, value in batch.items()}
+        loss, loss_metrics = self.compute_loss(model, batch, torch.tensor(self.batch_loss_terms(batch)))
+        rollout = {key: value for key, value in metrics.items() if not key.startswith("timing/")}
+        return loss, {**loss_metrics, **rollout}
+
     def _rollout(
-        self, model, prompt_batches: list[dict], keep_old_logprobs: bool
+        self, model, prompt_batches: list[dict], reused: bool, evaluation: bool = False
     ) -> tuple[list[dict], dict[str, float]]:
-        """Generate, score and build the training micro-batches of one generation batch."""
+        """Generate, score and build the training micro-batches of one generation batch (an evaluation
+        micro-batch: its rows already repeat each prompt, and are sampled once each)."""
         start = time.perf_counter()
+        sampling, group = self.sampling, self.sampling.num_generations
+        if evaluation:
+            sampling, group = (
+                dataclasses.replace(self.sampling, num_generations=1),
+                self.options.eval_generations,
+            )
         completions = []
         for batch in prompt_batches:
             with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
-                torch.manual_seed(batch[ROLLOUT_KEY][3])
-                completions.append(
-                    generate_completions(model, batch, self.sampling, self.tokenizer, self.ctx)
-                )
+                if ROLLOUT_KEY in batch:
+                    torch.manual_seed(batch[ROLLOUT_KEY][3])
+                completions.append(generate_completions(model, batch, sampling, self.tokenizer, self.ctx))
         generated = time.perf_counter()
-        group = self.sampling.num_generations
-        examples = [e for batch in prompt_batches for e in batch["examples"] for _ in range(group)]
+        keep_old = self.keeps_policy_logprobs(reused)
+        batches = [self._training_batch(model, done, keep_old) for done in completions]
+        scored = time.perf_counter()
+        repeat = 1 if evaluation else group
+        examples = [e for batch in prompt_batches for e in batch["examples"] for _ in range(repeat)]
+        prompts = [example.prompt for example in examples]
         texts = [
             text
             for done in completions
@@ -337,33 +396,27 @@ class GRPOObjective(Objective):
         names = dict.fromkeys(name for example in examples for name in example.columns)
         columns = {name: [example.columns.get(name) for example in examples] for name in names}
         truncated = torch.cat([done.truncated for done in completions])
-        advantages, metrics = score_completions(
-            self.scoring,
-            [example.prompt for example in examples],
-            texts,
-            ids,
-            columns,
-            truncated,
-            self.ctx,
+        rewards = gather_rewards(
+            self.reward_funcs, self.options.reward_weights, prompts, texts, ids, columns, truncated, self.ctx
         )
-        scored = time.perf_counter()
-        batches, offset = [], 0
-        for done in completions:
-            rows = done.completion_ids.shape[0]
-            batches.append(
-                self._training_batch(model, done, advantages[offset : offset + rows], keep_old_logprobs)
-            )
+        advantages, metrics = self.advantages(rewards, batches, group, reused)
+        local, offset = advantages[rewards.rows], 0
+        for batch in batches:
+            rows = batch["input_ids"].shape[0]
+            batch["advantages"] = local[offset : offset + rows].clone()
             offset += rows
-        metrics |= {
+        if self.options.log_completions and not evaluation:
+            self._log_rows(prompts, texts, rewards, advantages)
+        metrics = {
+            **rewards.metrics(self.reward_funcs),
+            **metrics,
             "timing/generation_seconds": generated - start,
-            "timing/rewards_seconds": scored - generated,
-            "timing/logprobs_seconds": time.perf_counter() - scored,
+            "timing/logprobs_seconds": scored - generated,
+            "timing/rewards_seconds": time.perf_counter() - scored,
         }
         return batches, metrics
 
-    def _training_batch(
-        self, model, done: Completions, advantages: torch.Tensor, keep_old_logprobs: bool
-    ) -> dict:
+    def _training_batch(self, model, done: Completions, keep_old_logprobs: bool) -> dict:
         mask = done.completion_mask
         if self.options.mask_truncated_completions:
             mask = mask * (~done.truncated)[:, None]
@@ -374,7 +427,6 @@ class GRPOObjective(Objective):
             "attention_mask": attention_mask,
             "position_ids": position_ids_of(attention_mask),
             "completion_mask": mask,
-            "advantages": advantages.to(input_ids.device),
         }
         # position t scores token t + 1: the completion's tokens from the prompt's last position on
         scored = slice(done.prompt_ids.shape[1] - 1, -1)
@@ -385,6 +437,133 @@ class GRPOObjective(Objective):
         with torch.no_grad():
             if keep_old_logprobs:
                 batch["old_per_token_logps"] = token_logprobs_of(model, *inputs)[:, scored]
-            if self.loss.config.beta > 0:
+            if self.reference is not None:
                 batch["ref_per_token_logps"] = self.reference.token_logprobs(*inputs)[:, scored]
         return {key: value.cpu() for key, value in batch.items()}
+
+    def _log_rows(self, prompts: list, completions: list, rewards: Rewards, advantages: torch.Tensor) -> None:
+        """Keep the generation's rows (every rank's, as TRL's table) for ``CompletionsLog``."""
+        prompts, completions = all_gather_list(prompts, self.ctx), all_gather_list(completions, self.ctx)
+        per_func = rewards.per_func.tolist()
+        self.completion_rows = [
+            {
+                "prompt": prompt,
+                "completion": completion,
+                **{
+                    func.name: None if math.isnan(value) else value
+                    for func, value in zip(self.reward_funcs, values, strict=True)
+                },
+                "advantage": advantage,
+            }
+            for prompt, completion, values, advantage in zip(
+                prompts, completions, per_func, advantages.tolist(), strict=True
+            )
+        ]
+
+
+class CompletionsLog(Callback):
+    """``log_completions``: at each logging step, the main rank appends the rows of the generations made
+    since the last one to ``<output_dir>/completions.jsonl`` (TRL logs the same table, step, prompt,
+    completion, each reward function's reward and the advantage, to its trackers)."""
+
+    FILE = "completions.jsonl"
+
+    def __init__(self, objective: RolloutObjective):
+        self.objective = objective
+
+    def on_log(self, engine, logs: dict) -> None:
+        rows, self.objective.completion_rows = self.objective.completion_rows, []
+        if not rows or not engine.ctx.is_main:
+            return
+        with Path(engine.output_dir, self.FILE).open("a", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps({"step": engine.state.step, **row}, ensure_ascii=False) + "\n")
+
+
+#: TRL's GRPO defaults where the config leaves a key None.
+GRPO_DEFAULTS = {"beta": 0.0, "num_generations": 8, "loss_type": ["dapo"], "disable_dropout": False}
+
+
+@dataclass(frozen=True)
+class GRPOOptions(RolloutOptions):
+    """The keys GRPO reads besides the shared ones (TRL's GRPOConfig names)."""
+
+    loss_type: list[str]
+    delta: float | None
+    scale_rewards: str
+    advantage_estimator: str
+    importance_sampling_level: str
+    use_bias_correction_kl: bool
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, name: str) -> GRPOOptions:
+        return options_from(config, cls, **GRPO_DEFAULTS)
+
+    def check(self, name: str, config: TrainConfig) -> None:
+        super().check(name, config)
+        if len(self.loss_type) != 1 or self.loss_type[0] not in LOSS_TYPES:
+            raise ConfigError(f"config key 'loss_type' for {name} must be one of {', '.join(LOSS_TYPES)}")
+
+
+class GRPOObjective(RolloutObjective):
+    """Group advantages; ``GRPOLoss`` on prompt + completion rows in ``compute_loss``.
+
+    A loss term is a completion or a completion token, as the loss type normalises
+    (``GRPOLoss.per_token``). So bnpo is the step's token mean, like dapo: TRL's bnpo averages each
+    micro-batch over its own tokens and then the micro-batches, which weighs a token by its batch."""
+
+    options_class = GRPOOptions
+
+    def __init__(self, name: str, options: GRPOOptions, ctx: DistributedContext | None = None):
+        super().__init__(name, options, ctx)
+        try:
+            self.loss = GRPOLoss(
+                beta=options.beta,
+                epsilon=options.epsilon,
+                epsilon_high=options.epsilon_high,
+                delta=options.delta,
+                loss_type=options.loss_type[0],
+                importance_sampling_level=options.importance_sampling_level,
+                temperature=options.temperature,
+                max_completion_length=options.max_completion_length,
+                use_bias_correction_kl=options.use_bias_correction_kl,
+            )
+        except ValueError as error:
+            raise ConfigError(f"config for {name}: {error}") from None
+        self.normalises = self.loss.uses_item_count
+
+    def keeps_policy_logprobs(self, reused: bool) -> bool:
+        return reused
+
+    def batch_loss_terms(self, batch: dict) -> int:
+        mask = batch["completion_mask"]
+        return int(mask.sum()) if self.loss.per_token else mask.shape[0]
+
+    def advantages(self, rewards: Rewards, batches: list[dict], group: int, reused: bool):
+        if group < 2:  # an evaluation with num_generations_eval 1: no group to compare with (as TRL)
+            return torch.zeros_like(rewards.total), {"reward_std": 0.0, "frac_reward_zero_std": 1.0}
+        result = group_advantages(
+            rewards.total,
+            group,
+            scale_rewards=self.options.scale_rewards,
+            advantage_estimator=self.options.advantage_estimator,
+            backend="torch",
+        )
+        groups = result.group_std.numel()
+        return result.advantages, {
+            "reward_std": float(result.group_std.mean()),
+            "frac_reward_zero_std": float(result.num_zero_std_groups) / max(groups, 1),
+        }
+
+    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items):
+        return self.loss(
+            hidden,
+            weight,
+            completion_ids,
+            batch["completion_mask"],
+            batch["advantages"],
+            old_per_token_logps=batch.get("old_per_token_logps"),
+            ref_per_token_logps=batch.get("ref_per_token_logps"),
+            bias=bias,
+            num_items_in_batch=num_items,
+        )

@@ -9,6 +9,9 @@ desirable and undesirable completions are taken over the whole step on all ranks
 the loss does not depend on how the step is split, and every micro-batch logs
 ``rewards/chosen``/``rewards/rejected`` as its part of the step's class means. (In evaluation, each
 batch's own.) A loss term is a completion.
+
+``loss_type`` apo_zero_unpaired (TRL's KTOConfig) has no KL reference point: the mismatched completions
+are then never scored (no policy or reference pass over them), and ``kl`` logs 0 as in TRL.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import torch
 
 from fastalign.data.preference import KTOCollator, tokenize_kto_dataset
 from fastalign.losses import KTOLoss
+from fastalign.losses.preference import KTO_LOSS_TYPES
 from fastalign.models.structure import disable_dropout
 from fastalign.patching.causal_lm import shift_labels
-from fastalign.train.config import TrainConfig, options_from
+from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
 from fastalign.train.objectives.base import LENGTH_KEYS, Objective, Prepared, RunParts, pick
 from fastalign.train.reference import (
@@ -37,8 +41,10 @@ from fastalign.train.reference import (
 
 @dataclass(frozen=True)
 class KTOOptions:
-    """The keys KTO reads (TRL's KTOConfig names)."""
+    """The keys KTO reads (TRL's KTOConfig names; its ``loss_type`` is one name, the config's list holds
+    one)."""
 
+    loss_type: list[str]
     beta: float
     desirable_weight: float
     undesirable_weight: float
@@ -46,10 +52,22 @@ class KTOOptions:
     max_prompt_length: int | None
     truncation: bool
     disable_dropout: bool
+    chat_template_kwargs: dict | None  # template variables of conversational rows
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> KTOOptions:
-        return options_from(config, cls, beta=0.1, disable_dropout=True)
+        options = options_from(config, cls, beta=0.1, loss_type=["kto"], disable_dropout=True)
+        if len(options.loss_type) != 1 or options.loss_type[0] not in KTO_LOSS_TYPES:
+            raise ConfigError(
+                f"config key 'loss_type' for kto must be one of {', '.join(KTO_LOSS_TYPES)} (one value), "
+                f"got {options.loss_type!r}"
+            )
+        return options
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether the loss has KTO's KL reference point (the mismatched completions are scored)."""
+        return self.loss_type == ["kto"]
 
 
 class KTOObjective(Objective):
@@ -64,6 +82,7 @@ class KTOObjective(Objective):
         super().__init__(ctx)
         self.options, self.reference_options = options, reference_options
         self.loss = KTOLoss(
+            loss_type=options.loss_type[0],
             beta=options.beta,
             desirable_weight=options.desirable_weight,
             undesirable_weight=options.undesirable_weight,
@@ -82,7 +101,9 @@ class KTOObjective(Objective):
 
     # --- data --------------------------------------------------------------------------------------
     def tokenize(self, rows: list[dict], tokenizer) -> list:
-        return tokenize_kto_dataset(rows, tokenizer, **pick(self.options, *LENGTH_KEYS))
+        return tokenize_kto_dataset(
+            rows, tokenizer, **pick(self.options, *LENGTH_KEYS, "chat_template_kwargs")
+        )
 
     def collate(self, tokenizer) -> KTOCollator:
         return KTOCollator(tokenizer.pad_token_id)
@@ -94,10 +115,10 @@ class KTOObjective(Objective):
 
         def sequences(chunk: Sequence) -> SequenceInputs:
             batch = collate(chunk)
-            return {
-                "ref_logp": (batch["input_ids"], batch["attention_mask"], batch["labels"]),
-                "ref_kl_logp": (batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_labels"]),
-            }
+            found = {"ref_logp": _rows(batch)}
+            if self.options.uses_kl:
+                found["ref_kl_logp"] = _rows(batch, "kl_")
+            return found
 
         self.reference, (train, evaluation), callbacks = setup_reference(
             model, self.reference_options, parts, (train, evaluation), sequences
@@ -109,12 +130,15 @@ class KTOObjective(Objective):
         return batch["input_ids"].shape[0]
 
     def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
-        sums = torch.zeros(4, dtype=torch.float64)  # desirable, undesirable, KL log-ratio sum, KL rows
+        sums = torch.zeros(4, dtype=torch.float64)  # desirable, undesirable, KL log-ratio sum, completions
         for batch in micro_batches:
             desirable = int(batch["kto_labels"].sum())
-            batch_on_device = {k: v.to(self.ctx.device) for k, v in batch.items()}
-            kl_ratio = self._kl_log_ratios(model, batch_on_device)
-            sums += torch.tensor([desirable, len(kl_ratio) - desirable, float(kl_ratio.sum()), len(kl_ratio)])
+            rows = len(batch["kto_labels"])
+            kl_sum = 0.0
+            if self.options.uses_kl:
+                kl_ratio = self._kl_log_ratios(model, {k: v.to(self.ctx.device) for k, v in batch.items()})
+                kl_sum = float(kl_ratio.sum())
+            sums += torch.tensor([desirable, rows - desirable, kl_sum, rows])
         sums = all_reduce_sum(sums, self.ctx).cpu()
         self._class_counts = sums[:2]
         self._kl = (sums[2] / sums[3].clamp_min(1)).clamp(min=0).float().reshape(1)
@@ -123,7 +147,10 @@ class KTOObjective(Objective):
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
         ref_logps = self._reference_logps(batch, "")
         # KTOLoss takes the mean of (kl − ref_kl): the step's estimate as one term, or this batch's
-        kl = self._kl.to(ref_logps.device) if model.training else self._kl_log_ratios(model, batch)
+        kl_terms = {}
+        if self.options.uses_kl:
+            kl = self._kl.to(ref_logps.device) if model.training else self._kl_log_ratios(model, batch)
+            kl_terms = {"kl_logps": kl, "ref_kl_logps": torch.zeros_like(kl)}
         labels = batch["kto_labels"].bool()
 
         def head(hidden, weight, bias):
@@ -133,15 +160,14 @@ class KTOObjective(Objective):
                 shift_labels(batch["labels"]),
                 labels,
                 ref_logps=ref_logps,
-                kl_logps=kl,
-                ref_kl_logps=torch.zeros_like(kl),
                 bias=bias,
+                **kl_terms,
             )
 
         result = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], head_fn=head)
         loss, metrics = result.head_output
         share = self.loss_tokens(batch) / num_items_in_batch
-        step_metrics = {"kl": metrics["kl"] * share}
+        step_metrics = {key: metrics[key] * share for key in ("kl", "entropy")}
         for index, name in enumerate(("chosen", "rejected")):
             # a class mean over this batch, weighted by its count over the step's count of that class
             # (in evaluation, by this batch's share: the engine weighs batches by their size)

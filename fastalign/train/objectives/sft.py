@@ -1,10 +1,13 @@
 """``fastalign train sft``: supervised fine-tuning, TRL's ``SFTTrainer``.
 
 Rows are text, messages or prompt-completion (TRL's formats), tokenized with the chat template where
-there is one, padded or packed (best-fit decreasing) into micro-batches. The loss is the model's own
-next-token cross-entropy on the label tokens (``labels`` + ``num_items_in_batch``, as transformers
-defines them), which ``patch_model`` computes with the fused linear cross-entropy: no logits are built.
-A loss term is a target token, so the step's loss is the token mean over the whole accumulated batch.
+there is one, padded or packed into micro-batches by ``packing_strategy`` (``fastalign.data.packing``):
+bfd and bfd_split pack whole examples (pieces, for bfd_split) that keep their own positions; wrapped
+cuts the examples' concatenation into ``max_length`` blocks, which batch as ordinary padded rows. The
+loss is the model's own next-token cross-entropy on the label tokens (``labels`` +
+``num_items_in_batch``, as transformers defines them), which ``patch_model`` computes with the fused
+linear cross-entropy: no logits are built. A loss term is a target token, so the step's loss is the
+token mean over the whole accumulated batch.
 """
 
 from __future__ import annotations
@@ -13,14 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
-from fastalign.data import tokenize_sft_dataset
+from fastalign.data import split_long_examples, tokenize_sft_dataset, wrap_examples
 from fastalign.models.structure import IGNORE_INDEX
-from fastalign.train.config import TrainConfig, options_from
+from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import Objective, pick
 
-#: SFTOptions fields that are ``tokenize_sft_row``'s arguments of the same name.
-_TOKENIZE_KEYS = ("max_length", "truncation", "completion_only_loss", "assistant_only_loss")
+#: SFTOptions fields that are ``tokenize_sft_dataset``'s arguments of the same name.
+_TOKENIZE_KEYS = (
+    "truncation",
+    "completion_only_loss",
+    "assistant_only_loss",
+    "dataset_text_field",
+    "chat_template_kwargs",
+)
+#: Packing strategies that split examples longer than max_length rather than refuse or truncate them.
+_SPLITTING = {"bfd_split": split_long_examples, "wrapped": wrap_examples}
 
 
 @dataclass(frozen=True)
@@ -30,24 +41,40 @@ class SFTOptions:
     max_length: int
     truncation: bool
     packing: bool
+    packing_strategy: str
     completion_only_loss: bool | None  # None: on for prompt-completion rows
     assistant_only_loss: bool
+    dataset_text_field: str
+    chat_template_kwargs: dict | None
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> SFTOptions:
-        return options_from(config, cls)
+        options = options_from(config, cls)
+        if options.packing_strategy != "bfd" and not options.packing:
+            raise ConfigError(
+                f"config key 'packing_strategy' ({options.packing_strategy!r}) chooses how packing packs: "
+                "it needs packing: true"
+            )
+        if options.packing and options.packing_strategy in _SPLITTING and options.truncation:
+            raise ConfigError(
+                f"config key 'truncation' has no effect with packing_strategy {options.packing_strategy!r}, "
+                "which splits long examples instead of cutting them: remove it"
+            )
+        return options
 
 
 class SFTObjective(Objective):
     """Token-mean cross-entropy over the accumulated batch, computed by the (patched) model itself."""
 
     default_dataset = "tiny-sft"
+    default_learning_rate = 2e-5
     needs_fused_head = False  # the model's own loss: fused once patched, plain otherwise
 
     def __init__(self, options: SFTOptions | None = None, ctx: DistributedContext | None = None):
         super().__init__(ctx)
         self.options = options or SFTOptions.from_config(TrainConfig())
-        self.packing_length = self.options.max_length if self.options.packing else None
+        packs_bins = self.options.packing and self.options.packing_strategy != "wrapped"
+        self.packing_length = self.options.max_length if packs_bins else None
 
     @classmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> SFTObjective:
@@ -58,7 +85,17 @@ class SFTObjective(Objective):
         return frozenset(SFTOptions.__dataclass_fields__)
 
     def tokenize(self, rows: list[dict], tokenizer) -> list:
-        return tokenize_sft_dataset(rows, tokenizer, **pick(self.options, *_TOKENIZE_KEYS))
+        """Examples, or with a splitting ``packing_strategy`` their pieces or blocks (TRL packs the
+        evaluation set too, by default): rows are then never refused for their length."""
+        options = self.options
+        split = _SPLITTING.get(options.packing_strategy) if options.packing else None
+        examples = tokenize_sft_dataset(
+            rows,
+            tokenizer,
+            max_length=None if split else options.max_length,
+            **pick(options, *_TOKENIZE_KEYS),
+        )
+        return split(examples, options.max_length) if split else examples
 
     def loss_tokens(self, batch: dict) -> int:
         # The model shifts labels by one: the first label of each row is never a target.
