@@ -16,6 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import linear_cross_entropy, token_logprobs
 from fastalign.ops.backend import Backend
+from fastalign.ops.linear_cross_entropy import LinearCrossEntropyStats, Reduction
 
 
 @dataclass
@@ -24,11 +25,14 @@ class FusedCausalLMOutput(CausalLMOutputWithPast):
 
     token_logprobs: [B, S] log p(logprob_targets) (0 where the target is -100), when asked for.
     entropy: [B, S] entropy of the next-token distribution, with ``return_entropy=True``.
+    token_stats: [B, S] detached per-target statistics of the ``labels`` loss (entropy, whether the
+        target is the argmax), with ``return_token_stats=True``: what TRL's SFT metrics are made of.
     head_output: what ``head_fn`` returned, when one was given.
     """
 
     token_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    token_stats: LinearCrossEntropyStats | None = None
     head_output: object | None = None
 
 
@@ -60,6 +64,8 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
         temperature: float = 1.0,
         return_entropy: bool = False,
         return_logits: bool | None = None,
+        loss_reduction: Reduction = "mean",
+        return_token_stats: bool = False,
         head_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], object] | None = None,
         **kwargs,
     ):
@@ -67,6 +73,9 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
 
         labels: as transformers takes them (shifted here; or pass ``shift_labels``); the loss honours
             ``num_items_in_batch``. No logits are built unless ``return_logits=True``.
+        loss_reduction: "mean" (transformers' loss), or "none": the loss of each position [B, S] (its
+            next label's; 0 where ignored), differentiable, for losses that weight tokens (SFT's DFT).
+        return_token_stats: also return the ``labels`` loss's per-target ``token_stats``.
         logprob_targets: [B, S] token ids whose per-position log-probs (at ``temperature``) come back
             as ``output.token_logprobs``, for DPO/GRPO-style trainers (already aligned: position t
             scores logprob_targets[:, t]; -100 skips a position).
@@ -93,7 +102,7 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
         softcap = getattr(self.config, "final_logit_softcapping", None)
         fused = dict(softcap=softcap, backend=backend)
 
-        loss = None
+        loss = token_stats = None
         if labels is not None or shifted is not None:
             targets = shifted if shifted is not None else shift_labels(labels)
             if isinstance(num_items_in_batch, torch.Tensor):
@@ -103,9 +112,12 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
                 weight,
                 targets.to(hidden.device),
                 bias,
-                num_items_in_batch=num_items_in_batch,
+                reduction=loss_reduction,
+                num_items_in_batch=num_items_in_batch if loss_reduction == "mean" else None,
+                return_stats=return_token_stats,
                 **fused,
             )
+            loss, token_stats = loss if return_token_stats else (loss, None)
 
         logprobs = entropy = None
         if logprob_targets is not None:
@@ -142,6 +154,7 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
             attentions=outputs.attentions,
             token_logprobs=logprobs,
             entropy=entropy,
+            token_stats=token_stats,
             head_output=head_output,
         )
 

@@ -5,9 +5,10 @@ there is one, padded or packed into micro-batches by ``packing_strategy`` (``fas
 bfd and bfd_split pack whole examples (pieces, for bfd_split) that keep their own positions; wrapped
 cuts the examples' concatenation into ``max_length`` blocks, which batch as ordinary padded rows. The
 loss is the model's own next-token cross-entropy on the label tokens (``labels`` +
-``num_items_in_batch``, as transformers defines them), which ``patch_model`` computes with the fused
-linear cross-entropy: no logits are built. A loss term is a target token, so the step's loss is the
-token mean over the whole accumulated batch.
+``num_items_in_batch``, as transformers defines them), which the patched head computes with the fused
+linear cross-entropy: no logits are built (``loss_type: dft`` weights each token's by its detached
+probability, as TRL's DFT). A loss term is a target token, so the step's loss is the token mean over
+the whole accumulated batch; ``entropy`` and ``mean_token_accuracy`` are token means too, as TRL logs them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _TOKENIZE_KEYS = (
     "dataset_text_field",
     "chat_template_kwargs",
 )
+#: TRL's SFT losses: nll, the token-mean cross-entropy; dft, Dynamic Fine-Tuning (arXiv 2508.05629), each
+#: token's cross-entropy weighted by its probability (detached), -p·log p.
+SFT_LOSS_TYPES = ("nll", "dft")
 #: Packing strategies that split examples longer than max_length rather than refuse or truncate them.
 _SPLITTING = {"bfd_split": split_long_examples, "wrapped": wrap_examples}
 
@@ -46,10 +50,16 @@ class SFTOptions:
     assistant_only_loss: bool
     dataset_text_field: str
     chat_template_kwargs: dict | None
+    loss_type: list[str]  # one of SFT_LOSS_TYPES (TRL's SFTConfig takes one name; the config holds a list)
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> SFTOptions:
-        options = options_from(config, cls)
+        options = options_from(config, cls, loss_type=["nll"])
+        if len(options.loss_type) != 1 or options.loss_type[0] not in SFT_LOSS_TYPES:
+            raise ConfigError(
+                f"config key 'loss_type' for sft must be one of {', '.join(SFT_LOSS_TYPES)} (one value), "
+                f"got {options.loss_type!r}"
+            )
         if options.packing_strategy != "bfd" and not options.packing:
             raise ConfigError(
                 f"config key 'packing_strategy' ({options.packing_strategy!r}) chooses how packing packs: "
@@ -64,11 +74,12 @@ class SFTOptions:
 
 
 class SFTObjective(Objective):
-    """Token-mean cross-entropy over the accumulated batch, computed by the (patched) model itself."""
+    """Token-mean cross-entropy (or DFT's probability-weighted one) over the accumulated batch, computed
+    by the patched model's fused head, which also hands back each target's entropy and whether it is
+    the argmax: TRL's ``entropy`` and ``mean_token_accuracy`` metrics, without logits."""
 
     default_dataset = "tiny-sft"
     default_learning_rate = 2e-5
-    needs_fused_head = False  # the model's own loss: fused once patched, plain otherwise
 
     def __init__(self, options: SFTOptions | None = None, ctx: DistributedContext | None = None):
         super().__init__(ctx)
@@ -103,6 +114,18 @@ class SFTObjective(Objective):
 
     def compute_loss(
         self, model: torch.nn.Module, batch: dict, num_items_in_batch: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        out = model(**batch, num_items_in_batch=num_items_in_batch)
-        return out.loss, {}
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        dft = self.options.loss_type == ["dft"]
+        out = model(
+            **batch,
+            num_items_in_batch=num_items_in_batch,
+            loss_reduction="none" if dft else "mean",
+            return_token_stats=True,
+        )
+        count = num_items_in_batch.to(out.token_stats.entropy.device).float()
+        # DFT: the gradient of -p·log p with p held constant is p times cross-entropy's (0 where ignored)
+        loss = (out.loss * torch.exp(-out.loss).detach()).sum() / count if dft else out.loss
+        return loss, {
+            "entropy": out.token_stats.entropy.sum() / count,
+            "mean_token_accuracy": out.token_stats.accuracy.sum() / count,
+        }
