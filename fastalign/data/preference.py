@@ -30,7 +30,7 @@ from fastalign.data.chat import (
 )
 from fastalign.data.collate import PaddingCollator
 from fastalign.data.formats import check_messages
-from fastalign.data.sft import TokenizedExample, with_eos
+from fastalign.data.sft import TokenizedExample, check_truncation_mode, with_eos
 from fastalign.data.sources import Rows, row_origins
 
 
@@ -41,6 +41,10 @@ class PreferenceExample:
     rejected_ids: list[int]
     ref_chosen_logp: float | None = None  # set when reference log-probs are precomputed
     ref_rejected_logp: float | None = None
+    # where the chosen and the rejected rows start in prompt_ids: 0 but after keep_end truncation, which
+    # cuts each prompt + completion at its start on its own (``Fitted.prompt_starts``)
+    chosen_prompt_start: int = 0
+    rejected_prompt_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,18 +146,36 @@ def _shared_length(a: Sequence, b: Sequence) -> int:
 
 
 @dataclass(frozen=True)
+class Fitted:
+    """A prompt and its completions within the length limits. ``prompt_starts``: where each completion's
+    row starts in ``prompt_ids`` (0 but with ``truncation_mode`` keep_end, where a row keeps its last
+    ``max_length`` tokens, so a longer completion's row starts further into the prompt, or past it)."""
+
+    prompt_ids: list[int]
+    completions: dict[str, list[int]]
+    prompt_starts: dict[str, int]
+
+
+@dataclass(frozen=True)
 class LengthLimits:
     """TRL's length options, the same for every format here: ``max_length`` bounds prompt + each
-    completion, ``max_prompt_length`` the prompt; a longer row is an error unless ``truncation``."""
+    completion, ``max_prompt_length`` the prompt; a longer row is an error unless ``truncation``.
+    ``truncation_mode`` (TRL's DPOConfig; KTO and the prompt-only data keep the start) says which end of
+    prompt + completion truncation keeps."""
 
     max_length: int | None = None
     max_prompt_length: int | None = None
     truncation: bool = False
+    truncation_mode: str = "keep_start"
 
-    def fit(
-        self, prompt_ids: list[int], completions: dict[str, list[int]], where: str
-    ) -> tuple[list[int], dict[str, list[int]]]:
-        """TRL's truncation: a prompt keeps its end (next to the completion), a completion its start."""
+    def __post_init__(self) -> None:
+        check_truncation_mode(self.truncation_mode)
+
+    def fit(self, prompt_ids: list[int], completions: dict[str, list[int]], where: str) -> Fitted:
+        """TRL's truncation: a prompt over ``max_prompt_length`` keeps its end (next to the completion);
+        prompt + completion over ``max_length`` keeps its start (the completion is cut; a prompt that
+        leaves it no room is an error) or with keep_end its end (the prompt is cut first, each row on its
+        own, as TRL's preference collator cuts each sequence)."""
         max_length, max_prompt_length = self.max_length, self.max_prompt_length
         if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
             if not self.truncation:
@@ -163,22 +185,38 @@ class LengthLimits:
                 )
             prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :]
         if max_length is None:
-            return prompt_ids, completions
+            return Fitted(prompt_ids, completions, dict.fromkeys(completions, 0))
         room = max_length - len(prompt_ids)
-        fitted = {}
         for field, ids in completions.items():
             if len(ids) > room and not self.truncation:
                 raise ValueError(
                     f"{where}: prompt + {field!r} has {len(prompt_ids) + len(ids)} tokens, over "
                     f"max_length={max_length} (truncation is off)"
                 )
-            if room <= 0:
-                raise ValueError(
-                    f"{where}: no {field!r} tokens fit in max_length={max_length} after the "
-                    f"{len(prompt_ids)}-token prompt"
-                )
-            fitted[field] = ids[:room]
-        return prompt_ids, fitted
+        if self.truncation_mode == "keep_end":
+            return _keep_end(prompt_ids, completions, max_length)
+        if room <= 0 and completions:
+            raise ValueError(
+                f"{where}: no {next(iter(completions))!r} tokens fit in max_length={max_length} after the "
+                f"{len(prompt_ids)}-token prompt"
+            )
+        return Fitted(
+            prompt_ids,
+            {field: ids[:room] for field, ids in completions.items()},
+            dict.fromkeys(completions, 0),
+        )
+
+
+def _keep_end(prompt_ids: list[int], completions: dict[str, list[int]], max_length: int) -> Fitted:
+    """Each prompt + completion's last ``max_length`` tokens; ``prompt_ids`` only as far back as the
+    row that starts earliest in it needs."""
+    starts = {field: max(0, len(prompt_ids) + len(ids) - max_length) for field, ids in completions.items()}
+    first = min(starts.values(), default=0)
+    return Fitted(
+        prompt_ids[first:],
+        {field: ids[-max_length:] for field, ids in completions.items()},
+        {field: min(start, len(prompt_ids)) - first for field, start in starts.items()},
+    )
 
 
 def _tokenize_preference_row(
@@ -233,8 +271,9 @@ def tokenize_preference_dataset(
 
     ``limits`` are ``LengthLimits``' fields: ``max_length`` bounds prompt + chosen and prompt + rejected;
     a longer row is an error unless ``truncation``, which keeps the prompt's last ``max_prompt_length``
-    tokens and cuts completions. ``bos_prompt``: start each prompt with the tokenizer's BOS token where it
-    does not already (TRL 1.16's CPO and ORPO trainers do; its DPO trainer does not).
+    tokens and cuts completions (with ``truncation_mode`` keep_end, each row's start instead).
+    ``bos_prompt``: start each prompt with the tokenizer's BOS token where it does not already (TRL
+    1.16's CPO and ORPO trainers do; its DPO trainer does not).
     ``chat_template_kwargs``: the config's template variables for conversational rows."""
     fit = LengthLimits(**limits).fit
     bos = tokenizer.bos_token_id if bos_prompt else None
@@ -243,8 +282,16 @@ def tokenize_preference_dataset(
         prompt_ids, completions = _tokenize_preference_row(row, where, tokenizer, chat_template_kwargs)
         if bos is not None and prompt_ids[:1] != [bos]:
             prompt_ids = [bos, *prompt_ids]
-        prompt_ids, completions = fit(prompt_ids, completions, where)
-        examples.append(PreferenceExample(prompt_ids, completions["chosen"], completions["rejected"]))
+        fitted = fit(prompt_ids, completions, where)
+        examples.append(
+            PreferenceExample(
+                fitted.prompt_ids,
+                fitted.completions["chosen"],
+                fitted.completions["rejected"],
+                chosen_prompt_start=fitted.prompt_starts["chosen"],
+                rejected_prompt_start=fitted.prompt_starts["rejected"],
+            )
+        )
     return examples
 
 
@@ -271,8 +318,8 @@ def tokenize_kto_dataset(
         completion_ids = _completion_ids(
             tokenizer, row["prompt"], prompt_ids, row["completion"], where, "completion", template
         )
-        prompt_ids, completions = lengths.fit(prompt_ids, {"completion": completion_ids}, where)
-        examples.append(KTOExample(prompt_ids, completions["completion"], label))
+        fitted = lengths.fit(prompt_ids, {"completion": completion_ids}, where)
+        examples.append(KTOExample(fitted.prompt_ids, fitted.completions["completion"], label))
     max_length = lengths.max_length
     room = [None if max_length is None else max(1, max_length - len(e.prompt_ids)) for e in examples]
     return [
@@ -301,7 +348,7 @@ def tokenize_prompt_dataset(
         prompt_ids = _prompt_ids(tokenizer, row["prompt"], template)
         if not prompt_ids:
             raise ValueError(f"{where}: 'prompt' is empty")
-        prompt_ids, _ = lengths.fit(prompt_ids, {}, where)
+        prompt_ids = lengths.fit(prompt_ids, {}, where).prompt_ids
         columns = {name: value for name, value in row.items() if name != "prompt"}
         examples.append(PromptExample(prompt_ids, row["prompt"], columns))
     return examples
@@ -332,8 +379,8 @@ class PreferenceCollator:
 
     def __call__(self, examples: Sequence[PreferenceExample]) -> dict[str, torch.Tensor]:
         batch = self.padding(
-            [_sequence(example.prompt_ids, example.chosen_ids) for example in examples]
-            + [_sequence(example.prompt_ids, example.rejected_ids) for example in examples]
+            [_sequence(e.prompt_ids[e.chosen_prompt_start :], e.chosen_ids) for e in examples]
+            + [_sequence(e.prompt_ids[e.rejected_prompt_start :], e.rejected_ids) for e in examples]
         )
         _add_reference(
             batch,

@@ -30,6 +30,17 @@ from fastalign.data.chat import (
 from fastalign.data.formats import DatasetFormat, check_row, detect_format
 from fastalign.data.sources import Rows, row_origins
 
+#: TRL 1.16's ``truncation_mode`` values: which end of an over-long row truncation keeps.
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+def check_truncation_mode(truncation_mode: str) -> None:
+    """A ValueError for a value that is not one of ``TRUNCATION_MODES`` (never read as another)."""
+    if truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(
+            f"truncation_mode must be one of {', '.join(TRUNCATION_MODES)}, got {truncation_mode!r}"
+        )
+
 
 @dataclass(frozen=True)
 class TokenizedExample:
@@ -60,13 +71,17 @@ def tokenize_sft_row(
     *,
     max_length: int | None = None,
     truncation: bool = True,
+    truncation_mode: str = "keep_start",
     completion_only_loss: bool | None = None,
     assistant_only_loss: bool = False,
     chat_template_kwargs: dict | None = None,
 ) -> TokenizedExample:
     """Token ids and loss mask of one row. ``index`` names it in errors: its index in a list (``row 3``)
-    or where it is written (``"train.jsonl line 4"``). ``chat_template_kwargs``: the config's template
-    variables for conversational rows (the row's own ``chat_template_kwargs`` column wins)."""
+    or where it is written (``"train.jsonl line 4"``). A row over ``max_length`` is an error unless
+    ``truncation``, which keeps its first ``max_length`` tokens, or with ``truncation_mode`` keep_end its
+    last (TRL's SFTTrainer). ``chat_template_kwargs``: the config's template variables for conversational
+    rows (the row's own ``chat_template_kwargs`` column wins)."""
+    check_truncation_mode(truncation_mode)
     where = index if isinstance(index, str) else f"row {index}"
     check_row(row, where, fmt)
     template = template_arguments(row, where, chat_template_kwargs) if fmt.conversational else {}
@@ -101,7 +116,8 @@ def tokenize_sft_row(
     if max_length is not None and len(ids) > max_length:
         if not truncation:
             raise ValueError(f"{where}: {len(ids)} tokens exceed max_length={max_length} (truncation is off)")
-        ids, mask = ids[:max_length], mask[:max_length]
+        kept = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+        ids, mask = ids[kept], mask[kept]
     if not any(mask):
         raise ValueError(f"{where}: no loss tokens (after truncation to max_length={max_length})")
     return TokenizedExample(ids, mask)

@@ -11,14 +11,17 @@ absent), A the completion's advantage and w_t = mask_t · norm_b the aggregation
     c1 = exp(ℓ − ℓ_old)  (token level)  or  exp(Σ_t mask_t (ℓ − ℓ_old) / Σ_t mask_t)  (sequence level)
     clip:   loss_t = −min(min(c1, δ)·A, clamp(c1, 1 − ε_low, 1 + ε_high)·A)
     cispo:  loss_t = −sg(min(c1, ε_high))·A·ℓ
+    keep:   loss_t ·= k_t, an optional 0/1 per token on the policy term only (TRL's high-entropy mask,
+            ``top_entropy_quantile``; token level only: at sequence level a kept token's c1 carries the
+            gradient of the completion's other tokens too; the op uses PyTorch)
     KL:     kl_t = exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1,  loss_t += β·kl_t  (bias-corrected: β·kl_t·c1, token
             level only: at sequence level its gradient couples a completion's tokens; the op uses PyTorch)
-    L = Σ_t w_t loss_t,   ∂L/∂ℓ_t = w_t · (c1·∂loss/∂c1 + β·(1 − exp(ℓ_ref − ℓ)))   (clip)
-                                     w_t · (−sg(min(c1, ε_high))·A + β·(…))            (cispo)
-The sequence-level form has the same gradient: ∂c1/∂ℓ_t = c1·mask_t / Σmask, and the Σ over the
-completion's tokens of w·∂loss/∂c1 brings the Σmask back; its c1 comes in per token (the caller reduces
-each completion's log ratio first). The kernel writes ∂L/∂ℓ per token, and per program its share of L
-and the sums behind the metrics (KL, clip fractions).
+    L = Σ_t w_t loss_t,   ∂L/∂ℓ_t = w_t · (k_t·c1·∂loss/∂c1 + β·(1 − exp(ℓ_ref − ℓ)))   (clip)
+                                     w_t · (−k_t·sg(min(c1, ε_high))·A + β·(…))            (cispo)
+The sequence-level form (without keep) has the same gradient: ∂c1/∂ℓ_t = c1·mask_t / Σmask, and the Σ
+over the completion's tokens of w·∂loss/∂c1 brings the Σmask back; its c1 comes in per token (the caller
+reduces each completion's log ratio first). The kernel writes ∂L/∂ℓ per token, and per program its share
+of L and the sums behind the metrics (KL, clip fractions: over every weighted token, kept or not, as TRL).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def _grpo_token_loss_kernel(
     mask_ptr,
     advantage_ptr,  # per token (its completion's advantage)
     weight_ptr,  # per token: the aggregation weight w_t = mask_t · norm_b
+    keep_ptr,  # per token: 0/1, whether the policy term counts (HAS_KEEP)
     grad_ptr,
     partial_ptr,  # [5, programs]: Σ w·loss, Σ mask·kl, Σ mask·low-, high-, region-clipped
     N,
@@ -101,6 +105,7 @@ def _grpo_token_loss_kernel(
     HAS_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     SEQUENCE_LEVEL: tl.constexpr,
     CISPO: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
@@ -142,6 +147,10 @@ def _grpo_token_loss_kernel(
         low = tl.where(c1_capped < 1.0 - eps_low, 1.0, 0.0) * negative
         high = tl.where(c1_capped > 1.0 + eps_high, 1.0, 0.0) * positive
     region = tl.maximum(low, high)
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        token_loss = keep * token_loss
+        d_logp = keep * d_logp
     kl = tl.zeros_like(logp)
     if HAS_REF:
         ref = tl.load(ref_logp_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
@@ -169,6 +178,7 @@ def grpo_token_loss(
     mask: torch.Tensor,
     advantage: torch.Tensor,
     weight: torch.Tensor,
+    keep: torch.Tensor | None = None,
     *,
     beta: float,
     eps_low: float,
@@ -178,7 +188,8 @@ def grpo_token_loss(
     bias_correction_kl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(∂L/∂logp [N] fp32, sums [5] fp32: L, Σ mask·kl, low-, high-, region-clipped token counts) for
-    contiguous per-token inputs [N]; ``log_weight`` given means sequence-level importance sampling."""
+    contiguous per-token inputs [N]; ``log_weight`` given means sequence-level importance sampling, ``keep``
+    (fp32 0/1) a policy term on the kept tokens only."""
     n = logp.numel()
     block = min(triton.next_power_of_2(n), 4096)
     programs = triton.cdiv(n, block)
@@ -186,9 +197,10 @@ def grpo_token_loss(
     partial = torch.empty((5, programs), dtype=torch.float32, device=logp.device)
     _grpo_token_loss_kernel[(programs,)](
         logp, logp if old_logp is None else old_logp, logp if ref_logp is None else ref_logp,
-        logp if log_weight is None else log_weight, mask, advantage, weight, grad, partial, n, programs,
-        beta, eps_low, eps_high, 1.0 if delta is None else delta,
+        logp if log_weight is None else log_weight, mask, advantage, weight, weight if keep is None else keep,
+        grad, partial, n, programs, beta, eps_low, eps_high, 1.0 if delta is None else delta,
         HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None, HAS_DELTA=delta is not None,
+        HAS_KEEP=keep is not None,
         SEQUENCE_LEVEL=log_weight is not None, CISPO=cispo, BIAS_CORRECTION=bias_correction_kl,
         BLOCK=block,
     )  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -146,6 +147,50 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor | None
     return torch.where(torch.isnan(rewards_per_func).all(dim=1), float("nan"), total)
 
 
+def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(values, q)`` (linear interpolation) of 1-D fp32 ``values``, bit for bit, without
+    its limit of 2^24 values (a micro-batch's tokens on many ranks can pass it): the same fp32 rank
+    arithmetic on a sort (NaN, sorted last, makes the quantile NaN, as there)."""
+    ordered = values.sort().values
+    last = values.numel() - 1
+    rank = torch.tensor(q, dtype=values.dtype, device=values.device) * last
+    rank = torch.where(ordered[-1].isnan(), float(last), rank)
+    below = rank.long()  # truncation: the floor of a rank >= 0
+    return torch.lerp(ordered[below], ordered[rank.ceil().long()], rank - below)
+
+
+def high_entropy_mask(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    top_entropy_quantile: float,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """TRL's ``top_entropy_quantile`` (ρ, "Beyond the 80/20 rule"): bool [B, T], True at the masked-in
+    tokens whose entropy is at least the (1 − ρ)-quantile of the entropies of every masked-in token.
+
+    As TRL's ``GRPOTrainer.get_high_entropy_mask``: the quantile is ``torch.quantile``'s (linear
+    interpolation) over the fp32 entropies of this micro-batch's masked-in tokens, and of every
+    process's when ``gather`` is given (it returns all processes' 1-D values of this call, concatenated:
+    TRL gathers across processes, per micro-batch); ties at the threshold are all kept (≥); no token is
+    kept when there is none at all. ρ = 1 keeps every token, ρ = 0 those of the highest entropy.
+    ``entropy`` is detached: the mask is a constant of the loss."""
+    validation.require_tensor("entropy", entropy)
+    validation.require_tensor("mask", mask)
+    if entropy.shape != mask.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} must equal entropy shape {tuple(entropy.shape)}")
+    top_entropy_quantile = validation.real("top_entropy_quantile", top_entropy_quantile)
+    if not 0.0 <= top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile}")
+    inside = mask.bool()
+    entropy = entropy.detach().float()
+    values = entropy[inside]
+    if gather is not None:
+        values = gather(values)
+    if values.numel() == 0:
+        return torch.zeros_like(inside)
+    return (entropy >= _quantile(values, 1.0 - top_entropy_quantile)) & inside
+
+
 # --------------------------------------------------------------------------------------------------
 # The token loss.
 
@@ -171,9 +216,10 @@ class TokenLossInputs(NamedTuple):
     weight: torch.Tensor  # the aggregation weight w_t = mask_t · norm_b
     old_logp: torch.Tensor | None
     ref_logp: torch.Tensor | None
+    keep: torch.Tensor | None = None  # 0/1: whether the token's policy term counts (None: all do)
 
     @classmethod
-    def build(cls, mask, advantages, seq_weight, old_logp=None, ref_logp=None) -> TokenLossInputs:
+    def build(cls, mask, advantages, seq_weight, old_logp=None, ref_logp=None, keep=None) -> TokenLossInputs:
         mask = mask.float()
 
         def per_token(values):  # masked tokens' values (NaN there, say) are replaced, never weighted by 0
@@ -189,9 +235,11 @@ class TokenLossInputs(NamedTuple):
             weight=(mask * seq_weight.float()[:, None]).reshape(-1).contiguous(),
             old_logp=per_token(old_logp),
             ref_logp=per_token(ref_logp),
+            keep=None if keep is None else (keep.bool() & (mask != 0)).float().reshape(-1).contiguous(),
         )
 
-    def rows(self, rows: slice) -> TokenLossInputs:
+    def rows(self, rows: slice | torch.Tensor) -> TokenLossInputs:
+        """The inputs of some tokens: a slice, or a tensor of indices into the flat tokens."""
         return TokenLossInputs(*(None if t is None else t[rows] for t in self))
 
 
@@ -214,6 +262,8 @@ def _token_loss_torch(logp, log_weight, inputs: TokenLossInputs, config: TokenLo
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
         low = (coef_1 < 1 - config.eps_low) & (adv < 0)
         high = (coef_1 > 1 + config.eps_high) & (adv > 0)
+    if inputs.keep is not None:  # the policy term only, as TRL's entropy mask (never the KL term)
+        per_token_loss = per_token_loss * inputs.keep
     kl = torch.zeros_like(logp)
     if inputs.ref_logp is not None:
         kl = torch.exp(inputs.ref_logp - logp) - (inputs.ref_logp - logp) - 1
@@ -233,7 +283,7 @@ def _token_loss_triton(logp, log_weight, inputs: TokenLossInputs, config: TokenL
     options = {key: value for key, value in dataclasses.asdict(config).items() if key != "sequence_level"}
     log_weight = None if log_weight is None else log_weight.detach().contiguous()
     per_token = (inputs.old_logp, inputs.ref_logp, log_weight, inputs.mask, inputs.advantage, inputs.weight)
-    return kernels.grpo_token_loss(logp.contiguous(), *per_token, **options)
+    return kernels.grpo_token_loss(logp.contiguous(), *per_token, inputs.keep, **options)
 
 
 class _TokenLossFunction(torch.autograd.Function):
@@ -261,7 +311,7 @@ def sequence_log_weights(
     return torch.where(mask != 0, (logp - old) * mask, 0.0).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
-def _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_logp) -> None:
+def _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_logp, keep) -> None:
     """Types and shapes, then the mask's and the advantages' values in one host sync."""
     for name, tensor in (
         ("logp", logp),
@@ -270,9 +320,9 @@ def _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_l
         ("seq_weight", seq_weight),
     ):
         validation.require_tensor(name, tensor)
-    for name, tensor in (("old_logp", old_logp), ("ref_logp", ref_logp)):
+    for name, tensor in (("old_logp", old_logp), ("ref_logp", ref_logp), ("keep", keep)):
         validation.require_tensor(name, tensor, optional=True)
-    for name, tensor in (("mask", mask), ("old_logp", old_logp), ("ref_logp", ref_logp)):
+    for name, tensor in (("mask", mask), ("old_logp", old_logp), ("ref_logp", ref_logp), ("keep", keep)):
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(tensor.shape)} must equal logp shape {tuple(logp.shape)}")
     if logp.dim() != 2 or advantages.shape != logp.shape[:1] or seq_weight.shape != logp.shape[:1]:
@@ -282,6 +332,8 @@ def _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_l
         )
     checks = validation.DeferredChecks()
     checks.binary_mask("mask", mask)
+    if keep is not None:
+        checks.binary_mask("keep", keep)
     checks.finite("advantages", advantages)
     checks.raise_first()
 
@@ -295,28 +347,32 @@ def grpo_token_loss(
     *,
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
     backend: Backend = "auto",
     check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_b seq_weight_b Σ_t mask·loss_t of log-probs [B, T] (differentiable w.r.t. ``logp``), and the
-    sums [5]: L, Σ mask·kl, and the low-, high- and region-clipped token counts.
+    sums [5]: L, Σ mask·kl, and the low-, high- and region-clipped token counts (of every masked-in
+    token: ``keep`` leaves them, as TRL's metrics).
 
     ``mask`` is a 0/1 mask [B, T] (bool or integer) and ``advantages`` [B] must be finite: one host sync
-    checks both; a ValueError names the argument. ``check_inputs=False`` skips every check, for a caller
-    that has made them already (``GRPOLoss`` does, in its own sync)."""
+    checks both; a ValueError names the argument. ``keep`` (0/1 [B, T], optional) multiplies the policy
+    term of each token, not its KL term (``high_entropy_mask``). ``check_inputs=False`` skips every
+    check, for a caller that has made them already (``GRPOLoss`` does, in its own sync)."""
     if check_inputs:
-        _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_logp)
+        _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_logp, keep)
     mask = mask.float()
     # A masked token's log-prob (NaN at padding, say) is replaced, not weighted by 0 (0·NaN is NaN).
     logp = torch.where(mask != 0, logp.float(), 0.0)
-    inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_logp, ref_logp)
+    inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_logp, ref_logp, keep)
     log_weight = None
     if config.sequence_level:
         log_weight = sequence_log_weights(logp, mask, old_logp)[:, None].expand_as(logp).reshape(-1)
     # The kernel takes a completion's importance weight as a value: right for the clipped term, whose
     # gradient per token is the same through it, not for a KL term it multiplies, whose gradient through
-    # it sums the completion's KL; autograd does that (on [B, T] values, elementwise).
-    coupled = config.sequence_level and config.bias_correction_kl and config.beta > 0
+    # it sums the completion's KL; autograd does that (on [B, T] values, elementwise). So with ``keep``:
+    # a kept token's term passes gradient to every token of its completion through the weight.
+    coupled = config.sequence_level and (keep is not None or (config.bias_correction_kl and config.beta > 0))
     if coupled or resolve_backend(backend, logp) == "torch":
         return _token_loss_torch(logp.reshape(-1), log_weight, inputs, config)
     return _TokenLossFunction.apply(logp.reshape(-1), log_weight, inputs, config)

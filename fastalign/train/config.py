@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import yaml
 
 from fastalign.data.packing import PACKING_STRATEGIES
+from fastalign.data.sft import TRUNCATION_MODES
 from fastalign.ops.grpo import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
 from fastalign.ops.preference import F_DIVERGENCE_TYPES
 
@@ -47,6 +48,8 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     max_length: int = 1024  # TRL's default for every objective
     truncation: bool = False  # without it, an over-long example is an error naming its row
+    truncation_mode: str = "keep_start"  # sft, dpo: which end of an over-long row truncation keeps
+    # (keep_start or keep_end; TRL's SFTConfig / DPOConfig)
     packing: bool = False
     completion_only_loss: bool | None = None  # None: on for prompt-completion data
     assistant_only_loss: bool = False
@@ -156,6 +159,7 @@ class TrainConfig:
     steps_per_generation: int | None = None  # micro-batches per generation; None: gradient_accumulation_steps
     importance_sampling_level: str = "token"  # token, sequence
     use_bias_correction_kl: bool = True  # the KL term times the importance ratio (TRL's default; token level)
+    top_entropy_quantile: float = 1.0  # grpo: the policy term of the top-ρ entropy tokens only (1: all)
     mask_truncated_completions: bool = False
     normalize_advantages: bool = False  # rloo: advantages standardised over the generation batch
     reward_clip_range: list[float] | None = None  # rloo: [low, high] the rewards are clamped to
@@ -323,6 +327,7 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("epsilon", lambda value: value >= 0, "non-negative"),
     ("epsilon_high", lambda value: value is None or value >= 0, "non-negative or null"),
     ("delta", lambda value: value is None or value > 1, "greater than 1 or null"),
+    ("top_entropy_quantile", lambda value: 0 <= value <= 1, "in [0, 1]"),
     ("num_iterations", lambda value: value >= 1, "at least 1"),
     ("steps_per_generation", lambda value: value is None or value >= 1, "at least 1 or null"),
     ("ref_model_sync_steps", lambda value: value >= 1, "at least 1"),
@@ -372,6 +377,7 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda value: value in PACKING_STRATEGIES,
         f"one of {', '.join(PACKING_STRATEGIES)}",
     ),
+    ("truncation_mode", lambda value: value in TRUNCATION_MODES, f"one of {', '.join(TRUNCATION_MODES)}"),
     ("neftune_noise_alpha", lambda value: value is None or value > 0, "positive or null"),
 )
 
@@ -606,6 +612,7 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
             at = f" ({where[key]})" if key in where else ""
             raise ConfigError(f"config key {key!r}{at} must be {wanted}, got {value!r}")
     _check_model_options(config, where)
+    _check_truncation_mode(config, where)
     if config.quantization and not config.use_peft:
         at = f" ({where['quantization']})" if "quantization" in where else ""
         raise ConfigError(
@@ -626,6 +633,25 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
         )
         raise ConfigError(f"config key 'max_steps' or 'num_train_epochs' must be positive, got {got}")
     _check_evaluation_and_saving(config, where)
+
+
+def _check_truncation_mode(config: TrainConfig, where: dict[str, str]) -> None:
+    """keep_end only where it applies: with truncation, and not with packing (TRL's SFTTrainer does not
+    read truncation_mode when packing)."""
+    if config.truncation_mode == "keep_start":
+        return
+    at = f" ({where['truncation_mode']})" if "truncation_mode" in where else ""
+    mode = f"config key 'truncation_mode'{at} ({config.truncation_mode!r})"
+    if not config.truncation:
+        raise ConfigError(
+            f"{mode} chooses what truncation keeps: it needs truncation: true (without it an over-long "
+            "row is an error)"
+        )
+    if config.packing:
+        raise ConfigError(
+            f"{mode} cannot go with packing, which cuts a long example's end (bfd) or splits it (TRL ignores "
+            "truncation_mode when packing): remove it"
+        )
 
 
 def model_option(config: TrainConfig, key: str) -> str | None:

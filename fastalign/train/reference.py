@@ -6,8 +6,9 @@
 - ``FrozenReference``: a separate frozen model (sharded like the policy under FSDP2).
 - ``AdapterDisabledReference``: the policy itself with its LoRA adapters switched off — the base
   model *is* the reference, so LoRA training keeps no second copy in memory.
-- Precomputed (``precompute_reference``): the reference's sequence log-probs computed once over the
-  data set before training and carried by the examples, so no reference is held during training.
+- Precomputed (``precompute_reference``): the reference's sequence log-probs (as the objective scores
+  them: LD-DPO's weighted sums for DPO) computed once over the data set before training and carried by
+  the examples, so no reference is held during training.
 
 Every log-prob goes through the patched model's fused head (``logprob_targets``): no logits are built.
 """
@@ -95,20 +96,24 @@ class AdapterDisabledReference(Reference):
         return self.model.disable_adapter()
 
 
-#: Rows whose reference log-probs ``precompute_reference`` computes: name → (input_ids, attention_mask,
-#: labels), each [len(examples), T], row i belonging to example i.
-SequenceInputs = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+#: The reference's log-probs of a collated batch of examples (on the device), each [examples in the
+#: batch], by the name of the example field that keeps them: what ``precompute_reference`` attaches. An
+#: objective scores with the same code as its live reference, so the values are the ones it would compute
+#: during training (LD-DPO's ``ld_alpha`` weighting included).
+ReferenceScores = Callable[[Reference, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 def precompute_reference(
     examples: Sequence,
     reference: Reference,
-    sequences: Callable[[Sequence], SequenceInputs],
+    collate: Callable[[Sequence], dict[str, torch.Tensor]],
+    score: ReferenceScores,
     attach: Callable[[object, dict[str, float]], object],
     batch_size: int,
     ctx: DistributedContext,
 ) -> list:
-    """``examples`` with the reference's sequence log-probs attached (``attach(example, {name: logp})``).
+    """``examples`` with the reference's log-probs attached (``attach(example, {name: logp})``), scored
+    by ``score`` on batches of ``collate``.
 
     Batches are dealt to the ranks in turn, and every rank runs the same number of forwards (FSDP2
     gathers collectively: a rank with fewer batches repeats one and drops its result); the values are
@@ -119,10 +124,8 @@ def precompute_reference(
     for number in range(-(-len(starts) // ctx.world_size)):
         start = mine[min(number, len(mine) - 1)] if mine else starts[0]
         chunk = examples[start : start + batch_size]
-        found = {
-            name: reference.sequence_logprobs(*(t.to(ctx.device) for t in tensors)).float().cpu()
-            for name, tensors in sequences(chunk).items()
-        }
+        batch = {key: tensor.to(ctx.device) for key, tensor in collate(chunk).items()}
+        found = {name: logps.float().cpu() for name, logps in score(reference, batch).items()}
         if number < len(mine):
             for offset in range(len(chunk)):
                 values[start + offset] = {name: float(logps[offset]) for name, logps in found.items()}
@@ -203,15 +206,19 @@ def setup_reference(
     options: ReferenceOptions,
     parts: RunParts,
     examples: tuple[list, list],
-    sequences: Callable[[Sequence], SequenceInputs],
+    collate: Callable[[Sequence], dict[str, torch.Tensor]],
+    score: ReferenceScores,
 ) -> tuple[Reference | None, tuple[list, list], list[Callback]]:
-    """The reference for training (None once precomputed into the train and evaluation examples, which
-    are returned with their log-probs attached) and the callbacks it needs (TR-DPO's sync)."""
+    """The reference for training (None once precomputed by ``score`` into the train and evaluation
+    examples, which are returned with their log-probs attached) and the callbacks it needs (TR-DPO's
+    sync)."""
     reference = reference_model(model, options.ref_model_name_or_path, parts)
     if options.precompute_ref_log_probs:
         with autocast(parts.ctx.device, parts.autocast_dtype):  # as under the engine
             examples = tuple(
-                precompute_reference(part, reference, sequences, _attach, parts.eval_batch_size, parts.ctx)
+                precompute_reference(
+                    part, reference, collate, score, _attach, parts.eval_batch_size, parts.ctx
+                )
                 for part in examples
             )
         return None, examples, []

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from fastalign.ops.grpo import TokenLossConfig, combine_rewards, group_advantages, grpo_token_loss
+from fastalign.ops.grpo import (
+    TokenLossConfig,
+    _quantile,
+    combine_rewards,
+    group_advantages,
+    grpo_token_loss,
+    high_entropy_mask,
+)
 from tests.conftest import DEVICE
 
 NAN = float("nan")
@@ -131,3 +138,128 @@ def test_token_loss_backends_agree_on_long_completions(config):
         results.append((loss.detach(), sums, logp.grad.clone()))
     for torch_value, triton_value in zip(*results, strict=True):
         torch.testing.assert_close(triton_value, torch_value, rtol=1e-4, atol=1e-6)
+
+
+def reference_token_loss(logp, mask, advantages, weights, cfg, old, ref, keep):
+    """TRL's per-token loss in float64 on [B, T] log-probs (token level), the entropy mask ``keep`` on the
+    policy term only; returns the weighted sum."""
+    logp, old, ref, adv = logp.double(), old.double(), ref.double(), advantages.double()[:, None]
+    coef_1 = torch.exp(logp - old)
+    if cfg.cispo:
+        policy = -torch.clamp(coef_1, max=cfg.eps_high).detach() * adv * logp
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - cfg.eps_low, 1 + cfg.eps_high)
+        capped = coef_1 if cfg.delta is None else torch.clamp(coef_1, max=cfg.delta)
+        policy = -torch.min(capped * adv, coef_2 * adv)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if cfg.bias_correction_kl:
+        kl = kl * coef_1
+    per_token = policy * keep.double() + cfg.beta * kl
+    return (per_token * mask.double() * weights.double()[:, None]).sum()
+
+
+@pytest.mark.parametrize("config", ["clip", "delta", "cispo", "bias_kl"])
+def test_token_loss_keep_masks_the_policy_term_only(backend, config):
+    """``keep``: the policy term (loss and gradient) of the dropped tokens is 0, their KL term is not."""
+    cfg = CONFIGS["clip"] if config == "bias_kl" else CONFIGS[config]
+    if config == "bias_kl":
+        cfg = TokenLossConfig(**{**cfg.__dict__, "bias_correction_kl": True})
+    gen = torch.Generator().manual_seed(5)
+    batch, length = 3, 1031  # odd: a partial block
+    logp = (torch.randn(batch, length, generator=gen) * 0.3 - 1).to(DEVICE).requires_grad_()
+    old = logp.detach() + (torch.randn(batch, length, generator=gen) * 0.2).to(DEVICE)
+    ref = logp.detach() + (torch.randn(batch, length, generator=gen) * 0.1).to(DEVICE)
+    mask = (torch.rand(batch, length, generator=gen) > 0.1).to(DEVICE)
+    keep = (torch.rand(batch, length, generator=gen) > 0.7).to(DEVICE) & mask
+    advantages = torch.tensor([0.7, -1.2, 0.3], device=DEVICE)
+    weights = torch.tensor([1e-3, 2e-3, 5e-4], device=DEVICE)
+    loss, sums = grpo_token_loss(
+        logp, mask, advantages, weights, cfg, old_logp=old, ref_logp=ref, keep=keep, backend=backend
+    )
+    loss.backward()
+    leaf = logp.detach().double().requires_grad_()
+    expected = reference_token_loss(leaf, mask, advantages, weights, cfg, old, ref, keep)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(logp.grad.double(), leaf.grad, rtol=1e-5, atol=1e-9)
+    # the metrics count every masked-in token, kept or not (as TRL's)
+    _, unmasked_sums = grpo_token_loss(
+        logp.detach(), mask, advantages, weights, cfg, old_logp=old, ref_logp=ref, backend=backend
+    )
+    torch.testing.assert_close(sums[1:], unmasked_sums[1:])
+
+
+def test_sequence_level_keep_passes_gradient_through_the_completion_weight(backend):
+    """At sequence level a kept token's term depends on every token of its completion (through the
+    completion's ratio): the gradient reaches the dropped tokens too (autograd, either backend)."""
+    cfg = TokenLossConfig(beta=0.0, eps_low=0.2, eps_high=0.28, delta=None, sequence_level=True, cispo=False)
+    gen = torch.Generator().manual_seed(6)
+    logp = (torch.randn(2, 9, generator=gen) * 0.3 - 1).to(DEVICE).requires_grad_()
+    old = logp.detach() + (torch.randn(2, 9, generator=gen) * 0.05).to(DEVICE)
+    mask = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
+    keep = torch.zeros_like(mask)
+    keep[:, :3] = True
+    advantages, weights = torch.tensor([0.7, -1.2], device=DEVICE), torch.full((2,), 0.1, device=DEVICE)
+    loss, _ = grpo_token_loss(logp, mask, advantages, weights, cfg, old_logp=old, keep=keep, backend=backend)
+    loss.backward()
+    leaf = logp.detach().double().requires_grad_()
+    log_w = ((leaf - old.double()).sum(-1) / 9)[:, None]
+    coef_1, adv = log_w.exp(), advantages.double()[:, None]
+    per_token = -torch.min(coef_1 * adv, coef_1.clamp(0.8, 1.28) * adv) * keep.double()
+    expected = (per_token * weights.double()[:, None]).sum()
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected)
+    torch.testing.assert_close(logp.grad.double(), leaf.grad)
+    assert (logp.grad[:, 3:] != 0).all()
+
+
+def test_quantile_is_torch_quantile_without_its_size_limit():
+    gen = torch.Generator().manual_seed(7)
+    for n in (1, 2, 3, 10, 1001):
+        for values in (torch.rand(n, generator=gen) * 5, torch.randint(0, 3, (n,), generator=gen).float()):
+            for q in (0.0, 1 - 0.8, 0.5, 1 - 0.2, 1.0, 0.123):
+                assert torch.equal(_quantile(values, q), torch.quantile(values, q)), (n, q)
+    large = torch.rand(2**24 + 3, generator=gen)  # torch.quantile refuses more than 2^24 values
+    assert abs(_quantile(large, 0.8).item() - 0.8) < 1e-3
+
+
+class _Accelerator:
+    """What TRL's ``get_high_entropy_mask`` asks of accelerate, for ``ranks`` processes of which this is
+    the first: the others' local values are given."""
+
+    def __init__(self, others):
+        self.others = others
+
+    def pad_across_processes(self, local, dim, pad_index):
+        width = max([len(local), *map(len, self.others)])
+        return torch.cat([local, local.new_full((width - len(local),), pad_index)])
+
+    def gather(self, padded):
+        parts = [padded, *(self.pad_across_processes(other, 0, -1e9) for other in self.others)]
+        return torch.cat(parts)
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.8, 0.2, 0.0])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_high_entropy_mask_is_trls(quantile, ranks):
+    """TRL's own ``GRPOTrainer.get_high_entropy_mask`` (with the processes simulated) is the oracle:
+    ties (entropies on a grid) and padding included."""
+    from trl import GRPOTrainer
+
+    gen = torch.Generator().manual_seed(8)
+    entropy = (torch.rand(5, 13, generator=gen) * 20).round() / 4  # many ties
+    mask = torch.rand(5, 13, generator=gen) > 0.3
+    others = [(torch.rand(n, generator=gen) * 20).round() / 4 for n in (17, 4)][: ranks - 1]
+    trainer = type("Trainer", (), {"accelerator": _Accelerator(others)})()
+    expected = GRPOTrainer.get_high_entropy_mask(trainer, entropy, mask.long(), 1 - quantile)
+    ours = high_entropy_mask(entropy, mask, quantile, lambda local: torch.cat([local, *others]))
+    assert torch.equal(ours, expected)
+    if quantile == 1.0:
+        assert torch.equal(ours, mask)
+
+
+def test_high_entropy_mask_without_tokens_keeps_none():
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    assert not high_entropy_mask(torch.rand(2, 3), mask, 0.2).any()
+    with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
+        high_entropy_mask(torch.rand(2, 3), mask, 1.2)

@@ -48,8 +48,10 @@ def trl_reference(
     delta=None,
     num_items_in_batch=None,
     use_bias_correction_kl=True,
+    top_entropy_quantile=1.0,
 ):
-    """TRL GRPOTrainer._compute_loss, written out in float64 from hidden states."""
+    """TRL GRPOTrainer._compute_loss, written out in float64 from hidden states (its entropy mask's
+    quantile over the fp32 entropies, as TRL's ``get_high_entropy_mask``)."""
     h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
     log_probs = (h @ w.T / TEMPERATURE).log_softmax(-1)
@@ -72,6 +74,10 @@ def trl_reference(
         if delta is not None:
             coef_1 = torch.clamp(coef_1, max=delta)
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    if top_entropy_quantile < 1.0:
+        values = entropies.detach()[mask.bool()].float()
+        threshold = torch.quantile(values, 1 - top_entropy_quantile) if values.numel() else float("inf")
+        per_token_loss = per_token_loss * ((entropies.detach().float() >= threshold) & mask.bool())
     if beta != 0.0:
         ref = ref.double()
         per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
@@ -222,13 +228,14 @@ def test_memory_is_independent_of_the_vocabulary(backend):
     ids = torch.randint(0, vocab, (batch, length), device=DEVICE)
     mask = torch.ones(batch, length, device=DEVICE)
     old = torch.full((batch, length), -7.0, device=DEVICE)
-    for level in ("token", "sequence"):
+    for level, quantile in (("token", 1.0), ("sequence", 1.0), ("token", 0.2), ("sequence", 0.2)):
         loss_fn = GRPOLoss(
             beta=0.04,
             importance_sampling_level=level,
             chunk_size=chunk,
             backend=backend,
             use_bias_correction_kl=level == "token",
+            top_entropy_quantile=quantile,
         )
         with _RecordAllocations() as recorder:
             out = loss_fn(
@@ -244,3 +251,83 @@ def test_memory_is_independent_of_the_vocabulary(backend):
         fp32 = 4
         assert recorder.largest <= max(2 * chunk * vocab, vocab * D, batch * length * D) * fp32
         assert recorder.largest < batch * length * vocab * fp32
+
+
+@pytest.mark.parametrize("quantile", [0.8, 0.2, 0.0])
+@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["beta0", "beta0.04"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_entropy_mask_matches_trl_formulas_fp32(backend, loss_type, level, beta, quantile):
+    """top_entropy_quantile: the policy term of the low-entropy tokens is dropped, the KL term and the
+    normaliser keep every token; at token level the gradient pass runs on the kept tokens alone."""
+    hidden, weight, ids, mask, advantages, old, ref = make_batch(torch.float32, seed=3)
+    epsilon_high = 1.4 if loss_type == "cispo" else 0.28
+    options = dict(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=epsilon_high)
+    options["top_entropy_quantile"] = quantile
+    loss_fn = GRPOLoss(
+        **options,
+        importance_sampling_level=level,
+        temperature=TEMPERATURE,
+        max_completion_length=MAX_LEN,
+        chunk_size=5,  # several chunks of the kept tokens
+        backend=backend,
+    )
+    out = loss_fn(hidden, weight, ids, mask, advantages, old_per_token_logps=old, ref_per_token_logps=ref)
+    out.loss.backward()
+    ref_loss, ref_metrics, ref_h, ref_w = trl_reference(
+        hidden, weight, ids, mask, advantages, old, ref, level=level, **options
+    )
+    assert_close_to_reference("loss", out.loss.detach(), ref_loss.detach(), torch.float32)
+    for name, value in ref_metrics.items():
+        torch.testing.assert_close(out.metrics[name].double(), value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_close_to_reference("grad hidden", hidden.grad, ref_h, torch.float32)
+    assert_close_to_reference("grad weight", weight.grad, ref_w, torch.float32)
+    # the mask bites: a masked-in token has no gradient where only its dropped policy term had one
+    if beta == 0.0 and level == "token":
+        no_grad = (hidden.grad == 0).all(-1) & (mask != 0)
+        assert no_grad.sum() >= (1 - quantile) * mask.sum() - 1
+
+
+def test_entropy_mask_matches_trl_formulas_bf16(backend):
+    hidden, weight, ids, mask, advantages, old, ref = make_batch(torch.bfloat16, seed=4)
+    options = dict(loss_type="dapo", beta=0.04, epsilon=0.2, epsilon_high=0.28, top_entropy_quantile=0.2)
+    loss_fn = GRPOLoss(**options, temperature=TEMPERATURE, backend=backend)
+    out = loss_fn(hidden, weight, ids, mask, advantages, old_per_token_logps=old, ref_per_token_logps=ref)
+    out.loss.backward()
+    ref_loss, _, ref_h, ref_w = trl_reference(
+        hidden, weight, ids, mask, advantages, old, ref, level="token", **options
+    )
+    assert_close_to_reference("loss", out.loss.detach(), ref_loss.detach(), torch.bfloat16)
+    assert_close_to_reference("grad hidden", hidden.grad, ref_h, torch.bfloat16)
+    assert_close_to_reference("grad weight", weight.grad, ref_w, torch.bfloat16)
+
+
+def test_entropy_mask_with_no_kept_token_is_zero_without_nan(backend):
+    """A fully masked micro-batch: no token to keep, a loss of 0 still in the graph, zero gradients."""
+    hidden, weight, ids, mask, advantages, old, _ = make_batch(torch.float32)
+    mask.zero_()
+    hidden.data[0] = float("nan")  # padding's hidden states reach nothing
+    out = GRPOLoss(top_entropy_quantile=0.2, backend=backend)(
+        hidden, weight, ids, mask, advantages, old_per_token_logps=old
+    )
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and all(torch.isfinite(value) for value in out.metrics.values())
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_entropy_mask_gathers_across_processes():
+    """``entropy_gather`` (every process's values) sets the threshold: here another process's tokens all
+    have a higher entropy than this one's, so at ρ = 0.5 none of this one's is kept."""
+    hidden, weight, ids, mask, advantages, old, _ = make_batch(torch.float32)
+    others = torch.full((int(mask.sum()) + 1,), 100.0)
+    loss_fn = GRPOLoss(top_entropy_quantile=0.5, entropy_gather=lambda local: torch.cat([local, others]))
+    out = loss_fn(hidden, weight, ids, mask, advantages, old_per_token_logps=old)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+def test_bad_top_entropy_quantile():
+    for value in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="top_entropy_quantile"):
+            GRPOLoss(top_entropy_quantile=value)

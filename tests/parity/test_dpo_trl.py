@@ -1,5 +1,6 @@
 """TRL 1.16 as the oracle for the DPO family: one optimizer step of TRL's own ``DPOTrainer`` (every
-``loss_type``; LD-DPO's ``ld_alpha``, f-DPO's ``f_divergence_type``, WPO's ``use_weighting``),
+``loss_type``; LD-DPO's ``ld_alpha``, with a live or precomputed reference; f-DPO's
+``f_divergence_type``, WPO's ``use_weighting``; ``truncation_mode`` keep_end),
 ``CPOTrainer`` (cpo sigmoid/hinge/ipo; simpo is its loss type) and ``ORPOTrainer``, and of ``fastalign
 train`` on the same tiny model, rows and options give the same loss, gradient norm and metrics.
 
@@ -104,6 +105,48 @@ def test_dpo_option_step_equals_trl(models, tmp_path, case):
     assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS))
 
 
+def test_ld_alpha_with_precomputed_reference_equals_trl_and_the_live_reference(models, tmp_path):
+    """LD-DPO weights the reference's tokens past the pair's shorter completion by ``ld_alpha``, as the
+    policy's: precomputed reference log-probs are those weighted sums (TRL's too), not plain sums."""
+    from trl import DPOConfig, DPOTrainer
+
+    options = dict(beta=0.1, ld_alpha=0.3, loss_type=["sigmoid"], ref_model_name_or_path=models[1])
+    runs = {}
+    for name, precompute in (("live", False), ("precomputed", True)):
+        (tmp_path / name).mkdir()
+        runs[name] = fastalign_step(
+            "dpo", PAIRS, tmp_path / name, model_name_or_path=models[0],
+            precompute_ref_log_probs=precompute, **options,
+        )  # fmt: skip
+    theirs = trl_step(
+        DPOTrainer, DPOConfig, PAIRS, tmp_path, models[0], ref_model=models[1], precompute_ref_log_probs=True,
+        **{key: value for key, value in options.items() if key != "ref_model_name_or_path"},
+    )  # fmt: skip
+    assert abs(theirs["rewards/margins"]) > 1e-3  # the reference differs: its log-probs count
+    assert_equal(runs["precomputed"], runs["live"], ("loss", "grad_norm", *REWARDS))
+    assert_equal(runs["precomputed"], theirs, ("loss", "grad_norm", "entropy", *REWARDS))
+
+
+def test_keep_end_truncation_step_equals_trl(models, tmp_path):
+    """``truncation_mode: keep_end`` keeps each prompt + completion's last max_length tokens, as TRL's
+    collator cuts them: rows of a pair can then start at different prompt tokens, or past the prompt."""
+    from trl import DPOConfig, DPOTrainer
+
+    options = dict(beta=0.1, loss_type=["sigmoid"], max_length=12, truncation_mode="keep_end")
+    ours = fastalign_step(
+        "dpo", PAIRS, tmp_path, model_name_or_path=models[0], ref_model_name_or_path=models[1],
+        truncation=True, **options,
+    )  # fmt: skip
+    theirs = trl_step(DPOTrainer, DPOConfig, PAIRS, tmp_path, models[0], ref_model=models[1], **options)
+    (tmp_path / "whole").mkdir()
+    whole = fastalign_step(
+        "dpo", PAIRS, tmp_path / "whole", model_name_or_path=models[0], ref_model_name_or_path=models[1],
+        beta=0.1, loss_type=["sigmoid"],
+    )  # fmt: skip
+    assert ours["logps/rejected"] > whole["logps/rejected"] + 1.0  # the rows were cut
+    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS))
+
+
 #: Combinations TRL 1.16 refuses (or would silently ignore), and the keys fastalign's error names.
 REFUSED = [
     (dict(f_divergence_type="forward_kl", loss_type=["bco_pair"]), "f_divergence_type"),
@@ -111,7 +154,6 @@ REFUSED = [
     (dict(f_alpha_divergence_coef=0.3), "f_alpha_divergence_coef"),  # only alpha_divergence reads it
     (dict(use_weighting=True, loss_type=["aot"], label_smoothing=0.1), "use_weighting"),
     (dict(use_weighting=True, loss_type=["sigmoid", "sft"]), "use_weighting"),
-    (dict(ld_alpha=0.5, precompute_ref_log_probs=True), "ld_alpha"),
 ]
 
 

@@ -6,7 +6,8 @@ give the same loss and the same gradients.
 Sampling is not compared here (each tool draws its own completions); the batch is given. Prompts have one
 length: TRL scores left-padded prompts at positions that count the padding, fastalign at the positions
 ``generate`` sampled them with (a documented difference). TRL's ``use_bias_correction_kl`` (on by default:
-the KL term times the importance ratio, the completion's at sequence level) is compared on and off."""
+the KL term times the importance ratio, the completion's at sequence level) is compared on and off, and so
+is ``top_entropy_quantile`` (the policy term of the low-entropy tokens masked)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,18 @@ def policy_logps(model, data) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids).logits[:, PROMPT - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, data["completion_ids"][..., None]).squeeze(-1)
+
+
+def entropy_margin(model_dir, data, quantile) -> float:
+    """How far (float64) the batch's completion-token entropies lie from TRL's threshold: for two heads to
+    pick the same tokens it must dwarf their fp32 rounding (~1e-6 at these entropies of ~6.2)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], 1)
+    with torch.no_grad():
+        log_probs = model(input_ids).logits[:, PROMPT - 1 : -1].double().log_softmax(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)[data["completion_mask"].bool()]
+    threshold = torch.quantile(entropy.float(), 1 - quantile).double()
+    return float((entropy - threshold).abs().min())
 
 
 def trl_args(tmp_path) -> dict:
@@ -133,6 +146,32 @@ def test_loss_and_gradients_equal_trl(models, tmp_path, loss_type, level, beta, 
         epsilon=0.2,
         epsilon_high=0.28 if loss_type != "cispo" else 5.0,
         use_bias_correction_kl=bias_correction,
+    )
+    theirs, their_grads = trl_loss_and_grads(models, tmp_path, data, options)
+    ours, our_grads = fastalign_loss_and_grads(models, data, options)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.8, 0.2])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_entropy_masked_loss_and_gradients_equal_trl(models, tmp_path, loss_type, level, beta, quantile):
+    """``top_entropy_quantile``: TRL's entropies of its fused head and fastalign's of its own give the same
+    high-entropy tokens (no entropy of the batch is within rounding of the threshold), and then the same
+    loss and gradients."""
+    data = batch(tiny_tokenizer().vocab_size)
+    if quantile < 1.0:
+        assert entropy_margin(models[0], data, quantile) > 1e-5
+    options = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28 if loss_type != "cispo" else 5.0,
+        top_entropy_quantile=quantile,
     )
     theirs, their_grads = trl_loss_and_grads(models, tmp_path, data, options)
     ours, our_grads = fastalign_loss_and_grads(models, data, options)

@@ -7,8 +7,9 @@ patched model's forward (``head_fn``): it takes the hidden states and never buil
 
 - dpo: the DPO family (``loss_type``, several with ``loss_weights``) against a reference policy, which is
   a frozen copy, the LoRA policy with its adapters off, or log-probs precomputed before training
-  (``fastalign.train.reference``); ``sync_ref_model`` is TR-DPO, ``ld_alpha`` LD-DPO, ``f_divergence_type``
-  f-DPO, ``use_weighting`` WPO (``PreferenceLoss`` states each).
+  (``fastalign.train.reference``; with ``ld_alpha``, its weighted sums); ``sync_ref_model`` is TR-DPO,
+  ``ld_alpha`` LD-DPO, ``f_divergence_type`` f-DPO, ``use_weighting`` WPO (``PreferenceLoss`` states
+  each).
 - simpo, cpo, orpo: reference-free. SimPO is TRL's CPO with loss type simpo (margin ``simpo_gamma``,
   chosen NLL weight ``cpo_alpha``, 1 by default as in TRL; 0 for the paper's loss); CPO's chosen NLL
   weight is ``cpo_alpha``; ORPO's odds ratio.
@@ -21,7 +22,6 @@ all ranks. (In evaluation, each batch's own.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,6 @@ from fastalign.train.objectives.base import LENGTH_KEYS, Objective, Prepared, Ru
 from fastalign.train.reference import (
     Reference,
     ReferenceOptions,
-    SequenceInputs,
     reference_state,
     setup_reference,
 )
@@ -73,6 +72,7 @@ class DPOOptions:
     max_length: int
     max_prompt_length: int | None
     truncation: bool
+    truncation_mode: str  # dpo only (TRL's CPOConfig and ORPOConfig have none): keep_start for the others
     disable_dropout: bool
     chat_template_kwargs: dict | None  # template variables of conversational rows
 
@@ -102,12 +102,6 @@ class DPOObjective(Objective):
             )
         except ValueError as error:
             raise ConfigError(f"config for {name}: {error}") from None
-        if options.ld_alpha is not None and reference_options.precompute_ref_log_probs:
-            # the precomputed reference keeps one sum per completion, not the shared/tail split LD-DPO needs
-            raise ConfigError(
-                "config keys 'ld_alpha' and 'precompute_ref_log_probs' cannot be combined yet: set "
-                "precompute_ref_log_probs: false with ld_alpha"
-            )
         self.reference: Reference | None = None
         self._step_chosen_tokens = torch.ones(())
 
@@ -117,17 +111,17 @@ class DPOObjective(Objective):
 
     @classmethod
     def config_keys(cls, name: str) -> frozenset[str]:
-        reference = ReferenceOptions.config_keys() if name == "dpo" else set()
-        return frozenset(
-            {*_LOSS_KEYS[name], *LENGTH_KEYS, *reference, "disable_dropout", "chat_template_kwargs"}
-        )
+        # TRL's DPOConfig has a reference and truncation_mode; its CPOConfig and ORPOConfig neither
+        own = {*ReferenceOptions.config_keys(), "truncation_mode"} if name == "dpo" else set()
+        return frozenset({*_LOSS_KEYS[name], *LENGTH_KEYS, *own, "disable_dropout", "chat_template_kwargs"})
 
     # --- data --------------------------------------------------------------------------------------
     def tokenize(self, rows: list[dict], tokenizer) -> list:
         # TRL's CPO and ORPO trainers (simpo is CPO's) start prompts with BOS; its DPO trainer does not
         bos_prompt = self.name != "dpo"
+        keys = (*LENGTH_KEYS, "truncation_mode", "chat_template_kwargs")
         return tokenize_preference_dataset(
-            rows, tokenizer, bos_prompt=bos_prompt, **pick(self.options, *LENGTH_KEYS, "chat_template_kwargs")
+            rows, tokenizer, bos_prompt=bos_prompt, **pick(self.options, *keys)
         )
 
     def collate(self, tokenizer) -> PreferenceCollator:
@@ -138,18 +132,13 @@ class DPOObjective(Objective):
             disable_dropout(model)
         if self.loss.reference_free:
             return Prepared(train, evaluation)
-        collate = self.collate(parts.tokenizer)
 
-        def sequences(chunk: Sequence) -> SequenceInputs:
-            batch, pairs = collate(chunk), len(chunk)
-            rows = (batch["input_ids"], batch["attention_mask"], batch["labels"])
-            return {
-                "ref_chosen_logp": tuple(t[:pairs] for t in rows),
-                "ref_rejected_logp": tuple(t[pairs:] for t in rows),
-            }
+        def score(reference: Reference, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            chosen, rejected = self._reference_logps(reference, batch).chunk(2)
+            return {"ref_chosen_logp": chosen, "ref_rejected_logp": rejected}
 
         self.reference, (train, evaluation), callbacks = setup_reference(
-            model, self.reference_options, parts, (train, evaluation), sequences
+            model, self.reference_options, parts, (train, evaluation), self.collate(parts.tokenizer), score
         )
         return Prepared(train, evaluation, callbacks)
 
@@ -183,11 +172,16 @@ class DPOObjective(Objective):
             return {name: batch[name] for name in ("ref_chosen_logps", "ref_rejected_logps")}
         if self.reference is None:
             raise ValueError("this loss needs a reference: none was set up and none was precomputed")
-        targets = shift_labels(batch["labels"])
-        tokens = self.reference.token_logprobs(batch["input_ids"], batch["attention_mask"], targets)
-        weights = self.loss.token_weights(targets)  # LD-DPO weighs the reference's tokens as the policy's
-        logps = (tokens if weights is None else tokens * weights).sum(-1)
+        logps = self._reference_logps(self.reference, batch)
         return {"ref_chosen_logps": logps[:pairs], "ref_rejected_logps": logps[pairs:]}
+
+    def _reference_logps(self, reference: Reference, batch: dict) -> torch.Tensor:
+        """[2P] the reference's sequence log-probs of the batch's rows, with LD-DPO's ``ld_alpha`` token
+        weights as the policy's get (they depend on the pair only, so precomputing them is exact)."""
+        targets = shift_labels(batch["labels"])
+        tokens = reference.token_logprobs(batch["input_ids"], batch["attention_mask"], targets)
+        weights = self.loss.token_weights(targets)
+        return (tokens if weights is None else tokens * weights).sum(-1)
 
     # --- what a checkpoint keeps -------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ reward metrics are logged with an ``eval_`` prefix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -57,6 +58,7 @@ from fastalign.train.rollout import (
     Rewards,
     SamplingOptions,
     all_gather_list,
+    all_gather_rows,
     decode_completions,
     gather_rewards,
     generate_completions,
@@ -480,6 +482,18 @@ class CompletionsLog(Callback):
                 file.write(json.dumps({"step": engine.state.step, **row}, ensure_ascii=False) + "\n")
 
 
+def all_gather_values(local: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
+    """Every rank's 1-D ``local`` values, of lengths that may differ, concatenated (rank 0's first): the
+    completion-token entropies whose quantile is ``top_entropy_quantile``'s threshold, as TRL gathers
+    them (``pad_across_processes``, then ``gather``). Needs every rank to call it, as each micro-batch's
+    loss does."""
+    counts = all_gather_rows(torch.tensor([local.numel()], device=local.device), ctx).tolist()
+    padded = local.new_zeros(max(counts))
+    padded[: local.numel()] = local
+    parts = all_gather_rows(padded, ctx).view(len(counts), -1)
+    return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
+
+
 #: TRL's GRPO defaults where the config leaves a key None.
 GRPO_DEFAULTS = {"beta": 0.0, "num_generations": 8, "loss_type": ["dapo"], "disable_dropout": False}
 
@@ -494,6 +508,7 @@ class GRPOOptions(RolloutOptions):
     advantage_estimator: str
     importance_sampling_level: str
     use_bias_correction_kl: bool
+    top_entropy_quantile: float
 
     @classmethod
     def from_config(cls, config: TrainConfig, name: str) -> GRPOOptions:
@@ -516,6 +531,8 @@ class GRPOObjective(RolloutObjective):
 
     def __init__(self, name: str, options: GRPOOptions, ctx: DistributedContext | None = None):
         super().__init__(name, options, ctx)
+        # top_entropy_quantile's threshold is over every process's tokens, as TRL's
+        gather = functools.partial(all_gather_values, ctx=self.ctx) if self.ctx.enabled else None
         try:
             self.loss = GRPOLoss(
                 beta=options.beta,
@@ -527,6 +544,8 @@ class GRPOObjective(RolloutObjective):
                 temperature=options.temperature,
                 max_completion_length=options.max_completion_length,
                 use_bias_correction_kl=options.use_bias_correction_kl,
+                top_entropy_quantile=options.top_entropy_quantile,
+                entropy_gather=gather,
             )
         except ValueError as error:
             raise ConfigError(f"config for {name}: {error}") from None

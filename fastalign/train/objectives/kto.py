@@ -16,7 +16,6 @@ are then never scored (no policy or reference pass over them), and ``kl`` logs 0
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,6 @@ from fastalign.train.objectives.base import LENGTH_KEYS, Objective, Prepared, Ru
 from fastalign.train.reference import (
     Reference,
     ReferenceOptions,
-    SequenceInputs,
     reference_state,
     sequence_logprobs_of,
     setup_reference,
@@ -111,17 +109,15 @@ class KTOObjective(Objective):
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         if self.options.disable_dropout:
             disable_dropout(model)
-        collate = self.collate(parts.tokenizer)
 
-        def sequences(chunk: Sequence) -> SequenceInputs:
-            batch = collate(chunk)
-            found = {"ref_logp": _rows(batch)}
+        def score(reference: Reference, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            found = {"ref_logp": reference.sequence_logprobs(*_rows(batch))}
             if self.options.uses_kl:
-                found["ref_kl_logp"] = _rows(batch, "kl_")
+                found["ref_kl_logp"] = reference.sequence_logprobs(*_rows(batch, "kl_"))
             return found
 
         self.reference, (train, evaluation), callbacks = setup_reference(
-            model, self.reference_options, parts, (train, evaluation), sequences
+            model, self.reference_options, parts, (train, evaluation), self.collate(parts.tokenizer), score
         )
         return Prepared(train, evaluation, callbacks)
 

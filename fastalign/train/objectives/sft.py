@@ -26,6 +26,7 @@ from fastalign.train.objectives.base import Objective, pick
 #: SFTOptions fields that are ``tokenize_sft_dataset``'s arguments of the same name.
 _TOKENIZE_KEYS = (
     "truncation",
+    "truncation_mode",
     "completion_only_loss",
     "assistant_only_loss",
     "dataset_text_field",
@@ -44,6 +45,7 @@ class SFTOptions:
 
     max_length: int
     truncation: bool
+    truncation_mode: str
     packing: bool
     packing_strategy: str
     completion_only_loss: bool | None  # None: on for prompt-completion rows
