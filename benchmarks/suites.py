@@ -41,6 +41,8 @@ SUITES = (
           "DPO and GRPO training steps through `fastalign train`"),
     Suite("e2e_sft", "e2e", "benchmarks/e2e/bench_sft_trl.py",
           "SFT training, fastalign vs TRL's SFTTrainer", quick=("--preset", "cpu", "--smoke")),
+    Suite("e2e_real_trl", "e2e", "benchmarks/e2e/bench_real_trl.py",
+          "SFT, DPO (full, LoRA), KTO, GRPO on SmolLM2-135M: `fastalign train` vs TRL's trainers"),
 )  # fmt: skip
 BY_NAME = {suite.name: suite for suite in SUITES}
 

@@ -1,9 +1,27 @@
-"""Tiny Llama/Qwen/Mistral-shaped causal LMs built from configs with random weights (no download)."""
+"""Tiny Llama/Qwen/Mistral-shaped causal LMs (or reward models: the same body with a one-score head) built
+from configs with random weights (no download)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+#: What a model is for: next-token prediction (a ``*ForCausalLM``), or one score per sequence (a
+#: ``*ForSequenceClassification`` with ``num_labels=1``: a reward model, scored at its last non-pad token).
+ModelTask = Literal["causal_lm", "sequence_classification"]
+#: The transformers auto class of each task.
+AUTO_CLASSES = {
+    "causal_lm": AutoModelForCausalLM,
+    "sequence_classification": AutoModelForSequenceClassification,
+}
 
 #: Shape of every tiny model: small enough for CPU tests, with GQA (4 query heads, 2 KV heads).
 _TINY_SHAPE = {
@@ -56,16 +74,20 @@ def tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = None,
+    task: ModelTask = "causal_lm",
     **overrides,
 ) -> PreTrainedModel:
-    """A randomly initialised tiny causal LM, the same weights for the same ``seed``.
+    """A randomly initialised tiny causal LM (or, for ``task`` sequence_classification, a reward model with
+    ``num_labels=1``), the same weights for the same ``seed``.
 
     ``attn_implementation`` defaults to 'sdpa' (which has a CPU backward; flex attention has none), or
     'eager' for families without sdpa support.
     """
+    if task == "sequence_classification":
+        overrides = {"num_labels": 1, **overrides}
     config = tiny_config(model_type, vocab_size=vocab_size, **overrides)
     attention = attn_implementation or _ATTENTION.get(model_type, "sdpa")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        model = AUTO_CLASSES[task].from_config(config, attn_implementation=attention)
     return model.to(dtype)

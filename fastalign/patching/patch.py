@@ -31,15 +31,21 @@ logger = logging.getLogger(__name__)
 _MARK = "_fastalign_patch"
 
 
-def _base_causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers ``*ForCausalLM`` inside ``model`` (itself, or under a peft wrapper)."""
+def _base_causal_lm(model: nn.Module, *, head: bool) -> nn.Module:
+    """The transformers ``*ForCausalLM`` inside ``model`` (itself, or under a peft wrapper); without
+    ``head`` (no fused loss), also a ``*ForSequenceClassification`` (a reward model: the same ``.model``
+    body under a ``score`` head)."""
     inner = base_model(model)
     if hasattr(inner, "config"):
         family_of(inner.config.model_type)  # an unsupported family: say so, listing the supported ones
-    if not hasattr(inner, "config") or not hasattr(inner, "lm_head") or not hasattr(inner, "model"):
+    if (
+        not hasattr(inner, "config")
+        or not hasattr(inner, "model")
+        or (head and not hasattr(inner, "lm_head"))
+    ):
+        wanted = "a *ForCausalLM with .model and .lm_head" if head else "a model with a decoder body .model"
         raise ValueError(
-            f"patch_model expects a transformers causal LM (a *ForCausalLM with .model and .lm_head), "
-            f"got {type(inner).__name__}"
+            f"patch_model expects a transformers causal LM ({wanted}), got {type(inner).__name__}"
         )
     return inner
 
@@ -87,7 +93,8 @@ def patch_model(
 
     Args:
         model: a ``*ForCausalLM`` of a supported ``config.model_type`` (see
-            ``fastalign.patching.SUPPORTED_MODEL_TYPES``), or a peft model wrapping one.
+            ``fastalign.patching.SUPPORTED_MODEL_TYPES``), or a peft model wrapping one; with
+            ``loss=False`` also a ``*ForSequenceClassification`` (a reward model's body).
         rms_norm, rope, mlp: fuse the RMSNorms, the rotary embedding of q/k, the gated MLP activation.
         loss: with ``labels`` (or ``logprob_targets``) the forward computes the loss (or per-token
             log-probs) with the fused linear cross-entropy and builds no logits.
@@ -100,7 +107,7 @@ def patch_model(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    causal_lm = _base_causal_lm(model)
+    causal_lm = _base_causal_lm(model, head=loss)
     config = causal_lm.config
     family = family_of(config.model_type)
     unpatch_model(model)

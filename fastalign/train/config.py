@@ -133,6 +133,10 @@ class TrainConfig:
     f_alpha_divergence_coef: float = 0.5  # dpo: α of f_divergence_type alpha_divergence
     use_weighting: bool = False  # dpo, WPO: weight each pair by its policy probabilities
 
+    # reward (TRL's RewardConfig)
+    center_rewards_coefficient: float | None = None  # weight of the mean squared (r_chosen + r_rejected)
+    # pushing rewards towards zero mean (Eisenstein et al. 2023; TRL recommends 0.01); None: no such term
+
     # grpo / rloo (TRL's GRPOConfig / RLOOConfig)
     reward_funcs: list[str] = field(default_factory=list)  # built-ins, or import paths "module:function" /
     # "path/file.py:function": the module or file is imported (its code runs) when the run starts, so name
@@ -340,6 +344,7 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("desirable_weight", lambda value: value > 0, "positive"),
     ("undesirable_weight", lambda value: value > 0, "positive"),
     ("ld_alpha", lambda value: value is None or 0 <= value <= 1, "in [0, 1] or null"),
+    ("center_rewards_coefficient", lambda value: value is None or value >= 0, "non-negative or null"),
     (
         "f_divergence_type",
         lambda value: value in F_DIVERGENCE_TYPES,

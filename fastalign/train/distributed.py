@@ -5,9 +5,10 @@ Sharding (``shard_model``) is FSDP2 ``fully_shard`` applied to each decoder laye
 * One unit per layer lets FSDP all-gather layer i+1's parameters while layer i computes (and reshard
   it afterwards), so at most a couple of layers are unsharded at a time and communication overlaps
   compute in both forward and backward.
-* Everything outside the layers — embeddings, final norm and the loss head ``lm_head`` — belongs to the
-  root unit, which is unsharded for the whole root forward. fastalign's patched forward computes the
-  fused linear cross-entropy *inside* that forward, so it sees the full ``lm_head.weight``. With tied
+* Everything outside the layers — embeddings, final norm and the loss head ``lm_head`` (or a reward
+  model's ``score`` head) — belongs to the root unit, which is unsharded for the whole root forward.
+  fastalign's patched forward computes the fused linear cross-entropy *inside* that forward, so it sees
+  the full ``lm_head.weight``; the score head likewise scores the last hidden states there. With tied
   embeddings ``lm_head.weight`` *is* ``embed_tokens.weight``: one Parameter in one unit, so it is
   gathered once and its two gradient contributions are summed before the reduce-scatter.
 * Mixed precision computes in bf16 but reduces gradients in fp32: summing many ranks' bf16 gradients
@@ -133,6 +134,15 @@ def all_reduce_sum(value: torch.Tensor | int | float, ctx: DistributedContext) -
     tensor = tensor.clone()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_reduce_min_max(values: torch.Tensor, ctx: DistributedContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest and the largest of ``values`` over all ranks (one collective), e.g. a metric's
+    extremes over a micro-batch that data parallelism split across ranks."""
+    local = torch.stack([-values.detach().min(), values.detach().max()])
+    if ctx.enabled:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return -local[0], local[1]
 
 
 def broadcast_object(obj: Any, ctx: DistributedContext) -> Any:

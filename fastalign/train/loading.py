@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -17,6 +16,7 @@ from transformers import (
 )
 
 from fastalign.builtin import BUILTIN_DATASETS, TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
+from fastalign.builtin.models import AUTO_CLASSES, ModelTask
 from fastalign.errors import one_line
 from fastalign.models.streaming import checkpoint_tensors, empty_model, fill_model
 from fastalign.quant import QuantOptions, empty_4bit_model, fill_4bit_model, load_4bit_model, quantize_model
@@ -92,9 +92,18 @@ def load_model_and_tokenizer(
     *,
     materialize: bool = True,
     revision: str | None = None,
+    task: ModelTask = "causal_lm",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """fp32 weights, transformers' default attention, ``use_cache`` off for training (a run's ``dtype``
     and ``attn_implementation`` are set on the result: ``fastalign.train.policy.set_model_options``).
+
+    ``task`` sequence_classification loads a reward model, as TRL's ``RewardTrainer`` does: the
+    checkpoint's body under transformers' ``AutoModelForSequenceClassification`` with ``num_labels=1``,
+    whose ``score`` head (new for a causal LM checkpoint, whose ``lm_head`` is left out) transformers draws
+    at random from the torch seed. Such a model is always loaded whole (``materialize`` is not
+    honoured: the streaming fill knows no head that the checkpoint lacks), then quantized when asked
+    (its ``score``, like the rest outside the decoder layers, in ``quantization.dtype``: fp32 unless bf16,
+    as TRL casts QLoRA's trainable weights to bf16), and sharded afterwards.
 
     ``name_or_path`` is anything ``resolve_model`` resolves (a Hub id at ``revision``): a checkpoint is
     then read from the local directory it resolves to.
@@ -106,13 +115,19 @@ def load_model_and_tokenizer(
     (a model bigger than one GPU never has to fit on one)."""
     resolved = resolve_model(name_or_path, revision)
     if isinstance(resolved, str):  # a built-in model
-        model, tokenizer = tiny_model(resolved.removeprefix("tiny-")), tiny_tokenizer()
+        model, tokenizer = tiny_model(resolved.removeprefix("tiny-"), task=task), tiny_tokenizer()
         if quantization is not None:
             quantize_model(model.to(device), quantization).to(quantization.dtype)
     else:
         path = resolved
         tokenizer = _load_tokenizer(path)
-        if not materialize:
+        if task != "causal_lm":
+            model = AUTO_CLASSES[task].from_pretrained(
+                path, dtype=torch.float32, use_safetensors=True, num_labels=1
+            )
+            if quantization is not None:
+                quantize_model(model.to(device), quantization).to(quantization.dtype)
+        elif not materialize:
             config = AutoConfig.from_pretrained(path)
             model = (
                 empty_model(config, torch.float32)
@@ -122,7 +137,7 @@ def load_model_and_tokenizer(
         elif quantization is not None:
             model = load_4bit_model(path, quantization, device=device)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+            model = AUTO_CLASSES[task].from_pretrained(path, dtype=torch.float32, use_safetensors=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False

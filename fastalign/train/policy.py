@@ -9,6 +9,7 @@ from transformers import AutoConfig
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_torch_tf32_available
 
 import fastalign
+from fastalign.builtin.models import ModelTask
 from fastalign.errors import one_line
 from fastalign.quant import QuantOptions
 from fastalign.train import memory
@@ -24,12 +25,19 @@ from fastalign.train.loading import (
 
 
 def prepare_policy(
-    model: torch.nn.Module, config: TrainConfig, ctx: DistributedContext, *, needs_fused_head: bool
+    model: torch.nn.Module,
+    config: TrainConfig,
+    ctx: DistributedContext,
+    *,
+    needs_fused_head: bool,
+    task: ModelTask = "causal_lm",
 ) -> torch.nn.Module:
     """Patched (every fused kernel with ``use_liger_kernel``; else only the fused loss head when the
-    objective's loss needs it, i.e. all but SFT), LoRA, activation checkpointing/offloading, on the
-    device, sharded. A 4-bit skeleton (``load_model_and_tokenizer(..., materialize=False)``) is filled
-    from its checkpoint last, once sharded, so that each rank only ever holds its shard of it.
+    objective's loss needs it, i.e. all but SFT and reward), LoRA, activation checkpointing/offloading, on
+    the device, sharded. ``task``: what the model was loaded as (``load_model_and_tokenizer``); a reward
+    model (sequence_classification) has no LM head to fuse, and its LoRA is peft's SEQ_CLS. A 4-bit
+    skeleton (``load_model_and_tokenizer(..., materialize=False)``) is filled from its checkpoint last,
+    once sharded, so that each rank only ever holds its shard of it.
 
     First the run's ``dtype`` and ``attn_implementation`` (``set_model_options``) and ``tf32``. LoRA
     variants that read the base weights when they are added (DoRA: the magnitude starts as each row's
@@ -37,11 +45,11 @@ def prepare_policy(
     rank then holds the whole model while it loads."""
     set_tf32(config.tf32)
     set_model_options(model, config.model_name_or_path, config, ctx.device)
-    _patch(model, config, needs_fused_head)
+    _patch(model, config, needs_fused_head, lm_head=task == "causal_lm")
     if config.use_peft:
         if config.use_dora or config.lora_modules_to_save:
             _fill(model, config.model_name_or_path, config, ctx.device)
-        model = _add_lora(model, config)
+        model = _add_lora(model, config, task)
     if config.gradient_checkpointing:
         memory.enable_activation_checkpointing(model)
     if config.activation_offloading:
@@ -177,25 +185,32 @@ def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedCo
     path = str(resolve_model(name_or_path, revision, key=key))
     model, _ = load_model_and_tokenizer(path, quant_options(config), ctx.device, materialize=False)
     set_model_options(model, path, config, ctx.device)
-    _patch(model, config, needs_fused_head=True)
+    _patch(model, config, needs_fused_head=True, lm_head=True)
     model.requires_grad_(False).eval()
     return _place(model, path, config, ctx)
 
 
-def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool) -> None:
+def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool, *, lm_head: bool) -> None:
+    """``lm_head``: whether the model has an LM head (a reward model's body is patched all the same)."""
     if config.use_liger_kernel:
-        fastalign.patch_model(model)
+        fastalign.patch_model(model, loss=lm_head)
     elif needs_fused_head:
         fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False)
 
 
-def _add_lora(model, config: TrainConfig):
+#: peft's task type of each model task.
+_PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}
+
+
+def _add_lora(model, config: TrainConfig, task: ModelTask):
     """peft's LoRA as TRL's ModelConfig builds it: ``lora_r``, ``lora_alpha`` (scaled by 1/√r with
     ``use_rslora``), ``lora_dropout``, ``lora_target_modules``, DoRA with ``use_dora``, and
-    ``lora_modules_to_save`` wrapped as trainable copies. peft skips a modules_to_save name that matches
-    nothing; here that is an error. A model that ties its head to its input embedding keeps them tied
-    (peft's ``ensure_weight_tying``) when one of them trains in full: untied, the copy saved with the
-    adapter would be tied back over when the merged model loads."""
+    ``lora_modules_to_save`` wrapped as trainable copies. A reward model gets peft's task type SEQ_CLS
+    (TRL's ``lora_task_type`` for reward modelling), which adds its new ``score`` head to the modules
+    to save: the head trains in full beside the adapters, and is saved with them. peft skips a
+    modules_to_save name that matches nothing; here that is an error. A model that ties its head to its
+    input embedding keeps them tied (peft's ``ensure_weight_tying``) when one of them trains in full:
+    untied, the copy saved with the adapter would be tied back over when the merged model loads."""
     import peft
 
     targets = config.lora_target_modules
@@ -206,9 +221,9 @@ def _add_lora(model, config: TrainConfig):
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         use_rslora=config.use_rslora,
         use_dora=config.use_dora,
-        modules_to_save=config.lora_modules_to_save,
+        modules_to_save=list(config.lora_modules_to_save or []) or None,  # peft extends it for SEQ_CLS
         ensure_weight_tying=bool(getattr(model.config, "tie_word_embeddings", False)),
-        task_type="CAUSAL_LM",
+        task_type=_PEFT_TASK_TYPES[task],
     )
     try:
         model = peft.get_peft_model(model, lora)

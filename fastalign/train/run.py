@@ -43,8 +43,8 @@ from fastalign.train.run_dir import check_output_dir, check_resume_length, resum
 
 def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | None = None) -> Path:
     """Train objective ``name`` (a key of ``fastalign.train.objectives.OBJECTIVES``: 'sft', 'dpo', 'orpo',
-    'simpo', 'cpo', 'kto', 'grpo', 'rloo'), save the final model (or adapter) in ``config.output_dir``,
-    and return that path."""
+    'simpo', 'cpo', 'kto', 'grpo', 'rloo', 'reward'), save the final model (or adapter) in
+    ``config.output_dir``, and return that path."""
     ctx = init_distributed()
     try:
         check_config(config)  # a TrainConfig built in code skips load_config's checks
@@ -55,12 +55,18 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
         output_dir = Path(config.output_dir)
         resume_path, earlier_files = check_output_dir(config)  # before anything loads
         given, config = config, _with_local_model(config)  # saved and reported: the names as given
+        objective = make_objective(name, config, ctx)  # checks the config before any work
         model, tokenizer = load_model_and_tokenizer(
-            config.model_name_or_path, quant_options(config), ctx.device, materialize=False
+            config.model_name_or_path,
+            quant_options(config),
+            ctx.device,
+            materialize=False,
+            task=objective.task,
         )
         override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
-        objective = make_objective(name, config, ctx)  # checks the config before any work
-        model = prepare_policy(model, config, ctx, needs_fused_head=objective.needs_fused_head)
+        model = prepare_policy(
+            model, config, ctx, needs_fused_head=objective.needs_fused_head, task=objective.task
+        )
         enable_neftune(model, config.neftune_noise_alpha)  # in training mode only
 
         train_examples, eval_examples = _tokenized_splits(config, objective, tokenizer)

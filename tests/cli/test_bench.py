@@ -62,6 +62,7 @@ def test_selection(capsys):
         "e2e_patch_model",
         "e2e_alignment_step",
         "e2e_sft",
+        "e2e_real_trl",
     ]
     assert main(["bench", "kernels", "--only", "e2e_sft"]) == 2
     assert "no kernels benchmark named e2e_sft" in capsys.readouterr().err

@@ -28,6 +28,7 @@ TRL_CONFIGS = {
     "orpo": (ORPOConfig, {}),
     "grpo": (trl.GRPOConfig, {}),
     "rloo": (trl.RLOOConfig, {}),
+    "reward": (trl.RewardConfig, {}),
 }
 
 #: Defaults that differ on purpose, each a row of the README's "Differences from TRL" table.

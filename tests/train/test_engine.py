@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import fastalign
 import fastalign.train.checkpoint as checkpoint_module
 from fastalign.builtin import tiny_model, tiny_sft_rows, tiny_tokenizer
 from fastalign.data import tokenize_sft_dataset
@@ -94,7 +95,7 @@ def test_loss_falls_and_the_model_is_saved(tmp_path):
 
 
 def _engine(examples, batch_size, accumulation, steps, seed=0):
-    model = tiny_model("llama")
+    model = fastalign.patch_model(tiny_model("llama"))  # the objectives' losses run in the fused head
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # Adam would blur gradient differences
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batches = MicroBatches(

@@ -12,6 +12,7 @@ from fastalign.train.objectives.base import Objective
 from fastalign.train.objectives.dpo import DPOObjective
 from fastalign.train.objectives.grpo import GRPOObjective
 from fastalign.train.objectives.kto import KTOObjective
+from fastalign.train.objectives.reward import RewardObjective
 from fastalign.train.objectives.rloo import RLOOObjective
 from fastalign.train.objectives.sft import SFTObjective
 
@@ -24,6 +25,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "kto": KTOObjective,
     "grpo": GRPOObjective,
     "rloo": RLOOObjective,
+    "reward": RewardObjective,
 }
 
 #: Keys some objectives read that the runner reads too, for every objective (never unread).
@@ -72,6 +74,7 @@ __all__ = [
     "KTOObjective",
     "Objective",
     "RLOOObjective",
+    "RewardObjective",
     "SFTObjective",
     "make_objective",
     "with_objective_defaults",

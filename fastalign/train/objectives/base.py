@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from fastalign.builtin.models import ModelTask
 from fastalign.train.batches import BatchPosition, MicroBatches
 from fastalign.train.config import TrainConfig
 from fastalign.train.distributed import DistributedContext
@@ -106,6 +107,9 @@ class Objective(ABC):
     #: Whether the loss runs inside the patched model's forward (``head_fn``): the fused head is needed
     #: even when the other kernels are off (``use_liger_kernel: false``).
     needs_fused_head: ClassVar[bool] = True
+    #: What the runner loads the model as: a causal LM, or a sequence classifier with one score (a reward
+    #: model, whose new ``score`` head transformers initialises; ``fastalign.train.loading``).
+    task: ClassVar[ModelTask] = "causal_lm"
     #: Pack examples into rows of this many tokens (SFT's ``packing``); None: pad each micro-batch.
     packing_length: int | None = None
 

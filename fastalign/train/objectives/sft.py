@@ -124,6 +124,11 @@ class SFTObjective(Objective):
             loss_reduction="none" if dft else "mean",
             return_token_stats=True,
         )
+        if getattr(out, "token_stats", None) is None:
+            raise TypeError(
+                "sft computes its loss and metrics with fastalign's fused head: patch the model first "
+                "(fastalign.patch_model; fastalign train does)"
+            )
         count = num_items_in_batch.to(out.token_stats.entropy.device).float()
         # DFT: the gradient of -p·log p with p held constant is p times cross-entropy's (0 where ignored)
         loss = (out.loss * torch.exp(-out.loss).detach()).sum() / count if dft else out.loss
