@@ -609,27 +609,33 @@ def check_config(config: TrainConfig) -> None:
     _check(config, {})
 
 
+def _fail(where: dict[str, str], key: str, message: str) -> typing.NoReturn:
+    """A one-line ``ConfigError``: the key, where it was set (when it was), and ``message``."""
+    raise ConfigError(f"config key {key!r}{f' ({where[key]})' if key in where else ''} {message}")
+
+
 def _check(config: TrainConfig, where: dict[str, str]) -> None:
     """Values that have the right type but cannot work, named with where they were set."""
     for key, test, wanted in _VALUE_CHECKS:
         value = getattr(config, key)
         if not test(value):
-            at = f" ({where[key]})" if key in where else ""
-            raise ConfigError(f"config key {key!r}{at} must be {wanted}, got {value!r}")
+            _fail(where, key, f"must be {wanted}, got {value!r}")
     _check_model_options(config, where)
     _check_truncation_mode(config, where)
     if config.quantization and not config.use_peft:
-        at = f" ({where['quantization']})" if "quantization" in where else ""
-        raise ConfigError(
-            f"config key 'quantization'{at} freezes the base weights in 4 bits: it needs use_peft: true "
-            "(QLoRA trains LoRA adapters on them)"
+        _fail(
+            where,
+            "quantization",
+            "freezes the base weights in 4 bits: it needs use_peft: true "
+            "(QLoRA trains LoRA adapters on them)",
         )
     bound = "epsilon_high" if config.epsilon_high is not None else "epsilon"  # as GRPOLoss clips
     if config.delta is not None and config.delta <= 1 + getattr(config, bound):
-        at = f" ({where['delta']})" if "delta" in where else ""
-        raise ConfigError(
-            f"config key 'delta'{at} must exceed 1 + {bound} ({1 + getattr(config, bound)!r}), got "
-            f"{config.delta!r}: it caps the importance ratio above the clipping range"
+        _fail(
+            where,
+            "delta",
+            f"must exceed 1 + {bound} ({1 + getattr(config, bound)!r}), got {config.delta!r}: it caps the "
+            "importance ratio above the clipping range",
         )
     if config.max_steps <= 0 and config.num_train_epochs <= 0:
         got = ", ".join(
@@ -645,17 +651,20 @@ def _check_truncation_mode(config: TrainConfig, where: dict[str, str]) -> None:
     read truncation_mode when packing)."""
     if config.truncation_mode == "keep_start":
         return
-    at = f" ({where['truncation_mode']})" if "truncation_mode" in where else ""
-    mode = f"config key 'truncation_mode'{at} ({config.truncation_mode!r})"
+    mode = f"({config.truncation_mode!r})"
     if not config.truncation:
-        raise ConfigError(
+        _fail(
+            where,
+            "truncation_mode",
             f"{mode} chooses what truncation keeps: it needs truncation: true (without it an over-long "
-            "row is an error)"
+            "row is an error)",
         )
     if config.packing:
-        raise ConfigError(
+        _fail(
+            where,
+            "truncation_mode",
             f"{mode} cannot go with packing, which cuts a long example's end (bfd) or splits it (TRL ignores "
-            "truncation_mode when packing): remove it"
+            "truncation_mode when packing): remove it",
         )
 
 
@@ -674,26 +683,27 @@ def _check_model_options(config: TrainConfig, where: dict[str, str]) -> None:
     the value that says what it does anyway; LoRA options only with use_peft; DoRA not over 4-bit weights.
     Anything else would be silently ignored, or clash with what fastalign does: an error."""
 
-    def fail(key: str, message: str) -> typing.NoReturn:
-        raise ConfigError(f"config key {key!r}{f' ({where[key]})' if key in where else ''} {message}")
-
     for name, value in (config.model_init_kwargs or {}).items():
         if name in MODEL_INIT_KEYS:
             key = MODEL_INIT_KEYS[name]
             allowed = DTYPES if key == "dtype" else ATTN_IMPLEMENTATIONS
             if value not in allowed:
-                fail("model_init_kwargs", f"{name}: must be one of {', '.join(allowed)}, got {value!r}")
+                _fail(
+                    where, "model_init_kwargs", f"{name}: must be one of {', '.join(allowed)}, got {value!r}"
+                )
             if model_option(config, key) != value:
-                fail(
+                _fail(
+                    where,
                     "model_init_kwargs",
                     f"{name}: {value!r}, but {key} is {model_option(config, key)!r}: give it once",
                 )
         elif name in MODEL_INIT_OWN:
             same, instead = MODEL_INIT_OWN[name]
             if value != same:
-                fail("model_init_kwargs", f"{name}: {value!r} is not what fastalign does ({instead})")
+                _fail(where, "model_init_kwargs", f"{name}: {value!r} is not what fastalign does ({instead})")
         else:
-            fail(
+            _fail(
+                where,
                 "model_init_kwargs",
                 f"{name}: fastalign takes {', '.join(MODEL_INIT_KEYS)} here, or {', '.join(MODEL_INIT_OWN)} "
                 "with the value of what it does anyway; a model config attribute goes in its config.json",
@@ -702,21 +712,24 @@ def _check_model_options(config: TrainConfig, where: dict[str, str]) -> None:
     if attention in ("flash_attention_2", "flash_attention_3") and not (
         config.bf16 or config.fp16 or dtype in ("bfloat16", "float16")
     ):
-        fail(
+        _fail(
+            where,
             "attn_implementation",
             f"({attention}) computes in bf16 or fp16 only: set bf16 (or fp16, or dtype)",
         )
     if dtype == "float16" and config.fp16 and not config.use_peft:
-        fail(
+        _fail(
+            where,
             "dtype",
             "float16 cannot train in full with fp16: its gradient scaler cannot unscale fp16 gradients",
         )
     lora = {"use_rslora": False, "use_dora": False, "lora_modules_to_save": None}
     for key, default in lora.items():
         if getattr(config, key) != default and not config.use_peft:
-            fail(key, "is a LoRA option: it needs use_peft: true")
+            _fail(where, key, "is a LoRA option: it needs use_peft: true")
     if config.use_dora and config.quantization:
-        fail(
+        _fail(
+            where,
             "use_dora",
             f"cannot go with quantization ({config.quantization}): peft's DoRA reads the dense base weight "
             "(its norm) and cannot read fastalign's 4-bit layers; use plain LoRA (QLoRA) or no quantization",
@@ -727,11 +740,8 @@ def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str]) -> 
     """Strategies, precision and the best model, as transformers' ``TrainingArguments`` checks them, and
     a step count or metric that the strategies would leave unread (an error, not silently ignored)."""
 
-    def fail(key: str, message: str) -> typing.NoReturn:
-        raise ConfigError(f"config key {key!r}{f' ({where[key]})' if key in where else ''} {message}")
-
     if config.fp16 and config.bf16:
-        fail("fp16", "and 'bf16' are both true: set at most one (transformers allows only one)")
+        _fail(where, "fp16", "and 'bf16' are both true: set at most one (transformers allows only one)")
     has_eval_data = bool(config.eval_dataset_name) or config.eval_split_ratio > 0
     for key, asks in (
         ("eval_strategy", config.eval_strategy != "no"),
@@ -739,7 +749,8 @@ def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str]) -> 
         ("load_best_model_at_end", config.load_best_model_at_end),
     ):
         if asks and not has_eval_data:
-            fail(
+            _fail(
+                where,
                 key,
                 f"({getattr(config, key)!r}) needs held-out data: set eval_dataset_name or eval_split_ratio",
             )
@@ -749,8 +760,10 @@ def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str]) -> 
         and not (config.eval_on_start or config.load_best_model_at_end)
     ):
         held = "eval_dataset_name" if config.eval_dataset_name else "eval_split_ratio"
-        fail(
-            held, "holds data out for evaluation, but eval_strategy is 'no': set eval_strategy steps or epoch"
+        _fail(
+            where,
+            held,
+            "holds data out for evaluation, but eval_strategy is 'no': set eval_strategy steps or epoch",
         )
     defaults = TrainConfig()
     eval_reads_logging_steps = config.eval_strategy == "steps" and config.eval_steps is None
@@ -761,7 +774,8 @@ def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str]) -> 
     ):
         key = f"{kind}_steps"
         if not read and getattr(config, key) != getattr(defaults, key):
-            fail(
+            _fail(
+                where,
                 key,
                 f"({getattr(config, key)!r}) is read only with {kind}_strategy steps, not "
                 f"{getattr(config, f'{kind}_strategy')!r}",
@@ -769,22 +783,27 @@ def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str]) -> 
     if not config.load_best_model_at_end:
         for key in ("metric_for_best_model", "greater_is_better"):
             if getattr(config, key) is not None:
-                fail(key, f"({getattr(config, key)!r}) is read only with load_best_model_at_end: true")
+                _fail(
+                    where, key, f"({getattr(config, key)!r}) is read only with load_best_model_at_end: true"
+                )
         return
     if config.eval_strategy == "no":
-        fail(
+        _fail(
+            where,
             "load_best_model_at_end",
             "needs evaluations to pick the best: set eval_strategy (and save_strategy) steps or epoch",
         )
     if config.eval_strategy != config.save_strategy:
-        fail(
+        _fail(
+            where,
             "load_best_model_at_end",
             f"needs save_strategy ({config.save_strategy!r}) to match eval_strategy "
             f"({config.eval_strategy!r}): the best evaluation must be a saved checkpoint",
         )
     eval_steps = config.eval_steps if config.eval_steps is not None else config.logging_steps
     if config.eval_strategy == "steps" and not _multiple(config.save_steps, eval_steps):
-        fail(
+        _fail(
+            where,
             "load_best_model_at_end",
             f"needs save_steps ({config.save_steps!r}) to be a multiple of the "
             f"eval steps ({eval_steps!r}; both steps or both ratios), so that every checkpoint is evaluated",

@@ -134,6 +134,14 @@ def fastalign_loss_and_grads(models, data, options) -> tuple[float, dict]:
     return float(loss), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def assert_loss_and_gradients_equal_trl(models, tmp_path, data, options) -> None:
+    theirs, their_grads = trl_loss_and_grads(models, tmp_path, data, options)
+    ours, our_grads = fastalign_loss_and_grads(models, data, options)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize(("beta", "bias_correction"), [(0.0, False), (0.04, True), (0.04, False)])
@@ -147,11 +155,7 @@ def test_loss_and_gradients_equal_trl(models, tmp_path, loss_type, level, beta, 
         epsilon_high=0.28 if loss_type != "cispo" else 5.0,
         use_bias_correction_kl=bias_correction,
     )
-    theirs, their_grads = trl_loss_and_grads(models, tmp_path, data, options)
-    ours, our_grads = fastalign_loss_and_grads(models, data, options)
-    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
-    for name, grad in their_grads.items():
-        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_loss_and_gradients_equal_trl(models, tmp_path, data, options)
 
 
 @pytest.mark.parametrize("quantile", [1.0, 0.8, 0.2])
@@ -173,8 +177,4 @@ def test_entropy_masked_loss_and_gradients_equal_trl(models, tmp_path, loss_type
         epsilon_high=0.28 if loss_type != "cispo" else 5.0,
         top_entropy_quantile=quantile,
     )
-    theirs, their_grads = trl_loss_and_grads(models, tmp_path, data, options)
-    ours, our_grads = fastalign_loss_and_grads(models, data, options)
-    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
-    for name, grad in their_grads.items():
-        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_loss_and_gradients_equal_trl(models, tmp_path, data, options)
