@@ -34,6 +34,8 @@ SUITES = (
     Suite("grpo", "kernels", "benchmarks/kernels/bench_grpo.py", "GRPO loss head vs TRL's arithmetic, Liger"),
     Suite("preference", "kernels", "benchmarks/kernels/bench_preference.py",
           "DPO loss head vs TRL's arithmetic, Liger"),
+    Suite("linear_divergence", "kernels", "benchmarks/kernels/bench_linear_divergence.py",
+          "distillation head (generalized JSD) vs TRL's generalized_jsd_loss, Liger"),
     Suite("nf4", "kernels", "benchmarks/kernels/bench_nf4.py", "NF4 dequantization and the QLoRA linear"),
     Suite("e2e_patch_model", "e2e", "benchmarks/e2e/bench_patch_model.py",
           "a Llama-shaped model's forward+backward, original vs patch_model"),

@@ -1,5 +1,6 @@
 """The public functional API. Every op takes ``backend='auto'|'triton'|'torch'``."""
 
+from fastalign.ops.gae import generalized_advantage_estimation
 from fastalign.ops.grpo import combine_rewards, group_advantages
 from fastalign.ops.linear_cross_entropy import (
     LinearCrossEntropyStats,
@@ -7,6 +8,7 @@ from fastalign.ops.linear_cross_entropy import (
     token_logprobs,
     token_objective,
 )
+from fastalign.ops.linear_divergence import linear_divergence
 from fastalign.ops.nf4 import (
     FourBitState,
     NestedAbsmax,
@@ -27,9 +29,11 @@ __all__ = [
     "combine_rewards",
     "dequantize_4bit",
     "geglu",
+    "generalized_advantage_estimation",
     "group_advantages",
     "linear_4bit",
     "linear_cross_entropy",
+    "linear_divergence",
     "quantize_4bit",
     "rms_norm",
     "state_from_bitsandbytes",

@@ -140,7 +140,9 @@ class TrainConfig:
     # grpo / rloo (TRL's GRPOConfig / RLOOConfig)
     reward_funcs: list[str] = field(default_factory=list)  # built-ins, or import paths "module:function" /
     # "path/file.py:function": the module or file is imported (its code runs) when the run starts, so name
-    # only code you trust; nothing else is imported, and a missing function is an error naming the file
+    # only code you trust; nothing else is imported, and a missing function is an error naming the file;
+    # or a reward model (a one-label sequence classifier, e.g. from `fastalign train reward`): a local
+    # directory or a Hub id "org/name", scoring prompt + completion (metric name: its last path part)
     reward_weights: list[float] | None = None
     num_generations: int | None = None  # completions per prompt (None: TRL's, grpo 8, rloo 2);
     # per_device_train_batch_size counts completions
@@ -168,6 +170,35 @@ class TrainConfig:
     normalize_advantages: bool = False  # rloo: advantages standardised over the generation batch
     reward_clip_range: list[float] | None = None  # rloo: [low, high] the rewards are clamped to
     use_vllm: bool = False  # generate with vLLM (colocated) instead of model.generate; needs vllm
+
+    # online_dpo (TRL's OnlineDPOConfig): two sampled completions of each prompt, ranked by reward_funcs
+    # (reward_weights), make a DPO pair (beta, loss_type sigmoid or ipo); the sampling options above apply
+    max_new_tokens: int | None = None  # online_dpo: tokens sampled per completion; None: TRL's 64
+    missing_eos_penalty: float | None = None  # online_dpo, ppo: subtracted from the score of a completion
+    # that did not end (no EOS within max_new_tokens; ppo: max_completion_length); None: no penalty
+
+    # distill (TRL's DistillationConfig, with GKDConfig's lmbda and seq_kd): the student learns the teacher's
+    # next-token distributions (generalized JSD: beta 0 forward KL, 1 reverse KL; at temperature) on the
+    # completions of prompt-completion (or messages) rows, or on ones it samples (max_completion_length)
+    teacher_model_name_or_path: str | None = None  # distill: the teacher (a directory, built-in or Hub id)
+    lmbda: float = 1.0  # distill: the share of micro-batches whose completions the student samples (TRL's
+    # DistillationTrainer: all; GKD's default 0.5)
+    seq_kd: bool = False  # distill: the teacher samples the other micro-batches' completions (GKD's)
+
+    # ppo (TRL's former PPOConfig / OnPolicyConfig, trl 0.11-0.19): the sampling options, reward_funcs,
+    # ref_model_name_or_path and missing_eos_penalty above apply; max_completion_length is its response_length
+    value_model_path: str | None = None  # ppo: the critic's body (a sequence classifier with a new score
+    # head on every token); None: model_name_or_path
+    num_ppo_epochs: int = 4  # ppo: optimizer passes over each generation batch
+    num_mini_batches: int = 1  # ppo: optimizer steps per pass (of gradient_accumulation_steps micro-batches)
+    whiten_rewards: bool = False  # ppo: per-token rewards scaled to unit variance over the generation batch
+    kl_coef: float = 0.05  # ppo: weight of the per-token KL to the reference folded into the rewards
+    kl_estimator: str = "k1"  # ppo: k1 (log π − log π_ref) or k3 (non-negative)
+    cliprange: float = 0.2  # ppo: the policy ratio's clip range
+    vf_coef: float = 0.1  # ppo: weight of the value loss
+    cliprange_value: float = 0.2  # ppo: how far a new value may move from the rollout's before it is clipped
+    gamma: float = 1.0  # ppo: discount
+    lam: float = 0.95  # ppo: GAE's λ
 
     # logging, evaluation, checkpoints
     # When to log, evaluate and save, as transformers' TrainingArguments: a strategy ("no", "steps" every
@@ -384,6 +415,27 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("truncation_mode", lambda value: value in TRUNCATION_MODES, f"one of {', '.join(TRUNCATION_MODES)}"),
     ("neftune_noise_alpha", lambda value: value is None or value > 0, "positive or null"),
+    # online_dpo
+    ("max_new_tokens", lambda value: value is None or value > 0, "positive or null"),
+    ("missing_eos_penalty", lambda value: value is None or value > 0, "positive or null (as TRL)"),
+    # distill
+    ("lmbda", lambda value: 0 <= value <= 1, "in [0, 1]"),
+    (
+        "teacher_model_name_or_path",
+        lambda value: value is None or value.strip() != "",
+        "a model directory, built-in name or Hub id, or null",
+    ),
+    # ppo
+    ("value_model_path", lambda value: value is None or value.strip() != "", "a model path or null"),
+    ("num_ppo_epochs", lambda value: value >= 1, "at least 1"),
+    ("num_mini_batches", lambda value: value >= 1, "at least 1"),
+    ("kl_coef", lambda value: value >= 0, "non-negative"),
+    ("kl_estimator", lambda value: value in ("k1", "k3"), "one of k1, k3"),
+    ("cliprange", lambda value: value >= 0, "non-negative"),
+    ("vf_coef", lambda value: value >= 0, "non-negative"),
+    ("cliprange_value", lambda value: value >= 0, "non-negative"),
+    ("gamma", lambda value: 0 <= value <= 1, "in [0, 1]"),
+    ("lam", lambda value: 0 <= value <= 1, "in [0, 1]"),
 )
 
 

@@ -8,7 +8,12 @@ does not apply to that sample; it becomes NaN, which ``fastalign.ops.combine_rew
 ``group_advantages`` leave out.
 
 A spec in ``reward_funcs`` is a built-in name (``exact_match``, ``regex:<pattern>``, ...), an import path
-``package.module:function``, a file ``path/to/file.py:function``, or a callable.
+``package.module:function``, a file ``path/to/file.py:function``, a callable, or a trained reward model
+(``fastalign.train.reward_model``, as TRL takes one): a local model directory (with a config.json), a Hub id
+``org/name``, or programmatically a loaded ``PreTrainedModel`` or ``(model, tokenizer)`` pair. The kinds
+are told apart without guessing: a built-in name wins, then an existing directory or a colon-less string
+with a slash is a model, then a string with a colon is an import path; a bare unknown name is an error
+(never a Hub download: a mistyped built-in fails at once, offline).
 
 Reward files are code: resolving ``package.module:function`` imports that module, and
 ``path/file.py:function`` runs that file (relative to the current directory), whether or not it defines
@@ -36,6 +41,12 @@ from typing import Any
 import torch
 
 from fastalign.errors import one_line
+from fastalign.train.reward_model import (
+    is_model_object,
+    is_model_path,
+    load_reward_model,
+    reward_model_from_object,
+)
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -187,22 +198,32 @@ BUILTIN_REWARDS: dict[str, Callable[[str | None], RewardFn]] = {
 
 
 def resolve_reward_funcs(
-    specs: str | Callable | RewardFunction | Sequence[str | Callable | RewardFunction],
+    specs: object,
+    *,
+    device: torch.device | str | None = None,
+    dtype: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[RewardFunction]:
     """``reward_funcs`` as named functions; every problem is a one-line ValueError naming the spec.
 
     A string is a built-in (``name`` or ``name:parameter``; built-in names win over a module of the same
-    name), else an import path ``module:function`` or ``file.py:function``. A callable is named by its
-    ``__name__``; a RewardFunction keeps its name. Repeated names get ``_2``, ``_3``, ... so that each
-    function has its own metrics.
+    name), else a reward model's directory or Hub id (``reward_model.is_model_path``), else an import
+    path ``module:function`` or ``file.py:function``. A loaded model (or ``(model, tokenizer)``) scores as
+    a reward model too. A callable is named by its ``__name__``; a RewardFunction keeps its name; a reward
+    model is named by the last part of its path or id, as in TRL. Repeated names get ``_2``, ``_3``, ...
+    so that each function has its own metrics.
+
+    The keywords are the run's, for reward models only: the policy's ``device`` (None: this process's),
+    the ``dtype`` key (None or "auto": each checkpoint's own) and ``chat_template_kwargs``.
     """
-    if isinstance(specs, (str, RewardFunction)) or callable(specs):
+    if isinstance(specs, (str, RewardFunction)) or callable(specs) or is_model_object(specs):
         specs = [specs]
     if not specs:
         raise ValueError("reward_funcs: no reward functions given; name at least one (e.g. 'exact_match')")
     funcs, seen = [], set()
+    models = {"device": device, "chat_template_kwargs": chat_template_kwargs}
     for spec in specs:
-        func = _resolve(spec)
+        func = _resolve(spec, models, dtype)
         name, count = func.name, 1
         while name in seen:
             count += 1
@@ -212,15 +233,18 @@ def resolve_reward_funcs(
     return funcs
 
 
-def _resolve(spec: object) -> RewardFunction:
+def _resolve(spec: object, models: dict[str, Any], dtype: str | None) -> RewardFunction:
     if isinstance(spec, RewardFunction):
         return spec
+    if is_model_object(spec):  # before callable: a model is one
+        model = reward_model_from_object(spec, **models)
+        return RewardFunction(model.__name__, model)
     if callable(spec):
         return RewardFunction(getattr(spec, "__name__", type(spec).__name__), spec)
     if not isinstance(spec, str):
         raise ValueError(
-            f"reward_funcs: a spec must be a built-in name, an import path 'module:function' or a "
-            f"callable, got {spec!r} ({type(spec).__name__})"
+            f"reward_funcs: a spec must be a built-in name, an import path 'module:function', a reward "
+            f"model or a callable, got {spec!r} ({type(spec).__name__})"
         )
     name, colon, parameter = spec.partition(":")
     if name in BUILTIN_REWARDS:
@@ -228,10 +252,18 @@ def _resolve(spec: object) -> RewardFunction:
             return RewardFunction(name, BUILTIN_REWARDS[name](parameter if colon else None))
         except ValueError as error:
             raise ValueError(f"reward_funcs: {spec!r}: {error}") from None
+    if is_model_path(spec):
+        model = load_reward_model(spec, dtype=dtype, **models)
+        return RewardFunction(model.__name__, model)
     if colon:
         return _import(spec)
     close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else "; an import path needs a colon: 'module:function'"
+    hint = (
+        f"; did you mean {close[0]!r}?"
+        if close
+        else "; an import path needs a colon: 'module:function'; a reward model is a directory or a Hub id "
+        "'org/name'"
+    )
     raise ValueError(
         f"reward_funcs: unknown built-in reward {spec!r} (built-ins: {', '.join(BUILTIN_REWARDS)}){hint}"
     )

@@ -1,4 +1,4 @@
-"""The online objectives' rollout (GRPO, RLOO): sample completions of each prompt with the current policy,
+"""The online objectives' rollout (GRPO, RLOO, online DPO; distill's sampled completions): sample completions
 and score them with the reward functions.
 
 Generation is ``model.generate`` with a KV cache, in eval mode, without gradient. Under FSDP2 the
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import combine_rewards
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.rewards import RewardFunction, compute_rewards, reward_metrics
@@ -109,6 +110,26 @@ def generate_completions(
     completion_mask = (positions[None, :] <= end[:, None]).long()
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
     return Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, ~has_eos)
+
+
+def scoring_batch(done: Completions, completion_mask: torch.Tensor) -> tuple[dict, torch.Tensor, slice]:
+    """The prompt + completion rows that the policy (and a reference) score: ``input_ids``,
+    ``attention_mask``, ``position_ids`` (as ``generate`` numbered them) and ``completion_mask`` (the
+    tokens that count; ``done``'s, or fewer); the full-width targets of the log-probs of ``done``'s
+    completion tokens; and the slice of positions that score them (position t scores token t + 1: the
+    completion's tokens from the prompt's last position on)."""
+    input_ids = torch.cat([done.prompt_ids, done.completion_ids], dim=1)
+    attention_mask = torch.cat([done.prompt_mask, done.completion_mask], dim=1)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_of(attention_mask),
+        "completion_mask": completion_mask,
+    }
+    scored = slice(done.prompt_ids.shape[1] - 1, -1)
+    targets = torch.full_like(input_ids, IGNORE_INDEX)
+    targets[:, scored] = done.completion_ids.masked_fill(done.completion_mask == 0, IGNORE_INDEX)
+    return batch, targets, scored
 
 
 def decode_completions(completions: Completions, tokenizer, conversational: bool) -> list:

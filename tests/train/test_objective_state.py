@@ -53,17 +53,17 @@ def test_a_checkpoint_without_the_objective_state_is_refused(tmp_path):
 
 
 def test_an_unknown_objective_lists_the_known_ones():
-    with pytest.raises(ConfigError, match="unknown objective 'ppo'; known: sft, dpo"):
-        make_objective("ppo", TrainConfig(), CPU)
+    with pytest.raises(ConfigError, match="unknown objective 'nope'; known: sft, dpo"):
+        make_objective("nope", TrainConfig(), CPU)
 
 
 @pytest.mark.parametrize(
     ("name", "key", "value", "readers"),
     [
         ("dpo", "cpo_alpha", 2.0, "simpo, cpo"),
-        ("sft", "beta", 0.2, "dpo, simpo, cpo, orpo, kto, grpo, rloo"),
+        ("sft", "beta", 0.2, "dpo, simpo, cpo, orpo, kto, online_dpo, grpo, rloo, distill"),
         ("grpo", "precompute_ref_log_probs", True, "dpo, kto"),
-        ("simpo", "ref_model_name_or_path", "ref", "dpo, kto, grpo, rloo"),
+        ("simpo", "ref_model_name_or_path", "ref", "dpo, kto, online_dpo, grpo, rloo, ppo"),
         ("kto", "packing", True, "sft"),
     ],
 )
@@ -81,7 +81,13 @@ def test_every_objective_has_its_built_in_data_and_tokenizes_it(name):
     """Each registered objective makes itself from the defaults and reads its own built-in data set."""
     from fastalign.train.loading import load_dataset_rows
 
-    overrides = {"reward_funcs": ["fastalign.builtin:digit_ratio"]} if name in ("grpo", "rloo") else {}
+    overrides = {
+        "grpo": {"reward_funcs": ["fastalign.builtin:digit_ratio"]},
+        "rloo": {"reward_funcs": ["fastalign.builtin:digit_ratio"]},
+        "ppo": {"reward_funcs": ["fastalign.builtin:digit_ratio"]},
+        "online_dpo": {"reward_funcs": ["fastalign.builtin:digit_ratio"]},
+        "distill": {"teacher_model_name_or_path": "tiny-qwen2"},
+    }.get(name, {})
     objective = make_objective(name, TrainConfig(max_length=128, **overrides), CPU)
     examples = objective.tokenize(load_dataset_rows(objective.default_dataset), tiny_tokenizer())
     assert len(examples) > 8

@@ -9,9 +9,12 @@ import dataclasses
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import Objective
+from fastalign.train.objectives.distill import DistillObjective
 from fastalign.train.objectives.dpo import DPOObjective
 from fastalign.train.objectives.grpo import GRPOObjective
 from fastalign.train.objectives.kto import KTOObjective
+from fastalign.train.objectives.online_dpo import OnlineDPOObjective
+from fastalign.train.objectives.ppo import PPOObjective
 from fastalign.train.objectives.reward import RewardObjective
 from fastalign.train.objectives.rloo import RLOOObjective
 from fastalign.train.objectives.sft import SFTObjective
@@ -23,13 +26,16 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "cpo": DPOObjective,
     "orpo": DPOObjective,
     "kto": KTOObjective,
+    "online_dpo": OnlineDPOObjective,
     "grpo": GRPOObjective,
     "rloo": RLOOObjective,
+    "ppo": PPOObjective,
     "reward": RewardObjective,
+    "distill": DistillObjective,
 }
 
 #: Keys some objectives read that the runner reads too, for every objective (never unread).
-_RUNNER_KEYS = frozenset({"max_length", "use_peft"})
+_RUNNER_KEYS = frozenset({"max_length", "use_peft", "model_name_or_path"})
 
 
 def make_objective(name: str, config: TrainConfig, ctx: DistributedContext) -> Objective:
@@ -70,9 +76,12 @@ def _refuse_unread_keys(name: str, config: TrainConfig) -> None:
 __all__ = [
     "OBJECTIVES",
     "DPOObjective",
+    "DistillObjective",
     "GRPOObjective",
     "KTOObjective",
     "Objective",
+    "OnlineDPOObjective",
+    "PPOObjective",
     "RLOOObjective",
     "RewardObjective",
     "SFTObjective",

@@ -43,15 +43,15 @@ import torch
 from fastalign.data.preference import PromptCollator, tokenize_prompt_dataset
 from fastalign.losses import GRPOLoss
 from fastalign.losses.grpo import LOSS_TYPES
-from fastalign.models.structure import IGNORE_INDEX, disable_dropout
+from fastalign.models.structure import disable_dropout
 from fastalign.ops import group_advantages
 from fastalign.train.batches import BatchPosition, MicroBatches
-from fastalign.train.config import ConfigError, TrainConfig, options_from
+from fastalign.train.config import ConfigError, TrainConfig, model_option, options_from
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.engine import Callback
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
 from fastalign.train.reference import Reference, reference_model, token_logprobs_of
-from fastalign.train.rewards import resolve_reward_funcs
+from fastalign.train.rewards import RewardFunction, resolve_reward_funcs
 from fastalign.train.rollout import (
     STRUCTURAL_GENERATION_KWARGS,
     Completions,
@@ -62,11 +62,55 @@ from fastalign.train.rollout import (
     decode_completions,
     gather_rewards,
     generate_completions,
-    position_ids_of,
+    scoring_batch,
 )
 
 #: The key of a prompt micro-batch that says which generation it belongs to and which slice a step trains.
 ROLLOUT_KEY = "fastalign_rollout"
+
+
+def sample_completions(
+    model: torch.nn.Module, prompt_batches: list[dict], sampling: SamplingOptions, tokenizer, ctx
+) -> list[Completions]:
+    """Each prompt micro-batch's completions, sampled with the seed ``GenerationBatches`` gave it (its
+    ``ROLLOUT_KEY``; an evaluation micro-batch has none and samples from the current random state) in a
+    forked random state, so that sampling neither depends on nor changes anything else's draws."""
+    completions = []
+    for batch in prompt_batches:
+        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+            if ROLLOUT_KEY in batch:
+                torch.manual_seed(batch[ROLLOUT_KEY][3])
+            completions.append(generate_completions(model, batch, sampling, tokenizer, ctx))
+    return completions
+
+
+def score_completions(
+    reward_funcs: list[RewardFunction],
+    reward_weights: list[float] | None,
+    prompt_batches: list[dict],
+    completions: list[Completions],
+    repeat: int,
+    tokenizer,
+    conversational: bool,
+    ctx: DistributedContext,
+) -> tuple[Rewards, list, list]:
+    """The whole generation batch's rewards (gathered from every rank), and this rank's prompts and
+    decoded completions as the reward functions saw them. Each prompt of ``prompt_batches`` has
+    ``repeat`` adjacent completions; the reward functions get every dataset column of its row."""
+    examples = [e for batch in prompt_batches for e in batch["examples"] for _ in range(repeat)]
+    prompts = [example.prompt for example in examples]
+    texts = [text for done in completions for text in decode_completions(done, tokenizer, conversational)]
+    ids = [
+        row[: int(length)]
+        for done in completions
+        for row, length in zip(done.completion_ids.tolist(), done.lengths, strict=True)
+    ]
+    # every example's columns: in-memory rows need not all have the same ones
+    names = dict.fromkeys(name for example in examples for name in example.columns)
+    columns = {name: [example.columns.get(name) for example in examples] for name in names}
+    truncated = torch.cat([done.truncated for done in completions])
+    rewards = gather_rewards(reward_funcs, reward_weights, prompts, texts, ids, columns, truncated, ctx)
+    return rewards, prompts, texts
 
 
 class GenerationBatches:
@@ -114,6 +158,34 @@ class GenerationBatches:
         if step == self.steps_per_epoch:
             return BatchPosition(position.epoch + 1, 0)
         return BatchPosition(position.epoch, step)
+
+
+def check_generation_keys(
+    use_vllm: bool,
+    generation_kwargs: dict[str, Any] | None,
+    reward_funcs: list[str],
+    reward_weights: list[float] | None,
+) -> None:
+    """The checks every objective that samples and scores makes of those keys: a one-line
+    ``ConfigError`` naming the key."""
+    if use_vllm:  # so no sampling option is ever left out of a vLLM generation either
+        found = importlib.util.find_spec("vllm") is not None
+        raise ConfigError(
+            "config key 'use_vllm': "
+            + ("vLLM generation is not wired in yet" if found else "the vllm package is not installed")
+            + "; set it to false to generate with model.generate"
+        )
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise ConfigError(
+            f"config key 'reward_weights' has {len(reward_weights)} values for {len(reward_funcs)} "
+            "reward_funcs"
+        )
+    structural = sorted(set(generation_kwargs or ()) & set(STRUCTURAL_GENERATION_KWARGS))
+    if structural:
+        raise ConfigError(
+            f"config key 'generation_kwargs' sets {', '.join(structural)}: the rollout decides it "
+            "(the completions of each prompt)"
+        )
 
 
 @dataclass(frozen=True)
@@ -185,24 +257,7 @@ class RolloutOptions:
                 f"gradient_accumulation_steps ({config.gradient_accumulation_steps}): a generation serves "
                 "whole optimizer steps"
             )
-        if self.use_vllm:  # so no sampling option is ever left out of a vLLM generation either
-            found = importlib.util.find_spec("vllm") is not None
-            raise ConfigError(
-                "config key 'use_vllm': "
-                + ("vLLM generation is not wired in yet" if found else "the vllm package is not installed")
-                + "; set it to false to generate with model.generate"
-            )
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(
-                f"config key 'reward_weights' has {len(self.reward_weights)} values for "
-                f"{len(self.reward_funcs)} reward_funcs"
-            )
-        structural = sorted(set(self.generation_kwargs or ()) & set(STRUCTURAL_GENERATION_KWARGS))
-        if structural:
-            raise ConfigError(
-                f"config key 'generation_kwargs' sets {', '.join(structural)}: the rollout decides it "
-                "(num_generations)"
-            )
+        check_generation_keys(self.use_vllm, self.generation_kwargs, self.reward_funcs, self.reward_weights)
 
 
 class RolloutObjective(Objective):
@@ -216,13 +271,17 @@ class RolloutObjective(Objective):
     default_dataset = "tiny-prompts"
     options_class: ClassVar[type[RolloutOptions]]
 
-    def __init__(self, name: str, options: RolloutOptions, ctx: DistributedContext | None = None):
+    def __init__(
+        self,
+        name: str,
+        options: RolloutOptions,
+        ctx: DistributedContext | None = None,
+        *,
+        dtype: str | None = None,
+    ):
         super().__init__(ctx)
         self.name, self.options = name, options
-        try:
-            self.reward_funcs = resolve_reward_funcs(options.reward_funcs)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        self.reward_funcs = reward_functions(options, self.ctx, dtype)
         self.sampling = options.sampling(options.num_generations)
         self.reference: Reference | None = None
         self.tokenizer = None  # set up with the model: it decodes completions for the reward functions
@@ -236,7 +295,7 @@ class RolloutObjective(Objective):
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> RolloutObjective:
         options = cls.options_class.from_config(config, name)
         options.check(name, config)
-        return cls(name, options, ctx)
+        return cls(name, options, ctx, dtype=model_option(config, "dtype"))
 
     @classmethod
     def config_keys(cls, name: str) -> frozenset[str]:
@@ -371,35 +430,20 @@ class RolloutObjective(Objective):
                 dataclasses.replace(self.sampling, num_generations=1),
                 self.options.eval_generations,
             )
-        completions = []
-        for batch in prompt_batches:
-            with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
-                if ROLLOUT_KEY in batch:
-                    torch.manual_seed(batch[ROLLOUT_KEY][3])
-                completions.append(generate_completions(model, batch, sampling, self.tokenizer, self.ctx))
+        completions = sample_completions(model, prompt_batches, sampling, self.tokenizer, self.ctx)
         generated = time.perf_counter()
         keep_old = self.keeps_policy_logprobs(reused)
         batches = [self._training_batch(model, done, keep_old) for done in completions]
         scored = time.perf_counter()
-        repeat = 1 if evaluation else group
-        examples = [e for batch in prompt_batches for e in batch["examples"] for _ in range(repeat)]
-        prompts = [example.prompt for example in examples]
-        texts = [
-            text
-            for done in completions
-            for text in decode_completions(done, self.tokenizer, self.conversational)
-        ]
-        ids = [
-            row[: int(length)]
-            for done in completions
-            for row, length in zip(done.completion_ids.tolist(), done.lengths, strict=True)
-        ]
-        # every example's columns: in-memory rows need not all have the same ones
-        names = dict.fromkeys(name for example in examples for name in example.columns)
-        columns = {name: [example.columns.get(name) for example in examples] for name in names}
-        truncated = torch.cat([done.truncated for done in completions])
-        rewards = gather_rewards(
-            self.reward_funcs, self.options.reward_weights, prompts, texts, ids, columns, truncated, self.ctx
+        rewards, prompts, texts = score_completions(
+            self.reward_funcs,
+            self.options.reward_weights,
+            prompt_batches,
+            completions,
+            1 if evaluation else group,
+            self.tokenizer,
+            self.conversational,
+            self.ctx,
         )
         advantages, metrics = self.advantages(rewards, batches, group, reused)
         local, offset = advantages[rewards.rows], 0
@@ -422,20 +466,9 @@ class RolloutObjective(Objective):
         mask = done.completion_mask
         if self.options.mask_truncated_completions:
             mask = mask * (~done.truncated)[:, None]
-        input_ids = torch.cat([done.prompt_ids, done.completion_ids], dim=1)
-        attention_mask = torch.cat([done.prompt_mask, done.completion_mask], dim=1)
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids_of(attention_mask),
-            "completion_mask": mask,
-        }
-        # position t scores token t + 1: the completion's tokens from the prompt's last position on
-        scored = slice(done.prompt_ids.shape[1] - 1, -1)
-        targets = torch.full_like(input_ids, IGNORE_INDEX)
-        targets[:, scored] = done.completion_ids.masked_fill(done.completion_mask == 0, IGNORE_INDEX)
+        batch, targets, scored = scoring_batch(done, mask)
         temperature = self.sampling.temperature
-        inputs = (input_ids, attention_mask, targets, temperature, batch["position_ids"])
+        inputs = (batch["input_ids"], batch["attention_mask"], targets, temperature, batch["position_ids"])
         with torch.no_grad():
             if keep_old_logprobs:
                 batch["old_per_token_logps"] = token_logprobs_of(model, *inputs)[:, scored]
@@ -461,6 +494,21 @@ class RolloutObjective(Objective):
                 prompts, completions, per_func, advantages.tolist(), strict=True
             )
         ]
+
+
+def reward_functions(options, ctx: DistributedContext, dtype: str | None) -> list[RewardFunction]:
+    """The ``reward_funcs`` of ``options`` resolved; a reward model among them loads on this rank's
+    device in the run's ``dtype`` and reads conversational rows with the options'
+    ``chat_template_kwargs``. A bad spec is a one-line ConfigError."""
+    try:
+        return resolve_reward_funcs(
+            options.reward_funcs,
+            device=ctx.device,
+            dtype=dtype,
+            chat_template_kwargs=options.chat_template_kwargs,
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 class CompletionsLog(Callback):
@@ -529,8 +577,15 @@ class GRPOObjective(RolloutObjective):
 
     options_class = GRPOOptions
 
-    def __init__(self, name: str, options: GRPOOptions, ctx: DistributedContext | None = None):
-        super().__init__(name, options, ctx)
+    def __init__(
+        self,
+        name: str,
+        options: GRPOOptions,
+        ctx: DistributedContext | None = None,
+        *,
+        dtype: str | None = None,
+    ):
+        super().__init__(name, options, ctx, dtype=dtype)
         # top_entropy_quantile's threshold is over every process's tokens, as TRL's
         gather = functools.partial(all_gather_values, ctx=self.ctx) if self.ctx.enabled else None
         try:

@@ -54,8 +54,15 @@ class RLOOObjective(RolloutObjective):
     options_class = RLOOOptions
     options: RLOOOptions
 
-    def __init__(self, name: str, options: RLOOOptions, ctx: DistributedContext | None = None):
-        super().__init__(name, options, ctx)
+    def __init__(
+        self,
+        name: str,
+        options: RLOOOptions,
+        ctx: DistributedContext | None = None,
+        *,
+        dtype: str | None = None,
+    ):
+        super().__init__(name, options, ctx, dtype=dtype)
         try:
             self.loss = RLOOLoss(
                 epsilon=options.epsilon, epsilon_high=options.epsilon_high, temperature=options.temperature

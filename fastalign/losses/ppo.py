@@ -1,0 +1,199 @@
+"""PPO's math (TRL's former ``PPOTrainer``, trl 0.11-0.19, after OpenAI's summarize-from-feedback):
+the per-token rewards with the KL to the reference folded in, whitening, the clipped policy loss straight
+from hidden states (``PPOLoss``: no logits) and the clipped value loss. The advantages in between are
+``fastalign.ops.generalized_advantage_estimation``.
+
+Masks are bool [B, T], True on a completion's tokens; every mean is over them (TRL's ``masked_mean``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from fastalign.models.structure import IGNORE_INDEX
+from fastalign.ops import token_logprobs, validation
+from fastalign.ops.backend import BACKENDS, Backend
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """The mean of ``values`` where ``mask`` is True (NaN elsewhere never reaches it)."""
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def whiten(values: Tensor, shift_mean: bool = True) -> Tensor:
+    """TRL's ``masked_whiten`` of the entries of ``values`` (the masked-in ones, gathered flat):
+    (x − mean)·rsqrt(var + 1e-8) with the unbiased variance (1 entry: its biased variance, 0, where TRL
+    would divide by zero); ``shift_mean=False`` adds the mean back (only the scale changes)."""
+    values = values.float()
+    mean = values.mean()
+    variance = (values - mean).square().sum() / max(values.numel() - 1, 1)
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token KL estimate of the sampling policy to the reference (Schulman's estimators): k1 =
+    log π − log π_ref (unbiased, can be negative), k3 = (r − 1) − log r with r = π_ref / π (≥ 0)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ratio = ref_logprobs.float() - logprobs.float()
+    return -log_ratio if estimator == "k1" else torch.expm1(log_ratio) - log_ratio
+
+
+class ShapedRewards(NamedTuple):
+    rewards: Tensor  # [B, T] fp32: −kl_coef·kl per token, the score added at the last token; 0 off the mask
+    kl: Tensor  # [B, T] fp32 per-token KL estimate, 0 off the mask
+    non_score_reward: Tensor  # [B, T] fp32: −kl_coef·kl
+
+
+def shaped_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    mask: Tensor,
+    kl_coef: float,
+    estimator: str,
+) -> ShapedRewards:
+    """The per-token rewards PPO's advantages are computed from: the KL penalty on every completion token
+    and the completion's ``score`` [B] on its last one (a completion without tokens gets none). No
+    reference (``kl_coef`` 0): no penalty."""
+    zero = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    kl = (
+        zero
+        if ref_logprobs is None
+        else torch.where(mask, kl_penalty(logprobs, ref_logprobs, estimator), 0.0)
+    )
+    non_score = -kl_coef * kl
+    last = (mask.long().cumsum(-1) == mask.sum(-1, keepdim=True)) & mask  # the last True of each row
+    rewards = non_score + torch.where(last, scores.float()[:, None], 0.0)
+    return ShapedRewards(rewards, kl, non_score)
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss and its clip fraction: ½·mean(max((V − R)², (clip(V, V_old ± ε) − R)²))
+    over the mask, and the share of tokens where the clipped term is the larger."""
+    values = values.float()
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    unclipped_loss, clipped_loss = (values - returns).square(), (clipped - returns).square()
+    loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), mask)
+    return loss, masked_mean((clipped_loss > unclipped_loss).float(), mask)
+
+
+class PPOLossOutput(NamedTuple):
+    loss: Tensor
+    metrics: dict[str, Tensor]  # TRL's PPO names (detached)
+
+
+class PPOLoss(nn.Module):
+    """PPO's clipped policy loss from the policy's completion hidden states.
+
+    Token log-probs come from the fused, chunked linear log-softmax at ``temperature`` (no [tokens,
+    vocab] logits); with ratio r = exp(log π − log π_old) and per-token advantages A,
+    loss = mean over the mask of max(−A·r, −A·clip(r, 1 − ``cliprange``, 1 + ``cliprange``)). Metrics
+    (TRL's names, means over the mask): ``loss/policy_avg``, ``policy/approxkl_avg`` (½·(log r)²),
+    ``policy/clipfrac_avg``, ``policy/entropy_avg``, ``val/ratio`` and ``val/ratio_var`` (the variance
+    of the tokens' r)."""
+
+    def __init__(
+        self,
+        *,
+        cliprange: float = 0.2,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+        backend: Backend = "auto",
+    ):
+        super().__init__()
+        self.cliprange = validation.real("cliprange", cliprange)
+        if self.cliprange < 0:
+            raise ValueError(f"cliprange must be >= 0, got {self.cliprange}")
+        self.temperature = validation.positive_finite("temperature", temperature)
+        if chunk_size is not None:
+            validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.chunk_size, self.backend = chunk_size, backend
+
+    def forward(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+        advantages: Tensor,
+        old_logps: Tensor,
+        *,
+        bias: Tensor | None = None,
+    ) -> PPOLossOutput:
+        """Loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each token)
+        and the LM head ``weight`` [V, D]; ``advantages`` and ``old_logps`` (the sampling policy's token
+        log-probs) are [B, T]. One host sync checks the mask's and the advantages' values."""
+        _check_inputs(hidden, weight, completion_ids, completion_mask, advantages, old_logps, bias)
+
+        mask = completion_mask.bool()
+        targets = completion_ids.masked_fill(~mask, IGNORE_INDEX)
+        logps, entropy = token_logprobs(
+            hidden,
+            weight,
+            targets,
+            bias,
+            temperature=self.temperature,
+            return_entropy=True,
+            chunk_size=self.chunk_size,
+            backend=self.backend,
+        )
+        advantages = torch.where(mask, advantages.float(), 0.0)
+        log_ratio = torch.where(mask, logps - old_logps.float(), 0.0)
+        ratio = torch.exp(log_ratio)
+        unclipped = -advantages * ratio
+        clipped = -advantages * torch.clamp(ratio, 1.0 - self.cliprange, 1.0 + self.cliprange)
+        loss = masked_mean(torch.max(unclipped, clipped), mask)
+        with torch.no_grad():
+            ratio_mean = masked_mean(ratio, mask)
+            metrics = {
+                "loss/policy_avg": loss.detach(),
+                "policy/approxkl_avg": masked_mean(0.5 * log_ratio.square(), mask),
+                "policy/clipfrac_avg": masked_mean((clipped > unclipped).float(), mask),
+                "policy/entropy_avg": masked_mean(entropy.float(), mask),
+                "val/ratio": ratio_mean,
+                "val/ratio_var": masked_mean((ratio - ratio_mean).square(), mask),
+            }
+        return PPOLossOutput(loss, metrics)
+
+
+def _check_inputs(hidden, weight, completion_ids, completion_mask, advantages, old_logps, bias) -> None:
+    """Types and shapes (``hidden`` [B, T, D], integer ``completion_ids`` and the per-token tensors
+    [B, T]), then the mask's (0/1) and the advantages' (finite) values in one host sync."""
+    per_token = {"completion_mask": completion_mask, "advantages": advantages, "old_logps": old_logps}
+    for name, tensor in (
+        ("hidden", hidden),
+        ("weight", weight),
+        ("completion_ids", completion_ids),
+        *per_token.items(),
+    ):
+        validation.require_tensor(name, tensor)
+    validation.require_tensor("bias", bias, optional=True)
+    if completion_ids.dim() != 2 or completion_ids.is_floating_point() or completion_ids.dtype == torch.bool:
+        raise ValueError(
+            "completion_ids must be integer token ids [B, T], got "
+            f"{completion_ids.dtype} {tuple(completion_ids.shape)}"
+        )
+    for name, tensor in per_token.items():
+        if tensor.shape != completion_ids.shape:
+            raise ValueError(
+                f"{name} must be [B, T] = {tuple(completion_ids.shape)}, got {tuple(tensor.shape)}"
+            )
+    if hidden.shape[:2] != completion_ids.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be [B, T, D] with [B, T] = {tuple(completion_ids.shape)}"
+        )
+    checks = validation.DeferredChecks()
+    checks.binary_mask("completion_mask", completion_mask)
+    checks.finite("advantages", advantages)
+    checks.raise_first()

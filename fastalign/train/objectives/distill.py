@@ -1,0 +1,267 @@
+"""``fastalign train distill``: knowledge distillation, TRL's ``DistillationTrainer`` with GKD's
+(``trl.experimental.gkd``) ``lmbda`` and ``seq_kd``.
+
+Rows are prompt-completion (standard or conversational; SFT's data path), or messages, whose last
+(assistant) message is the completion and the others the prompt (as GKD's chat collator splits them).
+Each micro-batch's completions are, with probability ``lmbda``, sampled by the student from its prompts
+(on-policy: GRPO's rollout, ``generate_completions``, at ``temperature`` with the sampling options, up to
+``max_completion_length`` tokens); otherwise sampled by the teacher when ``seq_kd``, else the data's own.
+The draw is seeded by the micro-batch's position in the data (``GenerationBatches``), so a resumed run
+makes the same choices and samples the same completions. ``lmbda`` 1 (the default) is TRL's
+``DistillationTrainer``: always on-policy.
+
+The loss is the generalized Jensen-Shannon divergence between the student's and the teacher's next-token
+distributions at ``temperature`` (``beta`` 0: forward KL(teacher ‖ student), 1: reverse KL), summed over
+the completion tokens (up to and including the EOS) and divided by the step's count of them on all ranks:
+a loss term is a completion token. It goes through the fused ``linear_divergence``: the student's final
+hidden states and LM head inside its forward (``head_fn``), the teacher's from its own forward without
+gradient; neither model's [tokens, vocab] logits are built. The teacher (``teacher_model_name_or_path``) is
+loaded like a reference model (``RunParts.load_frozen_model``: quantized with the policy's
+``quantization``, patched, sharded under FSDP2, frozen); its vocabulary must be the student's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastalign.data import tokenize_sft_dataset
+from fastalign.data.sft import TokenizedExample
+from fastalign.models.structure import IGNORE_INDEX, disable_dropout
+from fastalign.ops import linear_divergence
+from fastalign.train.batches import MicroBatches
+from fastalign.train.config import ConfigError, TrainConfig, options_from
+from fastalign.train.distributed import DistributedContext
+from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
+from fastalign.train.objectives.grpo import ROLLOUT_KEY, GenerationBatches, check_generation_keys
+from fastalign.train.rollout import Completions, SamplingOptions, generate_completions, scoring_batch
+
+#: TRL's DistillationConfig defaults where the config leaves a key None.
+DISTILL_DEFAULTS = {"beta": 1.0, "disable_dropout": False}
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """The keys distillation reads (TRL's DistillationConfig names, GKDConfig's ``lmbda`` and ``seq_kd``)."""
+
+    teacher_model_name_or_path: str | None
+    lmbda: float
+    seq_kd: bool
+    beta: float
+    temperature: float
+    max_completion_length: int
+    top_p: float
+    top_k: int
+    min_p: float | None
+    repetition_penalty: float
+    generation_kwargs: dict[str, Any] | None
+    use_vllm: bool
+    max_length: int
+    truncation: bool
+    truncation_mode: str
+    chat_template_kwargs: dict[str, Any] | None
+    disable_dropout: bool
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> DistillOptions:
+        options = options_from(config, cls, **DISTILL_DEFAULTS)
+        if options.teacher_model_name_or_path is None:
+            raise ConfigError("config key 'teacher_model_name_or_path' must name the teacher for distill")
+        if not 0 <= options.beta <= 1:
+            raise ConfigError(f"config key 'beta' for distill must be in [0, 1], got {options.beta!r}")
+        if options.seq_kd and options.lmbda == 1:
+            raise ConfigError(
+                "config key 'seq_kd' has no effect with lmbda 1 (the student samples every micro-batch's "
+                "completions): lower lmbda or remove seq_kd"
+            )
+        check_generation_keys(options.use_vllm, options.generation_kwargs, [], None)
+        return options
+
+    @property
+    def sampling(self) -> SamplingOptions:
+        return SamplingOptions(
+            1,
+            self.max_completion_length,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.repetition_penalty,
+            self.generation_kwargs,
+        )
+
+
+class CompletionCollator:
+    """Examples as prompt + completion rows: prompts left-padded (ready to sample from), completions
+    right-padded, with ``completion_mask`` and the positions ``generate`` would give them."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples: Sequence[TokenizedExample]) -> dict:
+        prompts, completions = zip(*(split_example(example) for example in examples), strict=True)
+        prompt_ids, prompt_mask = _pad(prompts, self.pad_token_id, left=True)
+        completion_ids, completion_mask = _pad(completions, self.pad_token_id, left=False)
+        done = Completions(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(len(examples))
+        )
+        batch, _, _ = scoring_batch(done, completion_mask)
+        return batch
+
+
+def split_example(example: TokenizedExample) -> tuple[list[int], list[int]]:
+    """A prompt-completion example's prompt and completion tokens: the completion starts at its first
+    loss token (SFT's completion-only mask)."""
+    start = example.loss_mask.index(1)
+    return example.input_ids[:start], example.input_ids[start:]
+
+
+def _pad(rows: Sequence[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[index, span], mask[index, span] = torch.tensor(row, dtype=torch.long), 1
+    return ids, mask
+
+
+def _as_prompt_completion(row: dict) -> dict:
+    """A messages row as GKD's chat collator reads it: the last message (the assistant's) is the
+    completion, the ones before it the prompt; other rows as they are."""
+    messages = row.get("messages")
+    if messages is None or "prompt" in row:
+        return row
+    if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
+        raise ValueError("a messages row for distill must end with the assistant's message (the completion)")
+    rest = {key: value for key, value in row.items() if key != "messages"}
+    return {**rest, "prompt": messages[:-1], "completion": messages[-1:]}
+
+
+class DistillObjective(Objective):
+    """The generalized JSD to a teacher on the data's, the student's or the teacher's completions."""
+
+    default_dataset = "tiny-sft"
+
+    def __init__(self, options: DistillOptions, ctx: DistributedContext | None = None):
+        super().__init__(ctx)
+        self.options = options
+        self.teacher: torch.nn.Module | None = None
+        self.tokenizer = None
+
+    @classmethod
+    def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> DistillObjective:
+        return cls(DistillOptions.from_config(config), ctx)
+
+    @classmethod
+    def config_keys(cls, name: str) -> frozenset[str]:
+        return frozenset(DistillOptions.__dataclass_fields__)
+
+    # --- data --------------------------------------------------------------------------------------
+    def tokenize(self, rows: list[dict], tokenizer) -> list:
+        examples = tokenize_sft_dataset(
+            [_as_prompt_completion(row) for row in rows],
+            tokenizer,
+            max_length=self.options.max_length,
+            truncation=self.options.truncation,
+            truncation_mode=self.options.truncation_mode,
+            completion_only_loss=True,
+            chat_template_kwargs=self.options.chat_template_kwargs,
+        )
+        for index, example in enumerate(examples):
+            if 1 not in example.loss_mask or example.loss_mask.index(1) == 0:
+                raise ValueError(
+                    f"row {index}: distill needs prompt-completion (or messages) rows with a prompt and a "
+                    "non-empty completion"
+                )
+        return examples
+
+    def collate(self, tokenizer) -> CompletionCollator:
+        return CompletionCollator(tokenizer.pad_token_id)
+
+    def batches(self, examples: list, tokenizer, plan: BatchPlan) -> GenerationBatches:
+        """The data's micro-batches, each with the seed of its draw (and of its sampling)."""
+        micro_batches = MicroBatches(
+            examples,
+            batch_size=plan.batch_size,
+            accumulation=plan.accumulation,
+            pad_token_id=plan.pad_token_id,
+            seed=plan.seed,
+            rank=plan.rank,
+            world_size=plan.world_size,
+            collate=self.collate(tokenizer),
+        )
+        return GenerationBatches(micro_batches, plan.accumulation, num_iterations=1)
+
+    def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        if self.options.disable_dropout:
+            disable_dropout(model)
+        self.teacher = parts.load_frozen_model(self.options.teacher_model_name_or_path)
+        self.tokenizer = parts.tokenizer
+        student = model.get_output_embeddings().weight.shape[0]
+        teacher = self.teacher.get_output_embeddings().weight.shape[0]
+        if student != teacher:
+            raise ConfigError(
+                f"config key 'teacher_model_name_or_path': the teacher's vocabulary ({teacher} tokens) is "
+                f"not the student's ({student}): distillation compares their next-token distributions"
+            )
+        return Prepared(train, evaluation)
+
+    # --- a step ------------------------------------------------------------------------------------
+    def loss_tokens(self, batch: dict) -> int:
+        return int(batch["completion_mask"].sum())
+
+    def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
+        """Each micro-batch's completions: the student's with probability ``lmbda``, else the teacher's
+        (``seq_kd``) or the data's."""
+        batches = []
+        for batch in micro_batches:
+            seed = batch.pop(ROLLOUT_KEY)[3]
+            draw = float(torch.rand((), generator=torch.Generator().manual_seed(seed)))
+            sampler = model if draw < self.options.lmbda else self.teacher if self.options.seq_kd else None
+            batches.append(batch if sampler is None else self._sampled(sampler, batch, seed))
+        return batches, {}
+
+    def _sampled(self, sampler: torch.nn.Module, batch: dict, seed: int) -> dict:
+        """``batch``'s prompts with completions sampled by ``sampler`` (the student or the teacher)."""
+        width = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
+        prompts = {
+            "input_ids": batch["input_ids"][:, :width],
+            "attention_mask": batch["attention_mask"][:, :width],
+        }
+        with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            done = generate_completions(sampler, prompts, self.options.sampling, self.tokenizer, self.ctx)
+        sampled, _, _ = scoring_batch(done, done.completion_mask)
+        return {key: value.cpu() for key, value in sampled.items()}
+
+    def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
+        assert self.teacher is not None  # set up before any step
+        mask = batch["completion_mask"]
+        width = batch["input_ids"].shape[1] - mask.shape[1]
+        labels = batch["input_ids"][:, width:].masked_fill(mask == 0, IGNORE_INDEX)
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        with torch.no_grad():  # the teacher's final hidden states of the completion positions, and its head
+            teacher_hidden, teacher_weight, teacher_bias = self.teacher(
+                **inputs, head_fn=lambda hidden, weight, bias: (hidden[:, width - 1 : -1], weight, bias)
+            ).head_output
+
+        def head(hidden, weight, bias):
+            return linear_divergence(
+                hidden[:, width - 1 : -1],
+                weight,
+                teacher_hidden,
+                teacher_weight,
+                labels,
+                beta=self.options.beta,
+                temperature=self.options.temperature,
+                student_bias=bias,
+                teacher_bias=teacher_bias,
+                reduction="sum",
+            )
+
+        loss = model(**inputs, head_fn=head).head_output
+        return loss / num_items_in_batch.to(loss.device), {}
