@@ -17,11 +17,14 @@ Jacobian subtracts the p-weighted mean of that, (1 − β)·K.
 
 where z = x / T, so ∂/∂x = ∂/∂z / T. With a hard-label weight, the cross-entropy of the student at
 temperature 1, ``CE = lse(x) − x_label``, adds ``softmax(x)_j − [j = label]`` per unit of its weight.
+The student's entropy ``H = −Σ p s = lse(z) − Σ p z`` (a metric: no gradient) is one more running sum
+of pass 1.
 
 Passes over a row (each reads both logits rows):
 
 1. online max and Σexp of z and of z_t (and of x for the cross-entropy); for β ∈ {0, 1} the
-   divergence as well, from the running ``Σ e·(z_t − z)`` of the distribution that weighs it;
+   divergence as well, from the running ``Σ e·(z_t − z)`` of the distribution that weighs it; the
+   entropy from the running ``Σ e_s·z``;
 2. β ∈ (0, 1) only: D and K, which need both normalisers to form log m;
 3. when a gradient is due: overwrite the student row, in place, with
    ``a·∂D/∂x + c·∂CE/∂x`` (a, c: per-row coefficients, 0 at ignored tokens).
@@ -86,8 +89,10 @@ def _divergence_row_kernel(
     coef_ce_ptr,
     div_ptr,
     ce_ptr,
+    entropy_ptr,
     MODE: tl.constexpr,
     HAS_CE: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
     WITH_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -105,6 +110,7 @@ def _divergence_row_kernel(
     x_max = float("-inf")
     x_sum = 0.0
     gap = 0.0
+    pz = 0.0  # Σ exp(z − s_max)·z, for the entropy
     for start in range(0, V, BLOCK_V):
         _, in_vocab, x, z, zt = _load_pair(s_row, t_row, start, V, inv_temperature, BLOCK_V)
         s_max, s_sum, e_s, s_rescale = _online(s_max, s_sum, z, in_vocab)
@@ -113,10 +119,14 @@ def _divergence_row_kernel(
             gap = gap * t_rescale + tl.sum(e_t * (zt - z), axis=0)
         if MODE == 1:
             gap = gap * s_rescale + tl.sum(e_s * (z - zt), axis=0)
+        if WITH_ENTROPY:
+            pz = pz * s_rescale + tl.sum(e_s * z, axis=0)
         if HAS_CE:
             x_max, x_sum, _, _ = _online(x_max, x_sum, x, in_vocab)
     lse_s = s_max + tl.log(s_sum)
     lse_t = t_max + tl.log(t_sum)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, lse_s - pz / s_sum)
 
     # Pass 2: the generalized JSD and K = KL(p ‖ m), which its gradient needs.
     kl_student = 0.0
@@ -179,10 +189,13 @@ def divergence_rows_(
     inv_temperature: float,
     ignore_index: int,
     with_ce: bool,
+    with_entropy: bool,
     block_v: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row divergence and cross-entropy (fp32 [C]; the cross-entropy is 0 unless ``with_ce``) of
-    ``student_logits`` / ``teacher_logits`` [C, V] (rows with unit column stride).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row divergence, cross-entropy and student entropy at the temperature (fp32 [C]; the
+    cross-entropy is 0 unless ``with_ce``, the entropy unless ``with_entropy``) of ``student_logits`` /
+    ``teacher_logits`` [C, V] (rows with unit column stride). The scalar keywords are the fields of
+    ``fastalign.ops.linear_divergence_torch.RowMath``.
 
     When ``coef_div`` is given, ``student_logits`` is overwritten with the gradient w.r.t. itself of
     ``Σ_i coef_div_i·D_i + coef_ce_i·CE_i`` (``coef_ce`` may then be None when ``with_ce`` is False).
@@ -190,7 +203,7 @@ def divergence_rows_(
     CUDA).
     """
     rows, vocab = student_logits.shape
-    out = torch.zeros((2, rows), dtype=torch.float32, device=student_logits.device)
+    out = torch.zeros((3, rows), dtype=torch.float32, device=student_logits.device)
     with_grad = coef_div is not None
     block = block_v if block_v is not None else min(triton.next_power_of_2(vocab), 4096)
     _divergence_row_kernel[(rows,)](
@@ -209,10 +222,12 @@ def divergence_rows_(
         coef_ce if with_grad and with_ce else out[1],
         out[0],
         out[1],
+        out[2],
         MODE=mode,
         HAS_CE=with_ce,
+        WITH_ENTROPY=with_entropy,
         WITH_GRAD=with_grad,
         BLOCK_V=block,
         num_warps=8 if block >= 2048 else 4,
     )
-    return out[0], out[1]
+    return out[0], out[1], out[2]

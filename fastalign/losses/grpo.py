@@ -6,11 +6,16 @@ from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from fastalign.models.structure import IGNORE_INDEX
+from fastalign.losses.completion import (
+    CompletionLoss,
+    Completions,
+    check_completion_inputs,
+    completion_value_checks,
+)
 from fastalign.ops import token_logprobs, validation
-from fastalign.ops.backend import BACKENDS, Backend
+from fastalign.ops.backend import Backend
 from fastalign.ops.grpo import (
     TokenLossConfig,
     TokenLossInputs,
@@ -26,66 +31,13 @@ LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
-def check_completion_inputs(
-    hidden: Tensor,
-    weight: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
-    advantages: Tensor,
-    *,
-    per_token: dict[str, Tensor | None],
-    bias: Tensor | None,
-    **optional: Tensor | None,
-) -> None:
-    """Types and shapes of a completion loss's inputs (GRPO's, RLOO's): ``hidden`` [B, T, D], integer
-    ``completion_ids`` [B, T], ``completion_mask`` and the ``per_token`` tensors [B, T], ``advantages``
-    [B]; ``optional`` tensors only need to be tensors (their shapes are the caller's to check)."""
-    for name, tensor in (
-        ("hidden", hidden),
-        ("weight", weight),
-        ("completion_ids", completion_ids),
-        ("completion_mask", completion_mask),
-        ("advantages", advantages),
-    ):
-        validation.require_tensor(name, tensor)
-    for name, tensor in (*per_token.items(), ("bias", bias), *optional.items()):
-        validation.require_tensor(name, tensor, optional=True)
-    if completion_ids.dim() != 2:
-        raise ValueError(f"completion_ids must have shape [B, T], got {tuple(completion_ids.shape)}")
-    if (
-        completion_ids.is_floating_point()
-        or completion_ids.is_complex()
-        or completion_ids.dtype == torch.bool
-    ):
-        raise ValueError(f"completion_ids must be integer token ids, got dtype {completion_ids.dtype}")
-    batch, length = completion_ids.shape
-    for name, tensor in (("completion_mask", completion_mask), *per_token.items()):
-        if tensor is not None and tensor.shape != completion_ids.shape:
-            raise ValueError(
-                f"{name} shape {tuple(tensor.shape)} must equal completion_ids shape {(batch, length)}"
-            )
-    if hidden.shape[:2] != completion_ids.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} must be [B, T, D] with [B, T] = {(batch, length)}")
-    if advantages.shape != (batch,):
-        raise ValueError(f"advantages must have shape [B] = ({batch},), got {tuple(advantages.shape)}")
-
-
-def completion_value_checks(completion_mask: Tensor, advantages: Tensor) -> validation.DeferredChecks:
-    """The value checks of a completion loss's mask (0/1) and advantages (finite), deferred so that the
-    caller adds its own and pays one host sync for all (``raise_first``)."""
-    checks = validation.DeferredChecks()
-    checks.binary_mask("completion_mask", completion_mask)
-    checks.finite("advantages", advantages)
-    return checks
-
-
 class GRPOLossOutput(NamedTuple):
     loss: Tensor
     metrics: dict[str, Tensor]  # TRL's names: kl, entropy, clip_ratio/{low,high,region}_mean (detached)
     per_token_logps: Tensor  # [B, T] detached: what the trainer keeps as old log-probs
 
 
-class GRPOLoss(nn.Module):
+class GRPOLoss(CompletionLoss):
     """The GRPO family's clipped policy loss from the policy's completion hidden states.
 
     Per-token log-probs come from the fused, chunked linear log-softmax (no [tokens, vocab] logits,
@@ -128,7 +80,7 @@ class GRPOLoss(nn.Module):
         chunk_size: int | None = None,
         backend: Backend = "auto",
     ):
-        super().__init__()
+        super().__init__(temperature=temperature, chunk_size=chunk_size, backend=backend)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
         if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -145,14 +97,9 @@ class GRPOLoss(nn.Module):
             epsilon_high = validation.real("epsilon_high", epsilon_high)
         if delta is not None:
             delta = validation.real("delta", delta)
-        temperature = validation.positive_finite("temperature", temperature)
         top_entropy_quantile = validation.real("top_entropy_quantile", top_entropy_quantile)
         if not 0.0 <= top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile}")
-        if chunk_size is not None:
-            validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if beta < 0 or epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
             raise ValueError(
                 f"beta, epsilon and epsilon_high must be >= 0, got {beta}, {epsilon}, {epsilon_high}"
@@ -160,10 +107,7 @@ class GRPOLoss(nn.Module):
         if delta is not None and delta <= 1.0 + (epsilon_high if epsilon_high is not None else epsilon):
             raise ValueError(f"delta must exceed 1 + epsilon_high, got {delta}")
         self.loss_type = loss_type
-        self.temperature = temperature
         self.max_completion_length = max_completion_length
-        self.chunk_size = chunk_size
-        self.backend = backend
         self.top_entropy_quantile = top_entropy_quantile
         self.entropy_gather = entropy_gather
         self.config = TokenLossConfig(
@@ -188,16 +132,6 @@ class GRPOLoss(nn.Module):
         on all ranks: dapo, cispo); the others normalise per micro-batch and refuse one."""
         return self.loss_type in ("dapo", "cispo")
 
-    def _fused_options(self, return_entropy: bool = True) -> dict:
-        """How the fused head computes the completion tokens' log-probs (and their entropy: a metric, and
-        the entropy mask's input)."""
-        return dict(
-            temperature=self.temperature,
-            return_entropy=return_entropy,
-            chunk_size=self.chunk_size,
-            backend=self.backend,
-        )
-
     def _keep(self, entropy: Tensor, mask: Tensor) -> Tensor | None:
         """The high-entropy mask of the policy term; None when ``top_entropy_quantile`` is 1 (all tokens)."""
         if self.top_entropy_quantile == 1.0:
@@ -218,20 +152,16 @@ class GRPOLoss(nn.Module):
             total = total.to(mask.device, torch.float32).clamp(min=1.0)
         return (1.0 / total).expand(batch)
 
-    def forward(
+    def completion_loss(
         self,
-        hidden: Tensor,
-        weight: Tensor,
-        completion_ids: Tensor,
-        completion_mask: Tensor,
-        advantages: Tensor,
+        completions: Completions,
         *,
         old_per_token_logps: Tensor | None = None,
         ref_per_token_logps: Tensor | None = None,
-        bias: Tensor | None = None,
         num_items_in_batch: int | Tensor | None = None,
     ) -> GRPOLossOutput:
-        """Loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each
+        """``loss(hidden, weight, completion_ids, completion_mask, advantages, bias=None, ...)``: the
+        loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each
         completion token) and the LM head ``weight`` [V, D]; ``advantages`` [B].
 
         ``completion_mask`` is a 0/1 mask (bool or integer); masked tokens are ignored targets of the
@@ -239,17 +169,13 @@ class GRPOLoss(nn.Module):
         their ``per_token_logps`` are 0. One host sync checks the values of the mask, the advantages
         and a tensor ``num_items_in_batch``."""
         check_completion_inputs(
-            hidden,
-            weight,
-            completion_ids,
-            completion_mask,
-            advantages,
+            completions,
             per_token={
                 "old_per_token_logps": old_per_token_logps,
                 "ref_per_token_logps": ref_per_token_logps,
             },
-            bias=bias,
         )
+        hidden, weight, _, completion_mask, advantages, bias = completions
         if self.config.beta > 0 and ref_per_token_logps is None:
             raise ValueError("beta > 0 needs ref_per_token_logps")
         checks = completion_value_checks(completion_mask, advantages)
@@ -265,11 +191,11 @@ class GRPOLoss(nn.Module):
         checks.raise_first()
 
         mask = completion_mask.to(torch.float32)
-        targets = completion_ids.masked_fill(~completion_mask.bool(), IGNORE_INDEX)
+        targets = completions.targets
         seq_weight = self._sequence_weights(mask, num_items_in_batch)
         ref = ref_per_token_logps if self.config.beta else None
         if self.config.sequence_level:  # every log-prob of a completion is needed before its ratio
-            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self._fused_options())
+            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self.fused_options())
             loss, sums = unchecked_grpo_token_loss(
                 logps,
                 mask,
@@ -292,7 +218,7 @@ class GRPOLoss(nn.Module):
         # by chunk in the forward pass and the logits are built once.
         inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_per_token_logps, ref)
         objective = grpo_token_objective(inputs, self.config, self.backend)
-        result = token_objective(hidden, weight, targets, objective, bias, **self._fused_options())
+        result = token_objective(hidden, weight, targets, objective, bias, **self.fused_options())
         sums = torch.cat([result.loss.detach().reshape(1), result.aux])
         return GRPOLossOutput(result.loss, self._metrics(sums, mask, result.entropy), result.logprobs)
 
@@ -308,7 +234,7 @@ class GRPOLoss(nn.Module):
         unmasked loss; with KL, 8. Loss and gradient are those of the unmasked formula times the mask
         (a dropped token's policy term and gradient are 0); the metrics come from the first pass."""
         with torch.no_grad():
-            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self._fused_options())
+            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self.fused_options())
             keep = self._keep(entropy, mask)
             # every token's KL and clip flags (the second pass sees the kept tokens alone without KL)
             _, sums = unchecked_grpo_token_loss(
@@ -330,7 +256,7 @@ class GRPOLoss(nn.Module):
             inputs = TokenLossInputs.build(mask, advantages, seq_weight, old, ref, keep)
             objective = grpo_token_objective(inputs.rows(rows.reshape(-1)), self.config, self.backend)
             loss = token_objective(
-                hidden[rows], weight, targets[rows], objective, bias, **self._fused_options(False)
+                hidden[rows], weight, targets[rows], objective, bias, **self.fused_options(False)
             ).loss
         return GRPOLossOutput(loss, self._metrics(sums, mask, entropy), logps)
 

@@ -11,11 +11,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from fastalign.models.structure import IGNORE_INDEX
-from fastalign.ops import token_logprobs, validation
-from fastalign.ops.backend import BACKENDS, Backend
+from fastalign.losses.completion import (
+    CompletionLoss,
+    Completions,
+    check_completion_inputs,
+    completion_value_checks,
+)
+from fastalign.ops import validation
+from fastalign.ops.backend import Backend
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
 
@@ -91,7 +96,7 @@ class PPOLossOutput(NamedTuple):
     metrics: dict[str, Tensor]  # TRL's PPO names (detached)
 
 
-class PPOLoss(nn.Module):
+class PPOLoss(CompletionLoss):
     """PPO's clipped policy loss from the policy's completion hidden states.
 
     Token log-probs come from the fused, chunked linear log-softmax at ``temperature`` (no [tokens,
@@ -109,46 +114,22 @@ class PPOLoss(nn.Module):
         chunk_size: int | None = None,
         backend: Backend = "auto",
     ):
-        super().__init__()
+        super().__init__(temperature=temperature, chunk_size=chunk_size, backend=backend)
         self.cliprange = validation.real("cliprange", cliprange)
         if self.cliprange < 0:
             raise ValueError(f"cliprange must be >= 0, got {self.cliprange}")
-        self.temperature = validation.positive_finite("temperature", temperature)
-        if chunk_size is not None:
-            validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.chunk_size, self.backend = chunk_size, backend
 
-    def forward(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        completion_ids: Tensor,
-        completion_mask: Tensor,
-        advantages: Tensor,
-        old_logps: Tensor,
-        *,
-        bias: Tensor | None = None,
-    ) -> PPOLossOutput:
-        """Loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each token)
+    def completion_loss(self, completions: Completions, *, old_logps: Tensor) -> PPOLossOutput:
+        """``loss(hidden, weight, completion_ids, completion_mask, advantages, old_logps=..., bias=None)``:
+        the loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each token)
         and the LM head ``weight`` [V, D]; ``advantages`` and ``old_logps`` (the sampling policy's token
         log-probs) are [B, T]. One host sync checks the mask's and the advantages' values."""
-        _check_inputs(hidden, weight, completion_ids, completion_mask, advantages, old_logps, bias)
+        check_completion_inputs(completions, per_token={"old_logps": old_logps}, token_advantages=True)
+        completion_value_checks(completions.completion_mask, completions.advantages).raise_first()
 
-        mask = completion_mask.bool()
-        targets = completion_ids.masked_fill(~mask, IGNORE_INDEX)
-        logps, entropy = token_logprobs(
-            hidden,
-            weight,
-            targets,
-            bias,
-            temperature=self.temperature,
-            return_entropy=True,
-            chunk_size=self.chunk_size,
-            backend=self.backend,
-        )
-        advantages = torch.where(mask, advantages.float(), 0.0)
+        mask = completions.completion_mask.bool()
+        logps, entropy = self.token_logprobs(completions)
+        advantages = torch.where(mask, completions.advantages.float(), 0.0)
         log_ratio = torch.where(mask, logps - old_logps.float(), 0.0)
         ratio = torch.exp(log_ratio)
         unclipped = -advantages * ratio
@@ -165,35 +146,3 @@ class PPOLoss(nn.Module):
                 "val/ratio_var": masked_mean((ratio - ratio_mean).square(), mask),
             }
         return PPOLossOutput(loss, metrics)
-
-
-def _check_inputs(hidden, weight, completion_ids, completion_mask, advantages, old_logps, bias) -> None:
-    """Types and shapes (``hidden`` [B, T, D], integer ``completion_ids`` and the per-token tensors
-    [B, T]), then the mask's (0/1) and the advantages' (finite) values in one host sync."""
-    per_token = {"completion_mask": completion_mask, "advantages": advantages, "old_logps": old_logps}
-    for name, tensor in (
-        ("hidden", hidden),
-        ("weight", weight),
-        ("completion_ids", completion_ids),
-        *per_token.items(),
-    ):
-        validation.require_tensor(name, tensor)
-    validation.require_tensor("bias", bias, optional=True)
-    if completion_ids.dim() != 2 or completion_ids.is_floating_point() or completion_ids.dtype == torch.bool:
-        raise ValueError(
-            "completion_ids must be integer token ids [B, T], got "
-            f"{completion_ids.dtype} {tuple(completion_ids.shape)}"
-        )
-    for name, tensor in per_token.items():
-        if tensor.shape != completion_ids.shape:
-            raise ValueError(
-                f"{name} must be [B, T] = {tuple(completion_ids.shape)}, got {tuple(tensor.shape)}"
-            )
-    if hidden.shape[:2] != completion_ids.shape:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} must be [B, T, D] with [B, T] = {tuple(completion_ids.shape)}"
-        )
-    checks = validation.DeferredChecks()
-    checks.binary_mask("completion_mask", completion_mask)
-    checks.finite("advantages", advantages)
-    checks.raise_first()

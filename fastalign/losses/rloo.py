@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from fastalign.losses.grpo import check_completion_inputs, completion_value_checks
-from fastalign.models.structure import IGNORE_INDEX
-from fastalign.ops import token_logprobs, validation
-from fastalign.ops.backend import BACKENDS, Backend
+from fastalign.losses.completion import (
+    CompletionLoss,
+    Completions,
+    check_completion_inputs,
+    completion_value_checks,
+)
+from fastalign.ops import validation
+from fastalign.ops.backend import Backend
 
 
 class RLOOLossOutput(NamedTuple):
@@ -19,7 +23,7 @@ class RLOOLossOutput(NamedTuple):
     logps: Tensor  # [B] detached sequence log-probs: what the trainer keeps as old log-probs
 
 
-class RLOOLoss(nn.Module):
+class RLOOLoss(CompletionLoss):
     """RLOO's clipped policy loss at the sequence level, from the policy's completion hidden states.
 
     A completion's log-prob is the sum of its tokens' (fused, chunked linear log-softmax at
@@ -39,64 +43,29 @@ class RLOOLoss(nn.Module):
         chunk_size: int | None = None,
         backend: Backend = "auto",
     ):
-        super().__init__()
+        super().__init__(temperature=temperature, chunk_size=chunk_size, backend=backend)
         epsilon = validation.real("epsilon", epsilon)
         if epsilon_high is not None:
             epsilon_high = validation.real("epsilon_high", epsilon_high)
         if epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
             raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon}, {epsilon_high}")
-        self.temperature = validation.positive_finite("temperature", temperature)
-        if chunk_size is not None:
-            validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.eps_low = float(epsilon)
         self.eps_high = float(epsilon if epsilon_high is None else epsilon_high)
-        self.chunk_size, self.backend = chunk_size, backend
 
-    def forward(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        completion_ids: Tensor,
-        completion_mask: Tensor,
-        advantages: Tensor,
-        *,
-        old_logps: Tensor | None = None,
-        bias: Tensor | None = None,
-    ) -> RLOOLossOutput:
-        """Loss of completions [B, T] from their hidden states [B, T, D] (the state predicting each
-        completion token) and the LM head ``weight`` [V, D]; ``advantages`` and ``old_logps`` (the
-        sampling policy's sequence log-probs) [B]. Masked tokens are ignored targets, whatever their
-        hidden states hold; one host sync checks the mask's and the advantages' values."""
-        check_completion_inputs(
-            hidden,
-            weight,
-            completion_ids,
-            completion_mask,
-            advantages,
-            per_token={},
-            bias=bias,
-            old_logps=old_logps,
-        )
+    def completion_loss(self, completions: Completions, *, old_logps: Tensor | None = None) -> RLOOLossOutput:
+        """``advantages`` and ``old_logps`` (the sampling policy's sequence log-probs) are [B]. Masked
+        tokens are ignored targets, whatever their hidden states hold; one host sync checks the mask's
+        and the advantages' values."""
+        check_completion_inputs(completions, per_token={}, old_logps=old_logps)
+        advantages = completions.advantages
         if old_logps is not None and old_logps.shape != advantages.shape:
             raise ValueError(
                 f"old_logps must have shape [B] = {tuple(advantages.shape)}, got {tuple(old_logps.shape)}"
             )
-        completion_value_checks(completion_mask, advantages).raise_first()
+        completion_value_checks(completions.completion_mask, advantages).raise_first()
 
-        mask = completion_mask.to(torch.float32)
-        targets = completion_ids.masked_fill(~completion_mask.bool(), IGNORE_INDEX)
-        token_logps, entropy = token_logprobs(
-            hidden,
-            weight,
-            targets,
-            bias,
-            temperature=self.temperature,
-            return_entropy=True,
-            chunk_size=self.chunk_size,
-            backend=self.backend,
-        )
+        mask = completions.completion_mask.to(torch.float32)
+        token_logps, entropy = self.token_logprobs(completions)
         logps = token_logps.sum(-1)  # ignored targets' log-probs are 0
         old = logps.detach() if old_logps is None else old_logps.float()
         advantages = advantages.float()

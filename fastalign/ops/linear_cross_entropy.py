@@ -26,13 +26,13 @@ import torch
 
 from fastalign.ops import validation
 from fastalign.ops.backend import Backend, resolve_backend
+from fastalign.ops.chunked_head import input_grads_needed
 from fastalign.ops.linear_cross_entropy_chunks import (
     ChunkSpec,
     ScalarLossFunction,
     TokenObjective,
     TokenObjectiveFunction,
     TokenwiseFunction,
-    input_grads_needed,
     token_entropy,
 )
 from fastalign.ops.linear_cross_entropy_torch import LogitTransform, SoftmaxRowStats

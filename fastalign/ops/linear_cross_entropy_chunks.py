@@ -11,7 +11,9 @@ turn into the gradients of hidden, weight and bias), and drops them. Two autogra
 - per-token outputs (``reduction='none'``, ``token_logprobs``) take an arbitrary upstream gradient per
   token: forward keeps only per-token statistics, backward rebuilds each chunk's logits: 8·N·V·D FLOPs.
 
-The row math (softmax statistics, gradient of the logits) runs as Triton kernels
+The chunks, the fp32 accumulation of the input gradients and the gradient-in-forward autograd contract
+are ``fastalign.ops.chunked_head``'s (shared with ``fastalign.ops.linear_divergence``). The row math
+(softmax statistics, gradient of the logits) runs as Triton kernels
 (``fastalign/kernels/linear_cross_entropy.py``) or as their PyTorch twin
 (``fastalign/ops/linear_cross_entropy_torch.py``); everything else, including the matmuls (cuBLAS / CPU
 BLAS), is shared.
@@ -19,8 +21,7 @@ BLAS), is shared.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastalign.ops import linear_cross_entropy_torch as torch_rows
+from fastalign.ops.chunked_head import GradientInForward, InputGrads, chunks
 from fastalign.ops.linear_cross_entropy_torch import GradCoefficients, LogitTransform, SoftmaxRowStats
 
 
@@ -94,77 +96,7 @@ def _row_grad_(
 
 
 # --------------------------------------------------------------------------------------------------
-# Gradient accumulation across chunks.
-
-
-@functools.cache
-def _cuda_mixed_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``addmm(fp32, low, low, out_dtype=fp32)`` runs and is right on this device."""
-    a = torch.randn(16, 8, device=device).to(dtype)
-    b = torch.randn(8, 16, device=device).to(dtype)
-    acc = torch.ones(16, 16, device=device)
-    try:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError):
-        return False
-    return torch.allclose(acc, 1 + a.float() @ b.float(), atol=1e-3)
-
-
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with an fp32 ``acc``: bf16 tensor-core math where the device can, never a
-    low-precision sum across calls."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif a.is_cuda and _cuda_mixed_addmm_works(a.device, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
-
-
-class _InputGrads:
-    """Gradients of hidden [N, D], weight [V, D] and bias [V], filled chunk by chunk."""
-
-    def __init__(self, hidden, weight, bias, needs: tuple[bool, bool, bool]):
-        self.hidden = torch.empty_like(hidden) if needs[0] else None
-        self.weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
-        )
-        self.bias = (
-            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs[2] else None
-        )
-
-    def add_chunk(self, rows: slice, grad_logits, hidden_chunk, weight) -> None:
-        if self.hidden is not None:
-            torch.mm(grad_logits, weight, out=self.hidden[rows])
-        if self.weight is not None:
-            _addmm_fp32_(self.weight, grad_logits.t(), hidden_chunk)
-        if self.bias is not None:
-            self.bias += grad_logits.sum(dim=0, dtype=torch.float32)
-
-    def finish(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        grad_weight = None if self.weight is None else self.weight.to(weight.dtype)
-        grad_bias = None if self.bias is None else self.bias.to(bias.dtype)
-        return self.hidden, grad_weight, grad_bias
-
-
-def input_grads_needed(hidden, weight, bias) -> tuple[bool, bool, bool]:
-    """Which of (hidden, weight, bias) a forward-formed gradient must be computed for (asked before
-    ``Function.apply``: inside ``forward`` gradients are off)."""
-    grad_on = torch.is_grad_enabled()
-    return (
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
-    )
-
-
-# --------------------------------------------------------------------------------------------------
 # The chunk loop.
-
-
-def _chunks(n: int, chunk_size: int) -> Iterator[slice]:
-    for start in range(0, n, chunk_size):
-        yield slice(start, min(start + chunk_size, n))
 
 
 CoefficientFn = Callable[[slice, SoftmaxRowStats], GradCoefficients]
@@ -190,8 +122,8 @@ def _sweep(
     """
     n = hidden.shape[0]
     all_stats = torch.empty((5, n), dtype=torch.float32, device=hidden.device) if saved is None else saved
-    grads = _InputGrads(hidden, weight, bias, needs) if coefficients is not None and any(needs) else None
-    for rows in _chunks(n, spec.chunk_size):
+    grads = InputGrads(hidden, weight, bias, needs) if coefficients is not None and any(needs) else None
+    for rows in chunks(n, spec.chunk_size):
         targets_chunk = targets[rows]
         # Ignored rows are zeroed before the matmul: whatever they hold (NaN/inf hidden states at padding,
         # say) must not reach the loss, the statistics or the weight gradient (0·NaN is NaN). A [C, D]
@@ -257,29 +189,7 @@ def _loss_coefficients(
 # The autograd Functions.
 
 
-class _GradientInForward(torch.autograd.Function):
-    """A scalar whose gradients w.r.t. (hidden, weight, bias) the forward pass already formed (the
-    logits are built once: 6·N·V·D); backward only scales them by the upstream gradient.
-
-    Subclasses' forward takes (hidden, weight, bias, then four non-differentiable inputs), stores the
-    gradients in ``ctx.grads`` and returns (loss, *non-differentiable extras).
-    """
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_grad_extras):
-        if ctx.grads is None:
-            raise RuntimeError(
-                "fastalign: a second backward through the same fused loss (retain_graph=True) is not "
-                "supported: its gradients are formed in forward and were handed out by the first "
-                "backward. Compute the loss again instead."
-            )
-        grads, ctx.grads = ctx.grads, None
-        # In place: a [V, D] temporary here would add a full weight-sized buffer to the peak.
-        scaled = [g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in grads]
-        return *scaled, None, None, None, None
-
-
-class ScalarLossFunction(_GradientInForward):
+class ScalarLossFunction(GradientInForward):
     """Sum of per-token cross-entropy losses times ``scale``."""
 
     @staticmethod
@@ -304,7 +214,7 @@ class ScalarLossFunction(_GradientInForward):
 TokenObjective = Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-class TokenObjectiveFunction(_GradientInForward):
+class TokenObjectiveFunction(GradientInForward):
     """Σ over chunks of ``objective`` applied to the chunk's log-probs."""
 
     @staticmethod

@@ -13,8 +13,10 @@ matmuls turn into the gradients of the student's hidden states, weight and bias;
 - ``reduction='none'`` takes an arbitrary upstream gradient per token: backward rebuilds both heads'
   logits (2·N·V·(4·Ds + 2·Dt) FLOPs in all).
 
-The fp32 accumulation of the gradients across chunks and the gradient-in-forward autograd contract
-are shared with ``fastalign.ops.linear_cross_entropy``'s chunk engine.
+The chunks, the fp32 accumulation of the gradients across them and the gradient-in-forward autograd
+contract are ``fastalign.ops.chunked_head``'s, shared with ``fastalign.ops.linear_cross_entropy``.
+With ``return_entropy`` the rows also give the student's entropy at the temperature (TRL's
+DistillationTrainer ``entropy`` metric), one more running sum of their first pass.
 """
 
 from __future__ import annotations
@@ -29,13 +31,8 @@ import torch.nn.functional as F
 from fastalign.ops import linear_divergence_torch as torch_rows
 from fastalign.ops import validation
 from fastalign.ops.backend import resolve_backend
+from fastalign.ops.chunked_head import GradientInForward, InputGrads, addmm_fp32_, chunks, input_grads_needed
 from fastalign.ops.linear_cross_entropy import REDUCTIONS, Reduction, default_chunk_size
-from fastalign.ops.linear_cross_entropy_chunks import (
-    _addmm_fp32_,
-    _GradientInForward,
-    _InputGrads,
-    input_grads_needed,
-)
 from fastalign.ops.linear_divergence_torch import FORWARD_KL, GENERALIZED_JSD, REVERSE_KL, RowMath
 
 
@@ -76,14 +73,14 @@ def _fp32_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         logits = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
     else:
         logits = bias.float().expand(shape).clone()
-    _addmm_fp32_(logits, hidden, weight.t())
+    addmm_fp32_(logits, hidden, weight.t())
     return logits
 
 
 def _divergence_rows_(student_logits, teacher_logits, labels, coef_div, coef_ce, spec: DivergenceSpec):
     if spec.backend == "torch":
         return torch_rows.divergence_rows_(
-            student_logits, teacher_logits, labels, coef_div, coef_ce, **spec.row_math._asdict()
+            student_logits, teacher_logits, labels, coef_div, coef_ce, spec.row_math
         )
     from fastalign.kernels import linear_divergence as kernels
 
@@ -101,24 +98,25 @@ def _sweep(
     *,
     upstream: torch.Tensor | None = None,
     needs: tuple[bool, bool, bool] = (False, False, False),
-) -> tuple[torch.Tensor, tuple]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """Walk the token chunks once.
 
-    Returns the per-token loss ``(1 − w)·D + w·CE`` (fp32 [N], 0 where not counted) and the gradients
-    w.r.t. (student hidden, weight, bias) of ``Σ upstream·loss`` (None for inputs not in ``needs``, all
-    None without ``upstream``, which must be 0 at tokens not counted).
+    Returns the per-token loss ``(1 − w)·D + w·CE`` and the student's entropy (fp32 [N], 0 where not
+    counted; the entropy 0 everywhere unless ``spec.row_math.with_entropy``) and the gradients w.r.t.
+    (student hidden, weight, bias) of ``Σ upstream·loss`` (None for inputs not in ``needs``, all None
+    without ``upstream``, which must be 0 at tokens not counted).
     """
     teacher_hidden, teacher_weight, teacher_bias, labels, valid = constants
     w = spec.hard_label_weight
     n = student_hidden.shape[0]
     token_loss = torch.empty(n, dtype=torch.float32, device=student_hidden.device)
+    entropy = torch.zeros(n, dtype=torch.float32, device=student_hidden.device)
     grads = (
-        _InputGrads(student_hidden, student_weight, student_bias, needs)
+        InputGrads(student_hidden, student_weight, student_bias, needs)
         if upstream is not None and any(needs)
         else None
     )
-    for start in range(0, n, spec.chunk_size):
-        rows = slice(start, min(start + spec.chunk_size, n))
+    for rows in chunks(n, spec.chunk_size):
         # Tokens left out are zeroed before the matmuls: whatever they hold (NaN/inf hidden states at
         # padding, say) must reach neither the loss nor the weight gradient (0·NaN is NaN).
         keep = valid[rows, None]
@@ -133,50 +131,57 @@ def _sweep(
             coef_ce = w * upstream[rows] if w else None
         # The rows read labels only for the cross-entropy, which needs them: ``valid`` stands in.
         chunk_labels = labels[rows] if labels is not None else valid[rows]
-        div, ce = _divergence_rows_(student_logits, teacher_logits, chunk_labels, coef_div, coef_ce, spec)
+        div, ce, chunk_entropy = _divergence_rows_(
+            student_logits, teacher_logits, chunk_labels, coef_div, coef_ce, spec
+        )
         token_loss[rows] = torch.where(valid[rows], (1.0 - w) * div + w * ce, 0.0)
+        if spec.row_math.with_entropy:
+            entropy[rows] = torch.where(valid[rows], chunk_entropy, 0.0)
         if grads is not None:
             # The gradient matmuls run in the student's dtype (tensor cores); the sums stay fp32.
             grads.add_chunk(rows, student_logits.to(student_weight.dtype), hidden_chunk, student_weight)
         # Drop this chunk's buffers before the next one is allocated: one chunk alive, not two.
         del student_logits, teacher_logits
-    return token_loss, (grads.finish(student_weight, student_bias) if grads is not None else (None,) * 3)
+    finished = grads.finish(student_weight, student_bias) if grads is not None else (None,) * 3
+    return token_loss, entropy, finished
 
 
 # --------------------------------------------------------------------------------------------------
 # The autograd Functions.
 
 
-class _ScalarDivergence(_GradientInForward):
+class _ScalarDivergence(GradientInForward):
     """Σ_i upstream_i·loss_i with its gradient formed in the forward pass (``upstream``: the mean's
-    1/count or 1 at counted tokens, 0 elsewhere)."""
+    1/count or 1 at counted tokens, 0 elsewhere), and the per-token entropy."""
 
     @staticmethod
     def forward(ctx, student_hidden, student_weight, student_bias, constants, spec, upstream, needs):
-        token_loss, grads = _sweep(
+        token_loss, entropy, grads = _sweep(
             student_hidden, student_weight, student_bias, constants, spec, upstream=upstream, needs=needs
         )
         ctx.grads = grads
-        return (token_loss * upstream).sum()
+        ctx.mark_non_differentiable(entropy)
+        return (token_loss * upstream).sum(), entropy
 
 
 class _TokenwiseDivergence(torch.autograd.Function):
-    """Per-token losses; backward rebuilds both heads' logits for its upstream gradient."""
+    """Per-token losses (and entropies); backward rebuilds both heads' logits for its upstream gradient."""
 
     @staticmethod
     def forward(ctx, student_hidden, student_weight, student_bias, constants: _Constants, spec):
-        token_loss, _ = _sweep(student_hidden, student_weight, student_bias, constants, spec)
+        token_loss, entropy, _ = _sweep(student_hidden, student_weight, student_bias, constants, spec)
         ctx.save_for_backward(student_hidden, student_weight, student_bias, *constants)
         ctx.spec = spec
-        return token_loss
+        ctx.mark_non_differentiable(entropy)
+        return token_loss, entropy
 
     @staticmethod
-    def backward(ctx, grad_token_loss):
+    def backward(ctx, grad_token_loss, _grad_entropy):
         student_hidden, student_weight, student_bias, *constants = ctx.saved_tensors
         constants = _Constants(*constants)
         # torch.where, not a product: an upstream gradient that is NaN at a left-out token is dropped.
         upstream = torch.where(constants.valid, grad_token_loss.float(), 0.0)
-        _, grads = _sweep(
+        _, _, grads = _sweep(
             student_hidden,
             student_weight,
             student_bias,
@@ -252,7 +257,7 @@ def _check_pair(student_hidden, student_weight, teacher_hidden, teacher_weight, 
         raise ValueError(f"empty input: student_hidden has shape {tuple(student_hidden.shape)} (no tokens)")
 
 
-def _row_math(beta, temperature, hard_label_weight, ignore_index, labels) -> RowMath:
+def _row_math(beta, temperature, hard_label_weight, ignore_index, labels, with_entropy) -> RowMath:
     beta = validation.real("beta", beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
@@ -272,6 +277,7 @@ def _row_math(beta, temperature, hard_label_weight, ignore_index, labels) -> Row
         inv_temperature=1.0 / temperature,
         ignore_index=validation.integer("ignore_index", ignore_index),
         with_ce=hard_label_weight > 0,
+        with_entropy=bool(with_entropy),
     )
 
 
@@ -311,7 +317,8 @@ def linear_divergence(
     reduction: Reduction = "mean",
     backend: str | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TRL's generalized JSD between the student's and the teacher's next-token distributions, from
     their hidden states and LM heads, without building either model's logits for all tokens.
 
@@ -340,10 +347,14 @@ def linear_divergence(
         backend: 'auto' or None (Triton on CUDA, PyTorch elsewhere), 'triton' or 'torch'.
         chunk_size: tokens per chunk (default: a chunk's fp32 logits of both heads and its gradient
             within ``fastalign.ops.linear_cross_entropy.DEFAULT_CHUNK_BYTES``).
+        return_entropy: also return the student's per-token entropy at ``temperature``,
+            −Σ p·log p (fp32, shaped like ``labels``, 0 at tokens left out; no gradient): TRL's
+            DistillationTrainer ``entropy`` metric, from the rows' first pass at no extra matmul.
 
     Returns:
-        The fp32 loss. Gradients reach the student's hidden states, weight and bias; the teacher is a
-        constant (nothing flows to teacher_hidden, teacher_weight or teacher_bias, as in TRL).
+        The fp32 loss (with ``return_entropy``: the loss and the entropy). Gradients reach the
+        student's hidden states, weight and bias; the teacher is a constant (nothing flows to
+        teacher_hidden, teacher_weight or teacher_bias, as in TRL).
         For a scalar loss the gradients are formed in this call, so one backward is allowed.
 
     Inside an autocast region both heads run in the autocast dtype, as ``F.linear`` would.
@@ -369,11 +380,12 @@ def linear_divergence(
                 reduction=reduction,
                 backend=backend,
                 chunk_size=chunk_size,
+                return_entropy=return_entropy,
             )
 
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    row_math = _row_math(beta, temperature, hard_label_weight, ignore_index, labels)
+    row_math = _row_math(beta, temperature, hard_label_weight, ignore_index, labels, return_entropy)
     _check_head("student", student_hidden, student_weight, student_bias)
     _check_head("teacher", teacher_hidden, teacher_weight, teacher_bias)
     tensors = {
@@ -416,12 +428,14 @@ def linear_divergence(
     flat_hidden = student_hidden.reshape(-1, student_hidden.shape[-1]).contiguous()
 
     if reduction == "none":
-        loss = _TokenwiseDivergence.apply(flat_hidden, student_weight, student_bias, constants, spec)
-        return loss.view(tokens)
-    upstream = valid.float()
-    if reduction == "mean":
-        upstream = upstream / valid.sum().clamp_min(1)
-    needs = input_grads_needed(student_hidden, student_weight, student_bias)
-    return _ScalarDivergence.apply(
-        flat_hidden, student_weight, student_bias, constants, spec, upstream, needs
-    )
+        loss, entropy = _TokenwiseDivergence.apply(flat_hidden, student_weight, student_bias, constants, spec)
+        loss = loss.view(tokens)
+    else:
+        upstream = valid.float()
+        if reduction == "mean":
+            upstream = upstream / valid.sum().clamp_min(1)
+        needs = input_grads_needed(student_hidden, student_weight, student_bias)
+        loss, entropy = _ScalarDivergence.apply(
+            flat_hidden, student_weight, student_bias, constants, spec, upstream, needs
+        )
+    return (loss, entropy.view(tokens)) if return_entropy else loss

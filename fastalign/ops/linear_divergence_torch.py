@@ -26,25 +26,15 @@ class RowMath(NamedTuple):
     inv_temperature: float
     ignore_index: int
     with_ce: bool  # the hard-label cross-entropy is wanted (its weight is > 0)
+    with_entropy: bool  # the student's entropy at the temperature is wanted (a metric)
 
 
-def divergence_rows_(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    labels: torch.Tensor,
-    coef_div: torch.Tensor | None,
-    coef_ce: torch.Tensor | None,
-    *,
-    mode: int,
-    beta: float,
-    log_1m_beta: float,
-    log_beta: float,
-    inv_temperature: float,
-    ignore_index: int,
-    with_ce: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``fastalign.kernels.linear_divergence.divergence_rows_``: per-row divergence
-    and cross-entropy (fp32 [C]); with ``coef_div``, ``student_logits`` is overwritten by the gradient."""
+def divergence_rows_(student_logits, teacher_logits, labels, coef_div, coef_ce, row_math: RowMath):
+    """The contract of ``fastalign.kernels.linear_divergence.divergence_rows_``, whose scalar keywords
+    are ``row_math``'s fields: per-row divergence, cross-entropy and student entropy (fp32 [C] each) of
+    ``student_logits`` / ``teacher_logits`` [C, V] with ``labels`` [C]; with ``coef_div`` (and
+    ``coef_ce``) [C], ``student_logits`` is overwritten by the gradient."""
+    mode, beta, log_1m_beta, log_beta, inv_temperature, ignore_index, with_ce, with_entropy = row_math
     s = torch.log_softmax(student_logits.float() * inv_temperature, dim=-1)
     t = torch.log_softmax(teacher_logits.float() * inv_temperature, dim=-1)
     p = s.exp()
@@ -60,6 +50,8 @@ def divergence_rows_(
         div = beta * (t.exp() * (t - log_m)).sum(-1) + (1.0 - beta) * kl_student
         grad_z = (1.0 - beta) * p * (s - log_m - kl_student[:, None])
 
+    # −Σ p·s: the entropy of the distribution the divergence compares (TRL's DistillationTrainer metric)
+    entropy = -(p * s).sum(-1) if with_entropy else torch.zeros_like(div)
     ce = torch.zeros_like(div)
     if with_ce:
         has_label = labels != ignore_index
@@ -73,4 +65,4 @@ def divergence_rows_(
             ce_grad = log_p1.exp_().scatter_add_(1, safe_labels, -has_label[:, None].float())
             grad.add_(ce_grad.mul_(coef_ce[:, None]))
         student_logits.copy_(grad)
-    return div, ce
+    return div, ce, entropy

@@ -8,9 +8,12 @@ dtype. The Triton kernel is in ``fastalign/kernels/rms_norm.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fastalign.ops.backend import Backend, resolve_backend
+from fastalign.ops.recompute import recompute_in_backward
 
 
 def rms_norm_reference(
@@ -64,6 +67,6 @@ def rms_norm(
         raise ValueError(f"weight must have shape [D] = ({x.shape[-1]},), got {tuple(weight.shape)}")
     if x.device != weight.device:
         raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
-    if resolve_backend(backend, x) == "torch":
-        return rms_norm_reference(x, weight, eps, gemma)
+    if resolve_backend(backend, x) == "torch":  # the reference's values, keeping only x for backward
+        return recompute_in_backward(functools.partial(rms_norm_reference, eps=eps, gemma=gemma), x, weight)
     return _RMSNormFunction.apply(x, weight, float(eps), gemma)

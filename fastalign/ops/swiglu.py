@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from fastalign.ops.backend import Backend, resolve_backend
+from fastalign.ops.recompute import recompute_in_backward
 
 
 def glu_reference(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
@@ -44,8 +47,8 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, backend: Backend) -> 
             f"gate and up must match in shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
             f"{gate.device} and {tuple(up.shape)} {up.dtype} {up.device}"
         )
-    if resolve_backend(backend, gate) == "torch":
-        return glu_reference(gate, up, gelu)
+    if resolve_backend(backend, gate) == "torch":  # the reference's values, keeping gate and up only
+        return recompute_in_backward(functools.partial(glu_reference, gelu=gelu), gate, up)
     return _GLUFunction.apply(gate, up, gelu)
 
 

@@ -2,11 +2,12 @@
 
 from fastalign.patching.causal_lm import FusedCausalLMOutput, shift_labels
 from fastalign.patching.families import SUPPORTED_MODEL_TYPES
-from fastalign.patching.patch import patch_model, patched_pieces, unpatch_model
+from fastalign.patching.patch import patch_lora_layers, patch_model, patched_pieces, unpatch_model
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "FusedCausalLMOutput",
+    "patch_lora_layers",
     "patch_model",
     "patched_pieces",
     "shift_labels",

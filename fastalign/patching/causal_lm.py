@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fastalign.models.structure import IGNORE_INDEX
@@ -48,7 +49,17 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) ->
     return hidden[:, logits_to_keep, :]
 
 
-def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Callable:
+def fused_causal_lm_forward(
+    backend: Backend,
+    return_logits_default: bool,
+    logit_scale: Callable[[PretrainedConfig], float] | None = None,
+) -> Callable:
+    """The forward of a family whose ``*ForCausalLM`` computes ``lm_head(hidden) · logit_scale(config)``
+    (Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``), then the config's
+    ``final_logit_softcapping``. The fused paths scale the hidden states and the head bias instead:
+    ``(s·h)Wᵀ + s·b = s·(hWᵀ + b)``, exactly so in floating point for the powers of two that the
+    published scales are."""
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -82,7 +93,8 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
         head_fn: ``head_fn(hidden [B, S, D], lm_head.weight, lm_head.bias)`` runs on the final hidden
             states inside this forward (so under FSDP2 the head weight is unsharded), and its result
             comes back as ``output.head_output``: how a loss module that takes hidden states
-            (``fastalign.losses``) trains a patched model.
+            (``fastalign.losses``) trains a patched model. For a family with a logit scale, hidden and
+            bias come scaled, so that ``hidden·weightᵀ + bias`` are the model's logits.
         """
         shifted = kwargs.pop("shift_labels", None)
         inputs = dict(
@@ -99,6 +111,11 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
         outputs = self.model(**inputs, **kwargs)
         hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
         weight, bias = self.lm_head.weight, self.lm_head.bias
+        scale = None if logit_scale is None else logit_scale(self.config)
+        head_hidden, head_bias = hidden, bias
+        if scale is not None:
+            head_hidden = hidden * scale
+            head_bias = None if bias is None else bias * scale
         softcap = getattr(self.config, "final_logit_softcapping", None)
         fused = dict(softcap=softcap, backend=backend)
 
@@ -108,10 +125,10 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
             if isinstance(num_items_in_batch, torch.Tensor):
                 num_items_in_batch = num_items_in_batch.to(hidden.device)
             loss = linear_cross_entropy(
-                hidden,
+                head_hidden,
                 weight,
                 targets.to(hidden.device),
-                bias,
+                head_bias,
                 reduction=loss_reduction,
                 num_items_in_batch=num_items_in_batch if loss_reduction == "mean" else None,
                 return_stats=return_token_stats,
@@ -122,10 +139,10 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
         logprobs = entropy = None
         if logprob_targets is not None:
             result = token_logprobs(
-                hidden,
+                head_hidden,
                 weight,
                 logprob_targets.to(hidden.device),
-                bias,
+                head_bias,
                 temperature=temperature,
                 return_entropy=return_entropy,
                 **fused,
@@ -139,11 +156,13 @@ def fused_causal_lm_forward(backend: Backend, return_logits_default: bool) -> Ca
                     f"head_fn does not apply final_logit_softcapping ({softcap}) of "
                     f"{self.config.model_type}: use logprob_targets, which does"
                 )
-            head_output = head_fn(hidden, weight, bias)
+            head_output = head_fn(head_hidden, weight, head_bias)
 
         logits = None
         if return_logits if return_logits is not None else return_logits_default:
             logits = self.lm_head(hidden)
+            if scale is not None:
+                logits = logits * scale
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
         return FusedCausalLMOutput(

@@ -11,6 +11,7 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fastalign.ops import apply_rotary_pos_emb, geglu, rms_norm, swiglu
@@ -27,17 +28,21 @@ def rms_norm_forward(gemma: bool, backend: Backend) -> Callable:
     return forward
 
 
-def gated_mlp_forward(layout: str, gelu: bool, backend: Backend) -> Callable:
+def gated_mlp_forward(layout: str, gelu: bool, dropout: bool, backend: Backend) -> Callable:
+    """``down(act(gate) · up)``; with ``dropout``, followed by the module's
+    ``dropout(p=self.residual_dropout)`` (the same call on the same tensor: the same mask)."""
     glu = geglu if gelu else swiglu
 
-    def gate_up_down(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), backend=backend))
+    def gate_up(self: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layout == "fused_gate_up":
+            return self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.gate_proj(x), self.up_proj(x)
 
-    def fused_gate_up(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(glu(gate, up, backend=backend))
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(glu(*gate_up(self, x), backend=backend))
+        return F.dropout(out, p=self.residual_dropout, training=self.training) if dropout else out
 
-    return gate_up_down if layout == "gate_up_down" else fused_gate_up
+    return forward
 
 
 def _fused_rope(original: Callable, backend: Backend) -> Callable:

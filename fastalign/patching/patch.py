@@ -18,7 +18,8 @@ from torch import nn
 from fastalign.models.structure import base_model
 from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.patching.causal_lm import fused_causal_lm_forward
-from fastalign.patching.families import GATED_ACTIVATIONS, family_of
+from fastalign.patching.families import GATED_ACTIVATIONS, Family, family_of
+from fastalign.patching.lora import is_lora_linear, lora_linear_forward
 from fastalign.patching.modules import (
     attention_forward_with_fused_rope,
     gated_mlp_forward,
@@ -61,6 +62,12 @@ def _patched_piece(module: nn.Module) -> str | None:
     return getattr(getattr(forward, "__func__", None), _MARK, None)
 
 
+def _applies_rope(attention: nn.Module, family: Family) -> bool:
+    """Whether this attention module rotates q/k with the module-level ``apply_rotary_pos_emb`` (not a
+    NoPE layer of a family that mixes them)."""
+    return uses_module_rope(attention) and (family.rope_layer is None or family.rope_layer(attention))
+
+
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo ``patch_model``: every module gets its class's forward back. Returns the model."""
     for module in model.modules():
@@ -70,7 +77,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 
 def patched_pieces(model: nn.Module) -> dict[str, int]:
-    """How many modules of each piece ('rms_norm', 'mlp', 'rope', 'loss') are patched."""
+    """How many modules of each piece ('rms_norm', 'mlp', 'rope', 'loss', 'lora') are patched (a piece the
+    family computes otherwise is absent: ``fastalign.patching.families.FAMILIES[model_type].pieces``)."""
     counts: dict[str, int] = {}
     for module in model.modules():
         piece = _patched_piece(module)
@@ -86,6 +94,7 @@ def patch_model(
     rope: bool = True,
     mlp: bool = True,
     loss: bool = True,
+    lora: bool = True,
     return_logits: bool = False,
     backend: Backend = "auto",
 ) -> nn.Module:
@@ -95,9 +104,13 @@ def patch_model(
         model: a ``*ForCausalLM`` of a supported ``config.model_type`` (see
             ``fastalign.patching.SUPPORTED_MODEL_TYPES``), or a peft model wrapping one; with
             ``loss=False`` also a ``*ForSequenceClassification`` (a reward model's body).
-        rms_norm, rope, mlp: fuse the RMSNorms, the rotary embedding of q/k, the gated MLP activation.
+        rms_norm, rope, mlp: fuse the RMSNorms, the rotary embedding of q/k, the gated MLP activation,
+            where the family computes them as the kernels do (``fastalign.patching.families``: e.g. a
+            LayerNorm, a non-gated MLP or an interleaved RoPE stays the model's own).
         loss: with ``labels`` (or ``logprob_targets``) the forward computes the loss (or per-token
             log-probs) with the fused linear cross-entropy and builds no logits.
+        lora: in a peft model, each LoRA linear adds its update into the frozen layer's output in place
+            (``fastalign.patching.lora``: peft's sum without its two temporaries per layer).
         return_logits: default of the forward's ``return_logits``: also build logits when a loss is
             computed (costs the [tokens, vocab] memory the fused head avoids).
         backend: 'auto' (Triton on CUDA, PyTorch elsewhere), 'triton' or 'torch'.
@@ -113,19 +126,34 @@ def patch_model(
     unpatch_model(model)
 
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    if mlp and activation not in GATED_ACTIVATIONS:
+    if mlp and family.mlp is not None and activation not in GATED_ACTIVATIONS:
         logger.warning("fastalign: activation %r has no fused kernel; the MLPs stay as they are", activation)
         mlp = False
+    if family.unpatched:
+        logger.info("fastalign: %s keeps its own %s", config.model_type, family.unpatched)
 
     for module in causal_lm.model.modules():
         name = type(module).__name__
-        if rms_norm and name.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
-            _set_forward(module, rms_norm_forward(family.gemma_norm, backend), "rms_norm")
-        elif mlp and name.endswith("MLP"):
-            forward = gated_mlp_forward(family.mlp_layout, GATED_ACTIVATIONS[activation], backend)
-            _set_forward(module, forward, "mlp")
-        elif rope and name.endswith("Attention") and uses_module_rope(module):
+        norm = rms_norm and family.norm and name.endswith("RMSNorm")
+        if norm and getattr(module, "weight", None) is not None:
+            _set_forward(module, rms_norm_forward(family.norm == "gemma", backend), "rms_norm")
+        elif mlp and family.mlp and name.endswith("MLP"):
+            gelu = GATED_ACTIVATIONS[activation]
+            _set_forward(module, gated_mlp_forward(family.mlp, gelu, family.mlp_dropout, backend), "mlp")
+        elif rope and family.rope and name.endswith("Attention") and _applies_rope(module, family):
             _set_forward(module, attention_forward_with_fused_rope(module, backend), "rope")
     if loss:
-        _set_forward(causal_lm, fused_causal_lm_forward(backend, return_logits), "loss")
+        _set_forward(causal_lm, fused_causal_lm_forward(backend, return_logits, family.logit_scale), "loss")
+    if lora:
+        patch_lora_layers(model)
     return model
+
+
+def patch_lora_layers(model: nn.Module) -> int:
+    """Give each peft LoRA linear of ``model`` the in-place update (``fastalign.patching.lora``); returns
+    how many. ``patch_model`` does it (``lora=True``); call it again after adding adapters to a model
+    that was patched before peft wrapped it."""
+    layers = [module for module in model.modules() if is_lora_linear(module)]
+    for layer in layers:
+        _set_forward(layer, lora_linear_forward, "lora")
+    return len(layers)

@@ -50,6 +50,8 @@ def prepare_policy(
         if config.use_dora or config.lora_modules_to_save:
             _fill(model, config.model_name_or_path, config, ctx.device)
         model = _add_lora(model, config, task)
+        if config.use_liger_kernel:  # the adapters are new: they get the in-place update as well
+            fastalign.patching.patch_lora_layers(model)
     if config.gradient_checkpointing:
         memory.enable_activation_checkpointing(model)
     if config.activation_offloading:

@@ -31,6 +31,20 @@ STRUCTURAL_GENERATION_KWARGS = ("num_return_sequences", "return_dict_in_generate
 
 
 @dataclass(frozen=True)
+class SamplingKeys:
+    """The config keys of sampling that every objective which samples completions reads (TRL's names,
+    the same in GRPOConfig, RLOOConfig, OnlineDPOConfig and GKDConfig): a base of its options
+    dataclass, turned into ``SamplingOptions`` by ``SamplingOptions.of``."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float | None
+    repetition_penalty: float
+    generation_kwargs: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     """How completions are sampled (TRL's GRPOConfig / RLOOConfig names). As in TRL, the options below
     make the generation config and ``generation_kwargs`` is merged over them (its keys win)."""
@@ -43,6 +57,21 @@ class SamplingOptions:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     generation_kwargs: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, options: SamplingKeys, num_generations: int, max_completion_length: int) -> SamplingOptions:
+        """An objective's sampling keys, for ``num_generations`` completions of each prompt of up to
+        ``max_completion_length`` tokens (each trainer names that length its own way)."""
+        return cls(
+            num_generations,
+            max_completion_length,
+            options.temperature,
+            options.top_p,
+            options.top_k,
+            options.min_p,
+            options.repetition_penalty,
+            options.generation_kwargs,
+        )
 
     def generate_kwargs(self, tokenizer) -> dict[str, Any]:
         """The keyword arguments of ``model.generate`` besides the prompts: an unknown key in

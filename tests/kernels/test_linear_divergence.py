@@ -153,6 +153,25 @@ def test_equals_trl_distillation_trainer_divergence(beta):
     torch.testing.assert_close(ours, trl, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_student_entropy_equals_trl_distillation_trainers(backend, beta, reduction):
+    """``return_entropy``: TRL's DistillationTrainer ``entropy`` (its chunked function's second output,
+    of the student at the temperature) at counted tokens, 0 at ignored ones; the loss is unchanged."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    student, teacher, labels = make_inputs(torch.float32)
+    flat = [t.detach().flatten(0, -2) if t.dim() == 3 else t.detach() for t in (*student, *teacher)]
+    _, trl_entropy = ChunkedDivergenceFunction.apply(*flat, beta, 1.5)
+    options = {"beta": beta, "temperature": 1.5, "reduction": reduction, "backend": backend}
+    loss, entropy = call(student, teacher, labels, return_entropy=True, **options)
+    assert entropy.shape == labels.shape and not entropy.requires_grad
+    valid = labels != IGNORE
+    torch.testing.assert_close(entropy[valid], trl_entropy.view(labels.shape)[valid], rtol=1e-5, atol=1e-6)
+    assert (entropy[~valid] == 0).all()
+    torch.testing.assert_close(loss, call(student, teacher, labels, **options))
+
+
 def test_without_labels_every_token_counts(backend):
     student, teacher, labels = make_inputs(torch.float32, ignore_every=0)
     without = call(student, teacher, None, backend=backend)

@@ -7,6 +7,7 @@ the two models' hidden states."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -21,12 +22,16 @@ from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
 from fastalign.train.run import run_training
+from tests import torchrun
 from tests.parity.conftest import models  # noqa: F401 (the student and a perturbed teacher)
+from tests.train.runs import logged, short_config, train
+
+WORKER = Path(__file__).with_name("train_worker.py")
 
 CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
 
 
-def trl_loss_and_grads(model_dirs, batch, beta, temperature) -> tuple[float, dict]:
+def trl_loss_and_grads(model_dirs, batch, beta, temperature) -> tuple[float, float, dict]:
     from trl.experimental.gkd import GKDTrainer
 
     student = AutoModelForCausalLM.from_pretrained(model_dirs[0], dtype=torch.float32).train()
@@ -37,8 +42,12 @@ def trl_loss_and_grads(model_dirs, batch, beta, temperature) -> tuple[float, dic
     labels[:, width:] = batch["input_ids"][:, width:].masked_fill(batch["completion_mask"] == 0, -100)
     with torch.no_grad():
         teacher_logits = teacher(**inputs).logits[:, :-1]
+    student_logits = student(**inputs).logits[:, :-1]
+    # DistillationTrainer's entropy: of the student's softmax(logits / T), a mean over completion tokens
+    log_p = (student_logits.detach() / temperature).log_softmax(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)[labels[:, 1:] != -100].mean()
     loss = GKDTrainer.generalized_jsd_loss(
-        student(**inputs).logits[:, :-1],
+        student_logits,
         teacher_logits,
         labels[:, 1:],
         beta=beta,
@@ -46,10 +55,11 @@ def trl_loss_and_grads(model_dirs, batch, beta, temperature) -> tuple[float, dic
         num_items_in_batch=batch["completion_mask"].sum(),
     )
     loss.backward()
-    return float(loss.detach()), {name: p.grad.clone() for name, p in student.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in student.named_parameters()}
+    return float(loss.detach()), float(entropy), grads
 
 
-def fastalign_loss_and_grads(model_dirs, beta, temperature) -> tuple[dict, float, dict]:
+def fastalign_loss_and_grads(model_dirs, beta, temperature) -> tuple[dict, float, float, dict]:
     config = TrainConfig(teacher_model_name_or_path=model_dirs[1], beta=beta, temperature=temperature)
     objective = make_objective("distill", config, CPU)
     tokenizer = tiny_tokenizer()
@@ -60,19 +70,21 @@ def fastalign_loss_and_grads(model_dirs, beta, temperature) -> tuple[dict, float
     student, objective.teacher = load(model_dirs[0]).train(), load(model_dirs[1]).eval()
     examples = objective.tokenize(tiny_sft_rows(3), tokenizer)
     batch = objective.collate(tokenizer)(examples)
-    loss, _ = objective.compute_loss(student, batch, torch.tensor(objective.loss_tokens(batch)))
+    loss, metrics = objective.compute_loss(student, batch, torch.tensor(objective.loss_tokens(batch)))
     loss.backward()
-    return batch, float(loss.detach()), {name: p.grad.clone() for name, p in student.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in student.named_parameters()}
+    return batch, float(loss.detach()), float(metrics["entropy"]), grads
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("beta", "temperature"), [(0.0, 1.0), (0.5, 0.7), (1.0, 1.0), (0.3, 2.0)])
 def test_loss_and_gradients_equal_trls_generalized_jsd(models, beta, temperature):  # noqa: F811
-    batch, ours, our_grads = fastalign_loss_and_grads(models, beta, temperature)
+    batch, ours, our_entropy, our_grads = fastalign_loss_and_grads(models, beta, temperature)
     # completions of different lengths after prompts of different lengths: padding on both sides
     assert batch["completion_mask"].sum(-1).unique().numel() > 1 or batch["attention_mask"].min() == 0
-    theirs, their_grads = trl_loss_and_grads(models, batch, beta, temperature)
+    theirs, their_entropy, their_grads = trl_loss_and_grads(models, batch, beta, temperature)
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7) and ours > 0
+    assert our_entropy == pytest.approx(their_entropy, rel=1e-5)
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -82,28 +94,18 @@ def save_teacher(directory: Path, model) -> None:
     tiny_tokenizer().save_pretrained(directory)
 
 
-def run(tmp_path: Path, rows: list[dict], **options) -> list[dict]:
+def distill_config(tmp_path: Path, rows: list[dict], **options) -> TrainConfig:
     teacher = tmp_path / "teacher"
     if not teacher.exists():  # a test may have saved its own
         save_teacher(teacher, tiny_model("llama", seed=1))
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = TrainConfig(
-        dataset_name=str(data),
-        output_dir=str(tmp_path / "run"),
-        teacher_model_name_or_path=str(teacher),
-        max_completion_length=4,
-        per_device_train_batch_size=2,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=1e-3,
-        max_length=64,
-        seed=0,
-        loss_curve_png=False,
-        **options,
+    defaults = dict(
+        teacher_model_name_or_path=str(teacher), max_completion_length=4, per_device_train_batch_size=2
     )
-    run_training(config, "distill")
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return short_config(tmp_path, rows, **defaults | options)
+
+
+def run(tmp_path: Path, rows: list[dict], **options) -> list[dict]:
+    return train(distill_config(tmp_path, rows, **options), "distill")
 
 
 @pytest.mark.slow
@@ -120,6 +122,24 @@ def test_two_steps_on_messages_with_student_and_teacher_samples(tmp_path):
     logged = run(tmp_path, rows, lmbda=0.5, seq_kd=True, gradient_accumulation_steps=2, beta=0.5)
     assert [row["step"] for row in logged] == [1, 2]
     assert all(math.isfinite(row["loss"]) and row["loss"] > 0 and row["grad_norm"] > 0 for row in logged)
+    assert all(0 < row["entropy"] < math.log(512) for row in logged)  # nats, below the uniform's
+
+
+@pytest.mark.slow
+def test_two_processes_under_fsdp2_equal_one(tmp_path):
+    """Under FSDP2 the teacher's LM head is its root unit's gathered weight, which the teacher's forward
+    reshards as it returns, before the student's forward reads it: each step's loss, gradient norm and
+    entropy on 2 processes (half the rows each, both models sharded) equal 1 process's."""
+    rows = tiny_sft_rows(8)
+    one = distill_config(
+        tmp_path, rows, lmbda=0.0, per_device_train_batch_size=4, output_dir=str(tmp_path / "one")
+    )
+    two = dataclasses.replace(one, per_device_train_batch_size=2, output_dir=str(tmp_path / "two"))
+    run_training(one, "distill")
+    torchrun.run_two_processes(WORKER, json.dumps([["distill", dataclasses.asdict(two)]]))
+    for one_row, two_row in zip(logged(one.output_dir), logged(two.output_dir), strict=True):
+        for key in ("loss", "grad_norm", "entropy"):
+            assert two_row[key] == pytest.approx(one_row[key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ EOS; fastalign's over its tokens only, so those four are compared on completions
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from fastalign.train.objectives import make_objective
 from fastalign.train.objectives import online_dpo as online_dpo_module
 from fastalign.train.reference import FrozenReference
 from fastalign.train.rollout import Completions
-from fastalign.train.run import run_training
 from tests.parity.conftest import models  # noqa: F401 (the policy and reference fixture)
+from tests.train.runs import short_config, train
 
 CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
 PROMPTS, COMPLETION = 3, 5
@@ -173,24 +172,9 @@ def test_loss_gradients_and_metrics_equal_trl(models, tmp_path, monkeypatch, pad
 
 
 def run(tmp_path: Path, **options) -> list[dict]:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in tiny_prompt_rows(12)))
-    config = TrainConfig(
-        dataset_name=str(data),
-        output_dir=str(tmp_path / "run"),
-        reward_funcs=["fastalign.builtin:digit_ratio"],
-        max_new_tokens=4,
-        per_device_train_batch_size=2,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=1e-3,
-        max_length=32,
-        seed=0,
-        loss_curve_png=False,
-        **options,
-    )
-    run_training(config, "online_dpo")
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    defaults = dict(reward_funcs=["fastalign.builtin:digit_ratio"], max_new_tokens=4, max_length=32)
+    config = short_config(tmp_path, tiny_prompt_rows(12), per_device_train_batch_size=2, **defaults | options)
+    return train(config, "online_dpo")
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ the policy alone, resume)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from fastalign.train.engine import Callback
 from fastalign.train.objectives import make_objective
 from fastalign.train.objectives.ppo import VALUE_MODEL
 from fastalign.train.rollout import Rewards
+from tests.train.runs import DEFAULTS, logged
 
 CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
 DIGITS = "fastalign.builtin:digit_ratio"
@@ -150,7 +150,7 @@ def test_policy_loss_and_gradients_match_trl():
         logp = (hidden @ weight.T / TEMPERATURE).log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)
     old = logp + torch.randn(B, T, generator=gen) * 0.3  # some ratios leave [0.8, 1.2]
     output = PPOLoss(cliprange=0.2, temperature=TEMPERATURE, backend="torch")(
-        hidden, weight, ids, mask.long(), advantages, old
+        hidden, weight, ids, mask.long(), advantages, old_logps=old
     )
     output.loss.backward()
     ours = hidden.grad.clone(), weight.grad.clone()
@@ -230,25 +230,11 @@ def test_config_value_checks(key, value, message):
 
 
 def tiny_config(output_dir: Path, **overrides) -> TrainConfig:
-    options = dict(
-        output_dir=str(output_dir),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        seed=0,
-        max_length=64,
-        max_completion_length=6,
-        loss_curve_png=False,
-        reward_funcs=[DIGITS],
-        num_ppo_epochs=2,
-        save_strategy="no",
+    """Two PPO steps on the built-in prompts (``tests.train.runs.DEFAULTS``), into ``output_dir``."""
+    ppo = dict(per_device_train_batch_size=4, max_completion_length=6, num_ppo_epochs=2, save_strategy="no")
+    return TrainConfig(
+        **{"output_dir": str(output_dir), "reward_funcs": [DIGITS], **DEFAULTS, **ppo, **overrides}
     )
-    return TrainConfig(**{**options, **overrides})
-
-
-def logged(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 class _CriticWeights(Callback):

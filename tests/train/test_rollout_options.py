@@ -14,7 +14,7 @@ from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
 from fastalign.train.rollout import SamplingOptions, generate_completions
-from fastalign.train.run import run_training
+from tests.train.runs import short_config, train
 
 DIGITS = "fastalign.builtin:digit_ratio"
 CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
@@ -135,25 +135,9 @@ def test_rollout_options_that_cannot_work_are_refused(name, options, key):
 
 
 def run(tmp_path: Path, name: str, **options) -> list[dict]:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in tiny_prompt_rows(20)))
-    config = TrainConfig(
-        dataset_name=str(data),
-        output_dir=str(tmp_path / "run"),
-        reward_funcs=[DIGITS],
-        num_generations=4,
-        max_completion_length=6,
-        per_device_train_batch_size=8,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=1e-3,
-        max_length=64,
-        seed=0,
-        loss_curve_png=False,
-        **options,
-    )
-    run_training(config, name)
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    defaults = dict(reward_funcs=[DIGITS], num_generations=4, max_completion_length=6)
+    config = short_config(tmp_path, tiny_prompt_rows(20), per_device_train_batch_size=8, **defaults | options)
+    return train(config, name)
 
 
 @pytest.mark.slow

@@ -15,9 +15,12 @@ distributions at ``temperature`` (``beta`` 0: forward KL(teacher ‖ student), 1
 the completion tokens (up to and including the EOS) and divided by the step's count of them on all ranks:
 a loss term is a completion token. It goes through the fused ``linear_divergence``: the student's final
 hidden states and LM head inside its forward (``head_fn``), the teacher's from its own forward without
-gradient; neither model's [tokens, vocab] logits are built. The teacher (``teacher_model_name_or_path``) is
-loaded like a reference model (``RunParts.load_frozen_model``: quantized with the policy's
-``quantization``, patched, sharded under FSDP2, frozen); its vocabulary must be the student's.
+gradient (under FSDP2 its gathered head is copied there, before the forward reshards it); neither model's
+[tokens, vocab] logits are built. The student's entropy at ``temperature`` (TRL's ``entropy`` metric, a
+mean over the step's completion tokens) comes from the same pass. The teacher
+(``teacher_model_name_or_path``) is loaded like a reference model (``RunParts.load_frozen_model``:
+quantized with the policy's ``quantization``, patched, sharded under FSDP2, frozen); its vocabulary must
+be the student's.
 """
 
 from __future__ import annotations
@@ -32,32 +35,31 @@ from fastalign.data import tokenize_sft_dataset
 from fastalign.data.sft import TokenizedExample
 from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.ops import linear_divergence
-from fastalign.train.batches import MicroBatches
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
 from fastalign.train.objectives.grpo import ROLLOUT_KEY, GenerationBatches, check_generation_keys
-from fastalign.train.rollout import Completions, SamplingOptions, generate_completions, scoring_batch
+from fastalign.train.rollout import (
+    Completions,
+    SamplingKeys,
+    SamplingOptions,
+    generate_completions,
+    scoring_batch,
+)
 
 #: TRL's DistillationConfig defaults where the config leaves a key None.
 DISTILL_DEFAULTS = {"beta": 1.0, "disable_dropout": False}
 
 
 @dataclass(frozen=True)
-class DistillOptions:
+class DistillOptions(SamplingKeys):
     """The keys distillation reads (TRL's DistillationConfig names, GKDConfig's ``lmbda`` and ``seq_kd``)."""
 
     teacher_model_name_or_path: str | None
     lmbda: float
     seq_kd: bool
     beta: float
-    temperature: float
     max_completion_length: int
-    top_p: float
-    top_k: int
-    min_p: float | None
-    repetition_penalty: float
-    generation_kwargs: dict[str, Any] | None
     use_vllm: bool
     max_length: int
     truncation: bool
@@ -82,16 +84,8 @@ class DistillOptions:
 
     @property
     def sampling(self) -> SamplingOptions:
-        return SamplingOptions(
-            1,
-            self.max_completion_length,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.repetition_penalty,
-            self.generation_kwargs,
-        )
+        """One completion of each prompt (the student's or the teacher's)."""
+        return SamplingOptions.of(self, 1, self.max_completion_length)
 
 
 class CompletionCollator:
@@ -184,17 +178,9 @@ class DistillObjective(Objective):
 
     def batches(self, examples: list, tokenizer, plan: BatchPlan) -> GenerationBatches:
         """The data's micro-batches, each with the seed of its draw (and of its sampling)."""
-        micro_batches = MicroBatches(
-            examples,
-            batch_size=plan.batch_size,
-            accumulation=plan.accumulation,
-            pad_token_id=plan.pad_token_id,
-            seed=plan.seed,
-            rank=plan.rank,
-            world_size=plan.world_size,
-            collate=self.collate(tokenizer),
+        return GenerationBatches(
+            super().batches(examples, tokenizer, plan), plan.accumulation, num_iterations=1
         )
-        return GenerationBatches(micro_batches, plan.accumulation, num_iterations=1)
 
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         if self.options.disable_dropout:
@@ -239,6 +225,8 @@ class DistillObjective(Objective):
         return {key: value.cpu() for key, value in sampled.items()}
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
+        """The micro-batch's summed divergence over the step's completion-token count, and the student's
+        mean entropy (TRL's ``entropy``: of its distribution at ``temperature``) weighted the same way."""
         assert self.teacher is not None  # set up before any step
         mask = batch["completion_mask"]
         width = batch["input_ids"].shape[1] - mask.shape[1]
@@ -246,7 +234,7 @@ class DistillObjective(Objective):
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
         with torch.no_grad():  # the teacher's final hidden states of the completion positions, and its head
             teacher_hidden, teacher_weight, teacher_bias = self.teacher(
-                **inputs, head_fn=lambda hidden, weight, bias: (hidden[:, width - 1 : -1], weight, bias)
+                **inputs, head_fn=self._teacher_head(width)
             ).head_output
 
         def head(hidden, weight, bias):
@@ -261,7 +249,25 @@ class DistillObjective(Objective):
                 student_bias=bias,
                 teacher_bias=teacher_bias,
                 reduction="sum",
+                return_entropy=True,
             )
 
-        loss = model(**inputs, head_fn=head).head_output
-        return loss / num_items_in_batch.to(loss.device), {}
+        loss, entropy = model(**inputs, head_fn=head).head_output
+        count = num_items_in_batch.to(loss.device)
+        return loss / count, {"entropy": entropy.sum() / count}
+
+    def _teacher_head(self, width: int):
+        """The teacher's ``head_fn``: the final hidden states of the positions that predict the
+        completion, and the LM head, for the student's forward to read after the teacher's returns.
+
+        Under FSDP2 the head is the teacher's root unit's all-gathered weight (and bias), which the
+        teacher's forward frees (reshards) as it returns: they are copied here, while whole (one [V, Dt]
+        head alive during the student's forward, less than keeping the teacher's root unit gathered).
+        On one process they are the parameters themselves, which outlive the forward."""
+
+        def head(hidden, weight, bias):
+            if self.ctx.enabled:
+                weight, bias = weight.clone(), None if bias is None else bias.clone()
+            return hidden[:, width - 1 : -1], weight, bias
+
+        return head

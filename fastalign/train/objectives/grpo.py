@@ -42,6 +42,7 @@ import torch
 
 from fastalign.data.preference import PromptCollator, tokenize_prompt_dataset
 from fastalign.losses import GRPOLoss
+from fastalign.losses.completion import CompletionLoss
 from fastalign.losses.grpo import LOSS_TYPES
 from fastalign.models.structure import disable_dropout
 from fastalign.ops import group_advantages
@@ -56,6 +57,7 @@ from fastalign.train.rollout import (
     STRUCTURAL_GENERATION_KWARGS,
     Completions,
     Rewards,
+    SamplingKeys,
     SamplingOptions,
     all_gather_list,
     all_gather_rows,
@@ -189,7 +191,7 @@ def check_generation_keys(
 
 
 @dataclass(frozen=True)
-class RolloutOptions:
+class RolloutOptions(SamplingKeys):
     """The keys every online objective reads (TRL's GRPOConfig / RLOOConfig names)."""
 
     beta: float
@@ -200,12 +202,6 @@ class RolloutOptions:
     max_prompt_length: int | None
     max_completion_length: int
     truncation: bool
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float | None
-    repetition_penalty: float
-    generation_kwargs: dict[str, Any] | None
     chat_template_kwargs: dict[str, Any] | None  # template variables of conversational prompts
     epsilon: float
     epsilon_high: float | None
@@ -218,16 +214,7 @@ class RolloutOptions:
     disable_dropout: bool
 
     def sampling(self, num_generations: int) -> SamplingOptions:
-        return SamplingOptions(
-            num_generations,
-            self.max_completion_length,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.repetition_penalty,
-            self.generation_kwargs,
-        )
+        return SamplingOptions.of(self, num_generations, self.max_completion_length)
 
     @property
     def eval_generations(self) -> int:
@@ -260,15 +247,60 @@ class RolloutOptions:
         check_generation_keys(self.use_vllm, self.generation_kwargs, self.reward_funcs, self.reward_weights)
 
 
-class RolloutObjective(Objective):
-    """What GRPO and RLOO share: prompt data, generation batches, the rollout (sampling, the policy's and
-    the reference's log-probs, rewards), evaluation by sampling and the completions log. A subclass
-    says how rewards become advantages (``advantages``), which log-probs it needs, and its loss.
+class PromptObjective(Objective):
+    """What the objectives that sample completions of prompt-only rows and score them with reward
+    functions share (online DPO, and GRPO, RLOO and PPO through ``RolloutObjective``): TRL's prompt data
+    (``max_prompt_length``, ``truncation``, ``chat_template_kwargs``), the reward functions, and what
+    ``setup`` readies: dropout off (``disable_dropout``), the reference (``fastalign.train.reference``)
+    when the loss needs one, the tokenizer that decodes completions for the reward functions, and
+    whether the prompts are conversational."""
+
+    default_dataset = "tiny-prompts"
+
+    def __init__(self, options, sampling: SamplingOptions, ctx: DistributedContext | None, dtype: str | None):
+        super().__init__(ctx)
+        self.options = options
+        self.reward_funcs = reward_functions(options, self.ctx, dtype)
+        self.sampling = sampling
+        self.reference: Reference | None = None
+        self.tokenizer = None  # set up with the model: it decodes completions for the reward functions
+        self.conversational = False
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares the policy with a reference model."""
+        return True
+
+    def tokenize(self, rows: list[dict], tokenizer) -> list:
+        return tokenize_prompt_dataset(
+            rows,
+            tokenizer,
+            max_prompt_length=self.options.max_prompt_length,
+            truncation=self.options.truncation,
+            chat_template_kwargs=self.options.chat_template_kwargs,
+        )
+
+    def collate(self, tokenizer) -> PromptCollator:
+        return PromptCollator(tokenizer.pad_token_id)
+
+    def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        if self.options.disable_dropout:
+            disable_dropout(model)
+        if self.needs_reference:
+            self.reference = reference_model(model, self.options.ref_model_name_or_path, parts)
+        self.tokenizer = parts.tokenizer
+        self.conversational = isinstance(train[0].prompt, list)
+        return Prepared(train, evaluation)
+
+
+class RolloutObjective(PromptObjective):
+    """What GRPO, RLOO and PPO share: prompt data, generation batches, the rollout (sampling, the
+    policy's and the reference's log-probs, rewards), evaluation by sampling and the completions log. A
+    subclass says how rewards become advantages (``advantages``), which log-probs it needs, and its loss.
 
     A loss term is a completion or a completion token, as the subclass says (``loss_tokens``), counted
     over the whole step on all ranks. The ``timing/*`` metrics are the logging rank's (rank 0's) own."""
 
-    default_dataset = "tiny-prompts"
     options_class: ClassVar[type[RolloutOptions]]
 
     def __init__(
@@ -279,13 +311,8 @@ class RolloutObjective(Objective):
         *,
         dtype: str | None = None,
     ):
-        super().__init__(ctx)
-        self.name, self.options = name, options
-        self.reward_funcs = reward_functions(options, self.ctx, dtype)
-        self.sampling = options.sampling(options.num_generations)
-        self.reference: Reference | None = None
-        self.tokenizer = None  # set up with the model: it decodes completions for the reward functions
-        self.conversational = False
+        super().__init__(options, options.sampling(options.num_generations), ctx, dtype)
+        self.name = name
         self._generation: tuple | None = None
         self._batches: list[dict] = []
         self._metrics: dict[str, float] = {}
@@ -316,48 +343,43 @@ class RolloutObjective(Objective):
         micro-batches without advantages yet: a subclass may read their log-probs, and take out what its
         loss does not use."""
 
+    #: The policy loss (an output with ``loss`` and ``metrics``), from the completion tokens' hidden states.
+    loss: CompletionLoss
+
     @abstractmethod
-    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items):
-        """The loss of ``batch`` (an output with ``loss`` and ``metrics``) from the completion tokens'
-        hidden states, inside the model's forward; ``num_items`` is given to a loss that normalises by
+    def loss_inputs(self, batch: dict, num_items) -> dict:
+        """The keyword inputs of ``loss`` besides the hidden states, head, completions and mask: the
+        advantages, the log-probs it needs from ``batch``, and ``num_items`` where the loss normalises by
         the step's count itself (``normalises``)."""
 
-    #: Whether ``head_loss`` divides by the step's loss-term count itself (else: the micro-batch's mean).
+    #: Whether ``loss`` divides by the step's loss-term count itself (else: the micro-batch's mean).
     normalises = False
 
+    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items):
+        """The loss of ``batch`` from the completion tokens' hidden states, inside the model's forward."""
+        mask = batch["completion_mask"]
+        return self.loss(
+            hidden, weight, completion_ids, mask, bias=bias, **self.loss_inputs(batch, num_items)
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.options.beta > 0
+
     # --- data --------------------------------------------------------------------------------------
-    def tokenize(self, rows: list[dict], tokenizer) -> list:
-        return tokenize_prompt_dataset(
-            rows,
-            tokenizer,
-            max_prompt_length=self.options.max_prompt_length,
-            truncation=self.options.truncation,
-            chat_template_kwargs=self.options.chat_template_kwargs,
-        )
-
-    def collate(self, tokenizer) -> PromptCollator:
-        return PromptCollator(tokenizer.pad_token_id)
-
     def batches(self, examples: list, tokenizer, plan: BatchPlan) -> GenerationBatches:
-        prompts = MicroBatches(
-            examples,
+        """Prompt micro-batches of ``per_device_train_batch_size / num_generations`` prompts, one
+        generation's (``steps_per_generation`` or a step's) at a time."""
+        prompts = dataclasses.replace(
+            plan,
             batch_size=plan.batch_size // self.options.num_generations,
-            accumulation=self.options.steps_per_generation or plan.accumulation,  # one generation's
-            pad_token_id=plan.pad_token_id,
-            seed=plan.seed,
-            rank=plan.rank,
-            world_size=plan.world_size,
-            collate=self.collate(tokenizer),
+            accumulation=self.options.steps_per_generation or plan.accumulation,
         )
-        return GenerationBatches(prompts, plan.accumulation, self.options.num_iterations)
+        micro_batches = super().batches(examples, tokenizer, prompts)
+        return GenerationBatches(micro_batches, plan.accumulation, self.options.num_iterations)
 
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
-        if self.options.disable_dropout:
-            disable_dropout(model)
-        if self.options.beta > 0:
-            self.reference = reference_model(model, self.options.ref_model_name_or_path, parts)
-        self.tokenizer = parts.tokenizer
-        self.conversational = isinstance(train[0].prompt, list)
+        super().setup(model, train, evaluation, parts)
         # each held-out prompt once per completion, adjacent: an evaluation micro-batch of
         # per_device_eval_batch_size rows (a multiple of the group) holds whole groups, as in TRL
         group = self.options.eval_generations
@@ -629,15 +651,10 @@ class GRPOObjective(RolloutObjective):
             "frac_reward_zero_std": float(result.num_zero_std_groups) / max(groups, 1),
         }
 
-    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items):
-        return self.loss(
-            hidden,
-            weight,
-            completion_ids,
-            batch["completion_mask"],
-            batch["advantages"],
-            old_per_token_logps=batch.get("old_per_token_logps"),
-            ref_per_token_logps=batch.get("ref_per_token_logps"),
-            bias=bias,
-            num_items_in_batch=num_items,
-        )
+    def loss_inputs(self, batch: dict, num_items) -> dict:
+        return {
+            "advantages": batch["advantages"],
+            "old_per_token_logps": batch.get("old_per_token_logps"),
+            "ref_per_token_logps": batch.get("ref_per_token_logps"),
+            "num_items_in_batch": num_items,
+        }

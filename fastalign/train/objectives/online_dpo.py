@@ -34,23 +34,20 @@ from typing import Any
 
 import torch
 
-from fastalign.data.preference import PromptCollator, tokenize_prompt_dataset
-from fastalign.models.structure import IGNORE_INDEX, disable_dropout
+from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import token_logprobs
 from fastalign.ops.preference import pair_loss
-from fastalign.train.batches import MicroBatches
 from fastalign.train.config import ConfigError, TrainConfig, model_option, options_from
 from fastalign.train.distributed import DistributedContext
-from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
+from fastalign.train.objectives.base import BatchPlan
 from fastalign.train.objectives.grpo import (
     GenerationBatches,
+    PromptObjective,
     check_generation_keys,
-    reward_functions,
     sample_completions,
     score_completions,
 )
-from fastalign.train.reference import Reference, reference_model
-from fastalign.train.rollout import Completions, SamplingOptions, scoring_batch
+from fastalign.train.rollout import Completions, SamplingKeys, SamplingOptions, scoring_batch
 
 #: TRL's OnlineDPOConfig defaults where the config leaves a key None.
 ONLINE_DPO_DEFAULTS = {"beta": 0.1, "loss_type": ["sigmoid"], "disable_dropout": True, "max_new_tokens": 64}
@@ -59,7 +56,7 @@ LOSS_TYPES = ("sigmoid", "ipo")
 
 
 @dataclass(frozen=True)
-class OnlineDPOOptions:
+class OnlineDPOOptions(SamplingKeys):
     """The keys online DPO reads (TRL's OnlineDPOConfig names; ``ref_model_name_or_path`` is DPO's)."""
 
     beta: float
@@ -71,12 +68,6 @@ class OnlineDPOOptions:
     max_length: int
     max_prompt_length: int | None
     truncation: bool
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float | None
-    repetition_penalty: float
-    generation_kwargs: dict[str, Any] | None
     chat_template_kwargs: dict[str, Any] | None
     use_vllm: bool
     ref_model_name_or_path: str | None
@@ -112,35 +103,19 @@ class OnlineDPOOptions:
     @property
     def sampling(self) -> SamplingOptions:
         """Two completions of each prompt, with TRL's sampling options."""
-        return SamplingOptions(
-            2,
-            self.max_new_tokens,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.repetition_penalty,
-            self.generation_kwargs,
-        )
+        return SamplingOptions.of(self, 2, self.max_new_tokens)
 
 
-class OnlineDPOObjective(Objective):
+class OnlineDPOObjective(PromptObjective):
     """Pairs sampled and ranked in ``prepare_step``; the DPO loss on them in ``compute_loss``. A training
     micro-batch holds P pairs as 2P prompt + completion rows, the chosen completions first."""
 
-    default_dataset = "tiny-prompts"
     default_learning_rate = 5e-7  # TRL's OnlineDPOConfig
 
     def __init__(
         self, options: OnlineDPOOptions, ctx: DistributedContext | None = None, *, dtype: str | None = None
     ):
-        super().__init__(ctx)
-        self.options = options
-        self.reward_funcs = reward_functions(options, self.ctx, dtype)
-        self.sampling = options.sampling
-        self.reference: Reference | None = None
-        self.tokenizer = None  # set up with the model: it decodes completions for the reward functions
-        self.conversational = False
+        super().__init__(options, options.sampling, ctx, dtype)
 
     @classmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> OnlineDPOObjective:
@@ -151,40 +126,12 @@ class OnlineDPOObjective(Objective):
         return frozenset(OnlineDPOOptions.__dataclass_fields__)
 
     # --- data --------------------------------------------------------------------------------------
-    def tokenize(self, rows: list[dict], tokenizer) -> list:
-        return tokenize_prompt_dataset(
-            rows,
-            tokenizer,
-            max_prompt_length=self.options.max_prompt_length,
-            truncation=self.options.truncation,
-            chat_template_kwargs=self.options.chat_template_kwargs,
-        )
-
-    def collate(self, tokenizer) -> PromptCollator:
-        return PromptCollator(tokenizer.pad_token_id)
-
     def batches(self, examples: list, tokenizer, plan: BatchPlan) -> GenerationBatches:
         """``per_device_train_batch_size`` prompts a micro-batch (as TRL: each makes one pair), every
         step's micro-batches one generation, seeded by their position in the data."""
-        prompts = MicroBatches(
-            examples,
-            batch_size=plan.batch_size,
-            accumulation=plan.accumulation,
-            pad_token_id=plan.pad_token_id,
-            seed=plan.seed,
-            rank=plan.rank,
-            world_size=plan.world_size,
-            collate=self.collate(tokenizer),
+        return GenerationBatches(
+            super().batches(examples, tokenizer, plan), plan.accumulation, num_iterations=1
         )
-        return GenerationBatches(prompts, plan.accumulation, num_iterations=1)
-
-    def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
-        if self.options.disable_dropout:
-            disable_dropout(model)
-        self.reference = reference_model(model, self.options.ref_model_name_or_path, parts)
-        self.tokenizer = parts.tokenizer
-        self.conversational = isinstance(train[0].prompt, list)
-        return Prepared(train, evaluation)
 
     # --- a step ------------------------------------------------------------------------------------
     def loss_tokens(self, batch: dict) -> int:

@@ -234,16 +234,8 @@ class PPOObjective(RolloutObjective):
         }
 
     # --- the loss ----------------------------------------------------------------------------------
-    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items):
-        return self.loss(
-            hidden,
-            weight,
-            completion_ids,
-            batch["completion_mask"],
-            batch["token_advantages"],
-            batch["old_per_token_logps"],
-            bias=bias,
-        )
+    def loss_inputs(self, batch: dict, num_items) -> dict:
+        return {"advantages": batch["token_advantages"], "old_logps": batch["old_per_token_logps"]}
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
         """The policy loss (``RolloutObjective``'s fused head) plus ``vf_coef`` × the value loss, each

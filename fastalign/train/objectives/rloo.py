@@ -112,13 +112,5 @@ class RLOOObjective(RolloutObjective):
         everything = all_gather_rows(torch.cat(local).to(self.ctx.device), self.ctx).cpu()
         return everything[:, 0], everything[:, 1]
 
-    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items):
-        return self.loss(
-            hidden,
-            weight,
-            completion_ids,
-            batch["completion_mask"],
-            batch["advantages"],
-            old_logps=batch.get("old_logps"),
-            bias=bias,
-        )
+    def loss_inputs(self, batch: dict, num_items) -> dict:
+        return {"advantages": batch["advantages"], "old_logps": batch.get("old_logps")}
