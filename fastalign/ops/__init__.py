@@ -19,7 +19,7 @@ from fastalign.ops.nf4 import (
 )
 from fastalign.ops.rms_norm import rms_norm
 from fastalign.ops.rope import apply_rotary_pos_emb
-from fastalign.ops.swiglu import geglu, swiglu
+from fastalign.ops.swiglu import geglu, glu_linear, swiglu
 
 __all__ = [
     "FourBitState",
@@ -30,6 +30,7 @@ __all__ = [
     "dequantize_4bit",
     "geglu",
     "generalized_advantage_estimation",
+    "glu_linear",
     "group_advantages",
     "linear_4bit",
     "linear_cross_entropy",

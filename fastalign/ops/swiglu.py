@@ -41,12 +41,16 @@ class _GLUFunction(torch.autograd.Function):
         return d_gate, d_up, None
 
 
-def _glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, backend: Backend) -> torch.Tensor:
+def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise ValueError(
             f"gate and up must match in shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
             f"{gate.device} and {tuple(up.shape)} {up.dtype} {up.device}"
         )
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, backend: Backend) -> torch.Tensor:
+    _check_pair(gate, up)
     if resolve_backend(backend, gate) == "torch":  # the reference's values, keeping gate and up only
         return recompute_in_backward(functools.partial(glu_reference, gelu=gelu), gate, up)
     return _GLUFunction.apply(gate, up, gelu)
@@ -60,3 +64,70 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend = "auto") -
 def geglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
     """``gelu_tanh(gate) * up``, fused in one kernel forward and one backward."""
     return _glu(gate, up, True, backend)
+
+
+class _GLULinearFunction(torch.autograd.Function):
+    """``linear(act(gate) · up, weight, bias)`` keeping ``gate``, ``up`` and the weight only. The
+    projection's input, act(gate)·up, is the MLP's largest activation ([tokens, intermediate]); eagerly
+    the down projection keeps it for its weight gradient beside the gate and up the activation keeps.
+    Backward recomputes it (one elementwise pass) instead: one [tokens, intermediate] tensor less per
+    layer, the same matmuls."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, gelu: bool, torch_backend: bool):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.gelu, ctx.torch_backend, ctx.has_bias = gelu, torch_backend, bias is not None
+        return F.linear(_glu_with_grad(gate, up, gelu, torch_backend), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        needs_gate, needs_up, needs_weight, needs_bias = ctx.needs_input_grad[:4]
+        with torch.enable_grad():
+            gate = gate.detach().requires_grad_(needs_gate)
+            up = up.detach().requires_grad_(needs_up)
+            hidden = _glu_with_grad(gate, up, ctx.gelu, ctx.torch_backend)
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = (
+            flat_grad.t().mm(hidden.detach().reshape(-1, hidden.shape[-1])) if needs_weight else None
+        )
+        grad_bias = flat_grad.sum(0) if ctx.has_bias and needs_bias else None
+        inputs = [tensor for tensor in (gate, up) if tensor.requires_grad]
+        grads = iter(torch.autograd.grad(hidden, inputs, grad_out.matmul(weight)) if inputs else ())
+        grad_gate = next(grads) if needs_gate else None
+        grad_up = next(grads) if needs_up else None
+        return grad_gate, grad_up, grad_weight, grad_bias, None, None
+
+
+def _glu_with_grad(gate: torch.Tensor, up: torch.Tensor, gelu: bool, torch_backend: bool) -> torch.Tensor:
+    """The activation with its own autograd graph (none under no_grad): PyTorch's ops or the kernel's."""
+    return glu_reference(gate, up, gelu) if torch_backend else _GLUFunction.apply(gate, up, gelu)
+
+
+def glu_linear(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    gelu: bool = False,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """``F.linear(act(gate) * up, weight, bias)`` (act: silu, or gelu-tanh with ``gelu``): a gated MLP's
+    activation and down projection, keeping only ``gate`` and ``up`` for backward (the projection's
+    input is recomputed there). Not under autocast: there the projection's dtypes are autocast's, so
+    call ``swiglu``/``geglu`` and the projection."""
+    _check_pair(gate, up)
+    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1] or weight.dtype != gate.dtype:
+        raise ValueError(
+            f"weight must be [out, {gate.shape[-1]}] in {gate.dtype}, got {tuple(weight.shape)} "
+            f"{weight.dtype}"
+        )
+    if torch.is_autocast_enabled(gate.device.type):
+        raise ValueError("glu_linear does not run under autocast: call swiglu/geglu, then the projection")
+    torch_backend = resolve_backend(backend, gate) == "torch"
+    if not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (gate, up, weight, bias) if t is not None)
+    ):
+        return F.linear(_glu_with_grad(gate, up, gelu, torch_backend), weight, bias)
+    return _GLULinearFunction.apply(gate, up, weight, bias, gelu, torch_backend)

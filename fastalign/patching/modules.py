@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastalign.ops import apply_rotary_pos_emb, geglu, rms_norm, swiglu
+from fastalign.ops import apply_rotary_pos_emb, geglu, glu_linear, rms_norm, swiglu
 from fastalign.ops.backend import Backend
 
 
@@ -39,10 +39,33 @@ def gated_mlp_forward(layout: str, gelu: bool, dropout: bool, backend: Backend) 
         return self.gate_proj(x), self.up_proj(x)
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(glu(*gate_up(self, x), backend=backend))
+        gate, up = gate_up(self, x)
+        down = self.down_proj
+        if (
+            _plain_linear(down)
+            and down.weight.dtype == gate.dtype
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            out = glu_linear(
+                gate, up, down.weight, down.bias, gelu=gelu, backend=backend
+            )  # keeps gate, up only
+        else:  # LoRA, 4-bit, hooked or autocast projections: the module itself
+            out = down(glu(gate, up, backend=backend))
         return F.dropout(out, p=self.residual_dropout, training=self.training) if dropout else out
 
     return forward
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is ``F.linear`` of its own parameters: no subclass, no hooks
+    (accelerate's device-map ``_hf_hook`` included), so calling ``F.linear`` directly is the same call."""
+    return (
+        type(module) is nn.Linear
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not hasattr(module, "_hf_hook")
+        and "forward" not in module.__dict__
+    )
 
 
 def _fused_rope(original: Callable, backend: Backend) -> Callable:

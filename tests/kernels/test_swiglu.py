@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fastalign.ops import geglu, swiglu
+from fastalign.ops import geglu, glu_linear, swiglu
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference
 
@@ -49,3 +49,38 @@ def test_extreme_gate_values_stay_finite(backend):
 def test_mismatched_inputs():
     with pytest.raises(ValueError, match="gate and up must match"):
         swiglu(torch.randn(3, 4), torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_glu_linear_matches_float64(backend, dtype, gelu, bias):
+    """The activation and down projection keeping only gate and up: value and every gradient."""
+    gate = (torch.randn(3, 5, 37, device=DEVICE) * 3).to(dtype).requires_grad_()
+    up = torch.randn(3, 5, 37, device=DEVICE).to(dtype).requires_grad_()
+    weight = (torch.randn(11, 37, device=DEVICE) / 6).to(dtype).requires_grad_()
+    b = torch.randn(11, device=DEVICE).to(dtype).requires_grad_() if bias else None
+    inputs = [t for t in (gate, up, weight, b) if t is not None]
+    out = glu_linear(gate, up, weight, b, gelu=gelu, backend=backend)
+    references = [t.detach().double().requires_grad_() for t in inputs]
+    ref = torch.nn.functional.linear(_reference(*references[:2], gelu), *references[2:])
+    assert out.dtype == dtype
+    assert_close_to_reference("out", out.detach(), ref.detach(), dtype)
+    upstream = torch.randn(out.shape, device=DEVICE)
+    (out.float() * upstream).sum().backward()
+    (ref * upstream.double()).sum().backward()
+    for name, got, expected in zip(("gate", "up", "weight", "bias"), inputs, references, strict=False):
+        assert_close_to_reference(f"grad {name}", got.grad, expected.grad, dtype)
+
+
+def test_glu_linear_frozen_weight_and_bad_inputs():
+    gate, up = torch.randn(4, 6, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+    weight = torch.randn(3, 6)  # frozen (LoRA's base, say): no weight gradient is formed
+    out = glu_linear(gate, up, weight, backend="torch")
+    out.sum().backward()
+    expected = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, weight)
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match=r"weight must be \[out, 6\] in torch.float32, got \(3, 5\)"):
+        glu_linear(gate, up, torch.randn(3, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast"):
+        glu_linear(gate, up, weight)
