@@ -42,12 +42,13 @@ REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 
 #: Default size of one chunk of logits, in bytes of the logits' dtype. Each chunk adds the fp32 weight
 #: gradient's read-modify-write (8·V·D bytes) to its 6·rows·V·D FLOPs, so a chunk must have enough rows
-#: for the matmuls to hide it: rows ≳ 8·FLOP/s / (6·bytes/s) / overhead. CPU: 16 MiB, memory first —
-#: on SmolLM2-135M (V 49k, 996 tokens, 2 cores) halving 32 MiB took 220 MB off a KTO step's peak for
-#: ~0.4 s more head time (1.6 → 2.0 s); 8 MiB saved 30 MB more for another ~1 s. CUDA (H100: ~700
-#: TFLOP/s, ~3 TB/s, so ~3000 rows for 10 %): 1 GiB; 64 MiB chunks (256 rows at V=128k) measured 2.9×
-#: the floor on an H100 (benchmarks/RESULTS.md). Pass ``chunk_size`` to trade speed for memory.
-DEFAULT_CHUNK_BYTES = {"cpu": 16 * 2**20, "cuda": 2**30}
+#: for the matmuls to hide it: rows ≳ 8·FLOP/s / (6·bytes/s) / overhead. CPU: 32 MiB. Measured on
+#: SmolLM2-135M (V 49k, 2 cores): 16 MiB took 220 MB off a KTO step's peak (996 tokens) but nothing off
+#: a DPO step's (1,992 tokens: 5,733 vs 5,736 MB), and made the DPO step 13% slower (30.5 vs 26.9 s).
+#: CUDA (H100: ~700 TFLOP/s, ~3 TB/s, so ~3000 rows for 10 %): 1 GiB; 64 MiB chunks (256 rows at
+#: V=128k) measured 2.9× the floor on an H100 (benchmarks/RESULTS.md). Pass ``chunk_size`` to trade
+#: speed for memory.
+DEFAULT_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 
 
 class LinearCrossEntropyStats(NamedTuple):
