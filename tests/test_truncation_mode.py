@@ -194,6 +194,6 @@ def test_objectives_without_truncation_mode_in_trl_refuse_keep_end(name):
     extra = {"reward_funcs": ["fastalign.builtin:digit_ratio"]} if name in ("grpo", "rloo") else {}
     config = TrainConfig(truncation=True, truncation_mode="keep_end", **extra)
     with pytest.raises(
-        ConfigError, match=f"'truncation_mode' \\('keep_end'\\) is for sft, dpo; {name} does not"
+        ConfigError, match=f"'truncation_mode' \\('keep_end'\\) is for sft, dpo, distill; {name} does not"
     ):
         make_objective(name, config, CPU)
