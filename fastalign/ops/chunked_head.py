@@ -23,6 +23,19 @@ def chunks(n: int, chunk_size: int) -> Iterator[slice]:
         yield slice(start, min(start + chunk_size, n))
 
 
+def loss_row_chunks(valid: torch.Tensor, chunk_size: int) -> tuple[bool, list[slice | torch.Tensor]]:
+    """The chunks of the rows where ``valid`` [N] holds, and whether that is every row.
+
+    Only loss tokens are swept: a prompt, padding or other ignored row costs no [V, D] matmul, and
+    whatever it holds (NaN/inf hidden states at padding, say) reaches neither a loss nor a gradient
+    (0·NaN would be NaN). With every row valid the chunks are plain slices (no gather, no scatter);
+    otherwise each is a tensor of row indices. One host sync (the count of valid rows)."""
+    rows = valid.nonzero().squeeze(1)
+    if rows.numel() == valid.numel():
+        return True, list(chunks(rows.numel(), chunk_size))
+    return False, [rows[span] for span in chunks(rows.numel(), chunk_size)]
+
+
 @functools.cache
 def _cuda_mixed_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``addmm(fp32, low, low, out_dtype=fp32)`` runs and is right on this device."""
@@ -52,7 +65,8 @@ class InputGrads:
     ``needs``); the weight's and bias's are fp32 sums until ``finish``."""
 
     def __init__(self, hidden, weight, bias, needs: tuple[bool, bool, bool]):
-        self.hidden = torch.empty_like(hidden) if needs[0] else None
+        # zeros: rows that no chunk covers (ignored tokens left out of the sweep) have no gradient
+        self.hidden = torch.zeros_like(hidden) if needs[0] else None
         self.weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
         )
@@ -60,10 +74,14 @@ class InputGrads:
             torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs[2] else None
         )
 
-    def add_chunk(self, rows: slice, grad_logits, hidden_chunk, weight) -> None:
-        """Add the chunk ``rows``' share from the gradient w.r.t. its logits [C, V]."""
+    def add_chunk(self, rows: slice | torch.Tensor, grad_logits, hidden_chunk, weight) -> None:
+        """Add the chunk ``rows``' share (a slice of the rows, or their indices) from the gradient
+        w.r.t. its logits [C, V]."""
         if self.hidden is not None:
-            torch.mm(grad_logits, weight, out=self.hidden[rows])
+            if isinstance(rows, slice):
+                torch.mm(grad_logits, weight, out=self.hidden[rows])
+            else:
+                self.hidden.index_copy_(0, rows, torch.mm(grad_logits, weight))
         if self.weight is not None:
             addmm_fp32_(self.weight, grad_logits.t(), hidden_chunk)
         if self.bias is not None:

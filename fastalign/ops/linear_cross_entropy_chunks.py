@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastalign.ops import linear_cross_entropy_torch as torch_rows
-from fastalign.ops.chunked_head import GradientInForward, InputGrads, chunks
+from fastalign.ops.chunked_head import GradientInForward, InputGrads, loss_row_chunks
 from fastalign.ops.linear_cross_entropy_torch import GradCoefficients, LogitTransform, SoftmaxRowStats
 
 
@@ -99,7 +99,9 @@ def _row_grad_(
 # The chunk loop.
 
 
-CoefficientFn = Callable[[slice, SoftmaxRowStats], GradCoefficients]
+#: ``coefficients(rows, stats)``: the gradient weights of one chunk's rows (a slice of the flattened
+#: tokens, or their indices when ignored tokens were left out).
+CoefficientFn = Callable[[slice | torch.Tensor, SoftmaxRowStats], GradCoefficients]
 
 
 def _sweep(
@@ -121,19 +123,18 @@ def _sweep(
     not called when nothing is needed).
     """
     n = hidden.shape[0]
-    all_stats = torch.empty((5, n), dtype=torch.float32, device=hidden.device) if saved is None else saved
+    every_row, row_chunks = loss_row_chunks(targets != spec.ignore_index, spec.chunk_size)
+    # rows no chunk covers (ignored tokens) keep statistics of 0
+    fill = torch.empty if every_row else torch.zeros
+    all_stats = fill((5, n), dtype=torch.float32, device=hidden.device) if saved is None else saved
     grads = InputGrads(hidden, weight, bias, needs) if coefficients is not None and any(needs) else None
-    for rows in chunks(n, spec.chunk_size):
+    for rows in row_chunks:
         targets_chunk = targets[rows]
-        # Ignored rows are zeroed before the matmul: whatever they hold (NaN/inf hidden states at padding,
-        # say) must not reach the loss, the statistics or the weight gradient (0·NaN is NaN). A [C, D]
-        # select per chunk, next to the chunk's [C, V] matmuls.
-        hidden_chunk = torch.where((targets_chunk != spec.ignore_index)[:, None], hidden[rows], 0)
+        hidden_chunk = hidden[rows]
         logits = F.linear(hidden_chunk, weight, bias)
         if saved is None:
             stats, workspace = _row_stats(logits, targets_chunk, spec)
-            for dst, src in zip(all_stats[:, rows], stats, strict=True):
-                dst.copy_(src)
+            all_stats[:, rows] = torch.stack(stats)
         else:
             stats, workspace = SoftmaxRowStats(*saved[:, rows]), None
         if grads is not None:
@@ -234,7 +235,7 @@ class TokenObjectiveFunction(GradientInForward):
             return GradCoefficients(p=-upstream, target=upstream, uniform=None, entropy=None)
 
         stats, grads = _sweep(hidden, weight, bias, targets, spec, coefficients=coefficients, needs=needs)
-        if not any(needs):  # nothing to differentiate: the objective once, over all tokens
+        if not totals:  # nothing differentiated (or no loss token): the objective once, over all tokens
             evaluate(slice(0, targets.shape[0]), SoftmaxRowStats(*stats))
         total = torch.stack(totals).sum(dim=0)
         entropy = token_entropy(SoftmaxRowStats(*stats), valid, spec)

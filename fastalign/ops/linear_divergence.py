@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from fastalign.ops import linear_divergence_torch as torch_rows
 from fastalign.ops import validation
 from fastalign.ops.backend import resolve_backend
-from fastalign.ops.chunked_head import GradientInForward, InputGrads, addmm_fp32_, chunks, input_grads_needed
+from fastalign.ops.chunked_head import (
+    GradientInForward,
+    InputGrads,
+    addmm_fp32_,
+    input_grads_needed,
+    loss_row_chunks,
+)
 from fastalign.ops.linear_cross_entropy import REDUCTIONS, Reduction, default_chunk_size
 from fastalign.ops.linear_divergence_torch import FORWARD_KL, GENERALIZED_JSD, REVERSE_KL, RowMath
 
@@ -109,21 +115,16 @@ def _sweep(
     teacher_hidden, teacher_weight, teacher_bias, labels, valid = constants
     w = spec.hard_label_weight
     n = student_hidden.shape[0]
-    token_loss = torch.empty(n, dtype=torch.float32, device=student_hidden.device)
+    token_loss = torch.zeros(n, dtype=torch.float32, device=student_hidden.device)
     entropy = torch.zeros(n, dtype=torch.float32, device=student_hidden.device)
     grads = (
         InputGrads(student_hidden, student_weight, student_bias, needs)
         if upstream is not None and any(needs)
         else None
     )
-    for rows in chunks(n, spec.chunk_size):
-        # Tokens left out are zeroed before the matmuls: whatever they hold (NaN/inf hidden states at
-        # padding, say) must reach neither the loss nor the weight gradient (0·NaN is NaN).
-        keep = valid[rows, None]
-        hidden_chunk = torch.where(keep, student_hidden[rows], 0)
-        teacher_logits = _fp32_logits(
-            torch.where(keep, teacher_hidden[rows], 0), teacher_weight, teacher_bias
-        )
+    for rows in loss_row_chunks(valid, spec.chunk_size)[1]:
+        hidden_chunk = student_hidden[rows]
+        teacher_logits = _fp32_logits(teacher_hidden[rows], teacher_weight, teacher_bias)
         student_logits = _fp32_logits(hidden_chunk, student_weight, student_bias)
         coef_div = coef_ce = None
         if grads is not None:
@@ -134,9 +135,9 @@ def _sweep(
         div, ce, chunk_entropy = _divergence_rows_(
             student_logits, teacher_logits, chunk_labels, coef_div, coef_ce, spec
         )
-        token_loss[rows] = torch.where(valid[rows], (1.0 - w) * div + w * ce, 0.0)
+        token_loss[rows] = (1.0 - w) * div + w * ce
         if spec.row_math.with_entropy:
-            entropy[rows] = torch.where(valid[rows], chunk_entropy, 0.0)
+            entropy[rows] = chunk_entropy
         if grads is not None:
             # The gradient matmuls run in the student's dtype (tensor cores); the sums stay fp32.
             grads.add_chunk(rows, student_logits.to(student_weight.dtype), hidden_chunk, student_weight)
