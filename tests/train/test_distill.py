@@ -59,7 +59,9 @@ def trl_loss_and_grads(model_dirs, batch, beta, temperature) -> tuple[float, flo
     return float(loss.detach()), float(entropy), grads
 
 
-def fastalign_loss_and_grads(model_dirs, beta, temperature) -> tuple[dict, float, float, dict]:
+def fastalign_loss_and_grads(model_dirs, beta, temperature, train=True) -> tuple[dict, float, float, dict]:
+    """The loss on the first three built-in rows' own completions, in one micro-batch (``train``: the
+    student in training mode, with gradients)."""
     config = TrainConfig(teacher_model_name_or_path=model_dirs[1], beta=beta, temperature=temperature)
     objective = make_objective("distill", config, CPU)
     tokenizer = tiny_tokenizer()
@@ -67,10 +69,12 @@ def fastalign_loss_and_grads(model_dirs, beta, temperature) -> tuple[dict, float
     def load(path):
         return fastalign.patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
-    student, objective.teacher = load(model_dirs[0]).train(), load(model_dirs[1]).eval()
+    student, objective.teacher = load(model_dirs[0]).train(train), load(model_dirs[1]).eval()
     examples = objective.tokenize(tiny_sft_rows(3), tokenizer)
     batch = objective.collate(tokenizer)(examples)
     loss, metrics = objective.compute_loss(student, batch, torch.tensor(objective.loss_tokens(batch)))
+    if not train:
+        return batch, float(loss.detach()), float(metrics["entropy"]), {}
     loss.backward()
     grads = {name: p.grad.clone() for name, p in student.named_parameters()}
     return batch, float(loss.detach()), float(metrics["entropy"]), grads
@@ -164,3 +168,172 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_both_sizes(tmp_path
     save_teacher(tmp_path / "teacher", tiny_model("llama", vocab_size=640))
     with pytest.raises(ConfigError, match=r"teacher's vocabulary \(640 tokens\).*student's \(512\)"):
         run(tmp_path, tiny_sft_rows(4))
+
+
+# --- prompt-only rows and evaluation ---------------------------------------------------------------
+def prompt_only(rows: list[dict]) -> list[dict]:
+    return [{"prompt": row["prompt"]} for row in rows]
+
+
+def held_out_file(tmp_path: Path, rows: list[dict]) -> str:
+    """``rows`` as the held-out data file (``eval_dataset_name``)."""
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options", [{}, {"lmbda": 0.5, "seq_kd": True}], ids=["student-samples-all", "teacher-samples-the-rest"]
+)
+def test_prompt_only_rows_train_when_every_micro_batch_is_sampled(tmp_path, options):
+    """TRL's DistillationTrainer reads only the ``prompt`` column: prompt-only rows (standard text, and
+    messages ending with the user's) train wherever every micro-batch's completions are sampled."""
+    text = prompt_only(tiny_sft_rows(2))
+    chat = [{"messages": [{"role": "user", "content": row["prompt"]}]} for row in tiny_sft_rows(4)[2:]]
+    logged = run(tmp_path, text + chat, gradient_accumulation_steps=2, **options)
+    assert [row["step"] for row in logged] == [1, 2]
+    assert all(math.isfinite(row["loss"]) and row["loss"] > 0 and row["grad_norm"] > 0 for row in logged)
+
+
+def test_a_prompt_only_row_where_the_data_completion_is_read_is_named(tmp_path):
+    """lmbda < 1 without seq_kd trains some micro-batches on the data's completions: the first
+    prompt-only row is named, with the field and the way out, before any step."""
+    rows = tiny_sft_rows(4)
+    rows[2] = {"prompt": rows[2]["prompt"]}
+    with pytest.raises(ValueError, match=r"rows.jsonl line 3: no 'completion' .*lmbda 0.5.*seq_kd true"):
+        run(tmp_path, rows, lmbda=0.5)
+
+
+def test_a_prompt_only_held_out_row_is_named_when_evaluation_reads_completions(tmp_path):
+    """With lmbda < 1 evaluation scores the held-out completions (GKD's): seq_kd samples every training
+    batch, but a prompt-only held-out row is named."""
+    held_out = held_out_file(tmp_path, [*tiny_sft_rows(1), *prompt_only(tiny_sft_rows(2))])
+    with pytest.raises(ValueError, match=r"held_out.jsonl line 2: no 'completion' .*evaluation.*lmbda 1"):
+        run(
+            tmp_path,
+            tiny_sft_rows(4),
+            lmbda=0.5,
+            seq_kd=True,
+            eval_dataset_name=held_out,
+            eval_strategy="steps",
+        )
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            {"messages": [{"role": "system", "content": "Be brief."}]},
+            r"row 0: 'messages' ends with a 'system'",
+        ),
+        ({"messages": [{"role": "user", "content": 3}]}, r"row 0: messages\[0\] must be a message"),
+        ({"prompt": "What is 40 plus 2? " * 20}, r"row 0: the prompt has \d+ tokens, over max_length=16"),
+        (
+            {"text": "What is 40 plus 2?"},
+            r"row 0: distill reads 'prompt' .*'messages'; the row has \['text'\]",
+        ),
+    ],
+)
+def test_rows_that_cannot_be_read_are_named(row, message):
+    objective = make_objective("distill", TrainConfig(teacher_model_name_or_path="t", max_length=16), CPU)
+    with pytest.raises(ValueError, match=message):
+        objective.tokenize([row], tiny_tokenizer())
+
+
+def test_a_long_prompt_only_row_keeps_its_end_under_truncation():
+    """Its end is where sampling starts (the generation prompt of a conversation), whatever
+    truncation_mode says of prompt-completion rows."""
+    config = TrainConfig(teacher_model_name_or_path="t", max_length=16, truncation=True)
+    objective = make_objective("distill", config, CPU)
+    prompt = "What is 40 plus 2? " * 20
+    (example,) = objective.tokenize([{"prompt": prompt}], tiny_tokenizer())
+    assert example.prompt_ids == tiny_tokenizer()(prompt, add_special_tokens=False)["input_ids"][-16:]
+    assert example.completion_ids == []
+
+
+def evaluated(output_dir) -> dict:
+    return next(row for row in logged(output_dir) if "eval_loss" in row)
+
+
+@pytest.mark.slow
+def test_on_policy_evaluation_equals_trls_distillation_trainer(models, tmp_path):  # noqa: F811
+    """lmbda 1 is TRL's DistillationTrainer, whose evaluation samples the student's completions of the
+    held-out prompts (their own completions unread) and weighs each batch's token-mean loss by its rows.
+    Both sides decode greedily (``generation_kwargs``), so they score the same completions: the
+    evaluation loss and entropy before the first step are TRL's ``evaluate()``'s."""
+    import datasets
+    from torch.utils.data import SequentialSampler
+    from trl import DistillationConfig, DistillationTrainer
+
+    rows = tiny_sft_rows(8)
+    held_out = rows[4:6] + prompt_only(rows[6:8])  # two batches of two; the completions are not read
+    shared = dict(
+        per_device_eval_batch_size=2,
+        max_completion_length=4,
+        generation_kwargs={"do_sample": False},
+        beta=0.5,
+        temperature=0.8,
+        seed=0,
+    )
+    ours = distill_config(
+        tmp_path,
+        prompt_only(rows[:4]),
+        model_name_or_path=models[0],  # the teacher: another tiny Llama (distill_config's)
+        max_steps=1,
+        eval_dataset_name=held_out_file(tmp_path, held_out),
+        eval_strategy="steps",
+        eval_on_start=True,
+        **shared,
+    )
+    ours = evaluated(run_training(ours, "distill"))
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    args = DistillationConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        save_strategy="no",
+        **shared,
+    )
+    trainer = DistillationTrainer(
+        model=load(models[0]),
+        teacher_model=load(str(tmp_path / "teacher")),
+        args=args,
+        processing_class=tiny_tokenizer(),
+        train_dataset=datasets.Dataset.from_list(prompt_only(rows[:4])),
+        eval_dataset=datasets.Dataset.from_list(held_out),
+    )
+    trainer._get_eval_sampler = SequentialSampler  # the held-out rows in their order, as fastalign's
+    theirs = trainer.evaluate()
+
+    assert ours["step"] == 0
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5) and ours["eval_loss"] > 0
+    assert ours["eval_entropy"] == pytest.approx(theirs["eval_entropy"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_evaluation_below_lmbda_1_scores_the_held_out_completions(models, tmp_path):  # noqa: F811
+    """GKD's evaluation (lmbda < 1): the loss on the held-out rows' own completions, a token mean over
+    them all (micro-batches of 2 and 1 rows), as one forward of all three rows gives it."""
+    config = distill_config(
+        tmp_path,
+        tiny_sft_rows(4),
+        model_name_or_path=models[0],
+        teacher_model_name_or_path=models[1],
+        lmbda=0.5,
+        max_steps=1,
+        per_device_eval_batch_size=2,
+        eval_dataset_name=held_out_file(tmp_path, tiny_sft_rows(3)),
+        eval_strategy="steps",
+        eval_on_start=True,
+    )
+    ours = evaluated(run_training(config, "distill"))
+
+    _, loss, entropy, _ = fastalign_loss_and_grads(models, beta=1.0, temperature=1.0, train=False)
+    assert ours["step"] == 0
+    assert ours["eval_loss"] == pytest.approx(loss, rel=1e-5) and loss > 0
+    assert ours["eval_entropy"] == pytest.approx(entropy, rel=1e-5)

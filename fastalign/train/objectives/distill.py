@@ -10,6 +10,17 @@ The draw is seeded by the micro-batch's position in the data (``GenerationBatche
 makes the same choices and samples the same completions. ``lmbda`` 1 (the default) is TRL's
 ``DistillationTrainer``: always on-policy.
 
+Prompt-only rows (a ``prompt`` without a ``completion``, or messages that end with the user's, as
+``DistillationTrainer`` reads its ``prompt`` column) are for runs that sample every completion they
+train on (``lmbda`` 1, or ``seq_kd``); where some micro-batch would train on the data's completion, such a
+row is an error naming it, before any step.
+
+Evaluation is TRL's: with ``lmbda`` 1 (``DistillationTrainer``, on-policy in evaluation too) the student,
+in eval mode, samples one completion of each held-out prompt (their completions are not read), and the
+evaluation loss is each micro-batch's token mean weighted by its rows (transformers' evaluation loop);
+with ``lmbda`` below 1 (GKD, whose evaluation runs the loss on the dataset) the held-out rows' own
+completions are scored, a token mean over them all (the engine's evaluation of data rows).
+
 The loss is the generalized Jensen-Shannon divergence between the student's and the teacher's next-token
 distributions at ``temperature`` (``beta`` 0: forward KL(teacher ‖ student), 1: reverse KL), summed over
 the completion tokens (up to and including the EOS) and divided by the step's count of them on all ranks:
@@ -25,27 +36,28 @@ be the student's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastalign.data import tokenize_sft_dataset
-from fastalign.data.sft import TokenizedExample
+from fastalign.data import tokenize_prompt_dataset, tokenize_sft_dataset
+from fastalign.data.formats import check_messages
+from fastalign.data.sources import Rows, row_origins
 from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.ops import linear_divergence
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
-from fastalign.train.objectives.grpo import ROLLOUT_KEY, GenerationBatches, check_generation_keys
-from fastalign.train.rollout import (
-    Completions,
-    SamplingKeys,
-    SamplingOptions,
-    generate_completions,
-    scoring_batch,
+from fastalign.train.objectives.grpo import (
+    ROLLOUT_KEY,
+    GenerationBatches,
+    check_generation_keys,
+    sample_completions,
 )
+from fastalign.train.rollout import Completions, SamplingKeys, SamplingOptions, scoring_batch
 
 #: TRL's DistillationConfig defaults where the config leaves a key None.
 DISTILL_DEFAULTS = {"beta": 1.0, "disable_dropout": False}
@@ -88,29 +100,39 @@ class DistillOptions(SamplingKeys):
         return SamplingOptions.of(self, 1, self.max_completion_length)
 
 
+@dataclass(frozen=True)
+class DistillExample:
+    """A row's prompt tokens and its completion's (none for a prompt-only row, which only a sampled
+    micro-batch can train on), and what errors call the row."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    where: str
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
 class CompletionCollator:
     """Examples as prompt + completion rows: prompts left-padded (ready to sample from), completions
-    right-padded, with ``completion_mask`` and the positions ``generate`` would give them."""
+    right-padded, with ``completion_mask`` and the positions ``generate`` would give them. Examples that
+    are all prompt-only make a batch of prompts (``input_ids`` and ``attention_mask``, no
+    ``completion_mask``), as GRPO's prompt micro-batches: the completions are to be sampled."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
 
-    def __call__(self, examples: Sequence[TokenizedExample]) -> dict:
-        prompts, completions = zip(*(split_example(example) for example in examples), strict=True)
-        prompt_ids, prompt_mask = _pad(prompts, self.pad_token_id, left=True)
+    def __call__(self, examples: Sequence[DistillExample]) -> dict:
+        prompt_ids, prompt_mask = _pad([e.prompt_ids for e in examples], self.pad_token_id, left=True)
+        if not any(example.completion_ids for example in examples):
+            return {"input_ids": prompt_ids, "attention_mask": prompt_mask}
+        completions = [example.completion_ids for example in examples]
         completion_ids, completion_mask = _pad(completions, self.pad_token_id, left=False)
         done = Completions(
             prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(len(examples))
         )
         batch, _, _ = scoring_batch(done, completion_mask)
         return batch
-
-
-def split_example(example: TokenizedExample) -> tuple[list[int], list[int]]:
-    """A prompt-completion example's prompt and completion tokens: the completion starts at its first
-    loss token (SFT's completion-only mask)."""
-    start = example.loss_mask.index(1)
-    return example.input_ids[:start], example.input_ids[start:]
 
 
 def _pad(rows: Sequence[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,16 +145,43 @@ def _pad(rows: Sequence[list[int]], pad: int, left: bool) -> tuple[torch.Tensor,
     return ids, mask
 
 
-def _as_prompt_completion(row: dict) -> dict:
+def _as_prompt_completion(row: dict, where: str) -> dict:
     """A messages row as GKD's chat collator reads it: the last message (the assistant's) is the
-    completion, the ones before it the prompt; other rows as they are."""
+    completion, the ones before it the prompt; messages that end with the user's are a conversational
+    prompt alone (TRL's prompt-only format, which ``DistillationTrainer`` samples from). Rows with a
+    prompt as they are; others (text rows) are an error naming the row."""
     messages = row.get("messages")
-    if messages is None or "prompt" in row:
+    if row.get("prompt") is not None:
         return row
-    if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
-        raise ValueError("a messages row for distill must end with the assistant's message (the completion)")
+    if messages is None:
+        columns = sorted(key for key, value in row.items() if value is not None)
+        raise ValueError(
+            f"{where}: distill reads 'prompt' (with or without 'completion') or 'messages'; the row has "
+            f"{columns}"
+        )
+    check_messages(messages, where, "messages")
     rest = {key: value for key, value in row.items() if key != "messages"}
+    role = messages[-1]["role"]
+    if role == "user":
+        return {**rest, "prompt": messages}
+    if role != "assistant":
+        raise ValueError(
+            f"{where}: 'messages' ends with a {role!r} message; distill reads the last message as the "
+            "completion (the assistant's) or, the user's, as a prompt to sample a completion of"
+        )
     return {**rest, "prompt": messages[:-1], "completion": messages[-1:]}
+
+
+def _is_prompt_only(row: dict) -> bool:
+    return row.get("prompt") is not None and row.get("completion") is None
+
+
+def _check_completions(examples: list[DistillExample], sampled: bool, why: str) -> None:
+    """A ValueError naming the first prompt-only row of ``examples`` unless their completions are all
+    ``sampled``."""
+    missing = None if sampled else next((e for e in examples if not e.completion_ids), None)
+    if missing is not None:
+        raise ValueError(f"{missing.where}: no 'completion' (a prompt-only row); {why}")
 
 
 class DistillObjective(Objective):
@@ -155,9 +204,30 @@ class DistillObjective(Objective):
         return frozenset(DistillOptions.__dataclass_fields__)
 
     # --- data --------------------------------------------------------------------------------------
-    def tokenize(self, rows: list[dict], tokenizer) -> list:
-        examples = tokenize_sft_dataset(
-            [_as_prompt_completion(row) for row in rows],
+    def tokenize(self, rows: list[dict], tokenizer) -> list[DistillExample]:
+        """Prompt-completion rows through SFT's tokenizer, prompt-only rows through the prompt-only
+        one; each keeps its place and its name (file and line, or index) for later errors."""
+        origins = row_origins(rows)
+        rows = [_as_prompt_completion(row, where) for row, where in zip(rows, origins, strict=True)]
+        groups: dict[bool, list[int]] = {False: [], True: []}
+        for index, row in enumerate(rows):
+            groups[_is_prompt_only(row)].append(index)
+        tokenized = {}
+        for prompt_only, indices in groups.items():
+            if indices:
+                part = Rows([rows[i] for i in indices], [origins[i] for i in indices])
+                examples = (
+                    self._tokenize_prompts(part, tokenizer)
+                    if prompt_only
+                    else self._tokenize(part, tokenizer)
+                )
+                tokenized |= dict(zip(indices, examples, strict=True))
+        return [tokenized[index] for index in range(len(rows))]
+
+    def _tokenize(self, rows: Rows, tokenizer) -> list[DistillExample]:
+        """Prompt-completion rows: SFT's tokens, the completion from its first loss token on."""
+        tokenized = tokenize_sft_dataset(
+            rows,
             tokenizer,
             max_length=self.options.max_length,
             truncation=self.options.truncation,
@@ -165,12 +235,31 @@ class DistillObjective(Objective):
             completion_only_loss=True,
             chat_template_kwargs=self.options.chat_template_kwargs,
         )
-        for index, example in enumerate(examples):
-            if 1 not in example.loss_mask or example.loss_mask.index(1) == 0:
+        examples = []
+        for example, where in zip(tokenized, rows.origins, strict=True):
+            start = example.loss_mask.index(1)  # there is one: tokenize_sft_dataset checked
+            if start == 0:
                 raise ValueError(
-                    f"row {index}: distill needs prompt-completion (or messages) rows with a prompt and a "
-                    "non-empty completion"
+                    f"{where}: no prompt tokens left after truncation to max_length={self.options.max_length}"
                 )
+            examples.append(DistillExample(example.input_ids[:start], example.input_ids[start:], where))
+        return examples
+
+    def _tokenize_prompts(self, rows: Rows, tokenizer) -> list[DistillExample]:
+        """Prompt-only rows; one over ``max_length`` is an error unless ``truncation``, which keeps its
+        last tokens whatever ``truncation_mode`` says (its end is where sampling starts; GKD's collator
+        cuts prompts the same way)."""
+        prompts = tokenize_prompt_dataset(
+            rows, tokenizer, chat_template_kwargs=self.options.chat_template_kwargs
+        )
+        limit, examples = self.options.max_length, []
+        for prompt, where in zip(prompts, rows.origins, strict=True):
+            if len(prompt.prompt_ids) > limit and not self.options.truncation:
+                raise ValueError(
+                    f"{where}: the prompt has {len(prompt.prompt_ids)} tokens, over max_length={limit} "
+                    "(truncation is off)"
+                )
+            examples.append(DistillExample(prompt.prompt_ids[-limit:], [], where))
         return examples
 
     def collate(self, tokenizer) -> CompletionCollator:
@@ -182,10 +271,33 @@ class DistillObjective(Objective):
             super().batches(examples, tokenizer, plan), plan.accumulation, num_iterations=1
         )
 
+    @property
+    def samples_evaluation(self) -> bool:
+        """Whether evaluation samples the student's completions of the held-out prompts (lmbda 1: TRL's
+        ``DistillationTrainer``, on-policy in evaluation too) rather than scoring the data's (GKD, whose
+        evaluation runs the loss on the dataset's completions)."""
+        return self.options.lmbda == 1
+
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
-        if self.options.disable_dropout:
+        options = self.options
+        every_batch_sampled = options.lmbda == 1 or options.seq_kd
+        _check_completions(
+            train,
+            every_batch_sampled,
+            f"with lmbda {options.lmbda} and seq_kd false, a share of the micro-batches trains on the "
+            "data's completions: set lmbda 1 or seq_kd true to sample every one",
+        )
+        _check_completions(
+            evaluation,
+            self.samples_evaluation,
+            f"with lmbda {options.lmbda}, evaluation scores the held-out rows' own completions (GKD's): "
+            "set lmbda 1 to evaluate on the student's samples of their prompts",
+        )
+        if self.samples_evaluation:  # only the prompts are read: micro-batches of prompts
+            evaluation = [dataclasses.replace(example, completion_ids=[]) for example in evaluation]
+        if options.disable_dropout:
             disable_dropout(model)
-        self.teacher = parts.load_frozen_model(self.options.teacher_model_name_or_path)
+        self.teacher = parts.load_frozen_model(options.teacher_model_name_or_path)
         self.tokenizer = parts.tokenizer
         student = model.get_output_embeddings().weight.shape[0]
         teacher = self.teacher.get_output_embeddings().weight.shape[0]
@@ -198,6 +310,11 @@ class DistillObjective(Objective):
 
     # --- a step ------------------------------------------------------------------------------------
     def loss_tokens(self, batch: dict) -> int:
+        """A micro-batch's completion tokens; an evaluation micro-batch of prompts counts its rows, so
+        the evaluation loss is the mean of each micro-batch's token mean weighted by its rows, as
+        transformers' evaluation loop weighs the per-batch losses of TRL's ``DistillationTrainer``."""
+        if "completion_mask" not in batch:
+            return batch["input_ids"].shape[0]
         return int(batch["completion_mask"].sum())
 
     def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
@@ -205,29 +322,36 @@ class DistillObjective(Objective):
         (``seq_kd``) or the data's."""
         batches = []
         for batch in micro_batches:
-            seed = batch.pop(ROLLOUT_KEY)[3]
+            seed = batch[ROLLOUT_KEY][3]
             draw = float(torch.rand((), generator=torch.Generator().manual_seed(seed)))
             sampler = model if draw < self.options.lmbda else self.teacher if self.options.seq_kd else None
-            batches.append(batch if sampler is None else self._sampled(sampler, batch, seed))
+            if sampler is None:
+                batches.append({key: value for key, value in batch.items() if key != ROLLOUT_KEY})
+            else:
+                batches.append({key: value.cpu() for key, value in self._sampled(sampler, batch).items()})
         return batches, {}
 
-    def _sampled(self, sampler: torch.nn.Module, batch: dict, seed: int) -> dict:
-        """``batch``'s prompts with completions sampled by ``sampler`` (the student or the teacher)."""
-        width = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
-        prompts = {
-            "input_ids": batch["input_ids"][:, :width],
-            "attention_mask": batch["attention_mask"][:, :width],
-        }
-        with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            done = generate_completions(sampler, prompts, self.options.sampling, self.tokenizer, self.ctx)
+    def _sampled(self, sampler: torch.nn.Module, batch: dict) -> dict:
+        """``batch``'s prompts with completions sampled by ``sampler`` (the student or the teacher),
+        seeded by the batch's ``ROLLOUT_KEY`` (an evaluation batch has none: the current random state)."""
+        if "completion_mask" in batch:
+            width = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
+            batch = {
+                **batch,
+                "input_ids": batch["input_ids"][:, :width],
+                "attention_mask": batch["attention_mask"][:, :width],
+            }
+        (done,) = sample_completions(sampler, [batch], self.options.sampling, self.tokenizer, self.ctx)
         sampled, _, _ = scoring_batch(done, done.completion_mask)
-        return {key: value.cpu() for key, value in sampled.items()}
+        return sampled
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
         """The micro-batch's summed divergence over the step's completion-token count, and the student's
         mean entropy (TRL's ``entropy``: of its distribution at ``temperature``) weighted the same way."""
         assert self.teacher is not None  # set up before any step
+        if "completion_mask" not in batch:  # an evaluation micro-batch of prompts: the student samples
+            sampled = self._sampled(model, batch)
+            return self.compute_loss(model, sampled, sampled["completion_mask"].sum())
         mask = batch["completion_mask"]
         width = batch["input_ids"].shape[1] - mask.shape[1]
         labels = batch["input_ids"][:, width:].masked_fill(mask == 0, IGNORE_INDEX)
