@@ -6,6 +6,7 @@ Without ``labels`` or ``logprob_targets`` it is the model's original forward, un
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,12 +30,18 @@ class FusedCausalLMOutput(CausalLMOutputWithPast):
     token_stats: [B, S] detached per-target statistics of the ``labels`` loss (entropy, whether the
         target is the argmax), with ``return_token_stats=True``: what TRL's SFT metrics are made of.
     head_output: what ``head_fn`` returned, when one was given.
+    aux_loss: the router's load-balancing loss (unscaled), with ``output_router_logits`` in a family
+        whose ``*ForCausalLM`` computes it; the "mean" loss already includes it times
+        ``router_aux_loss_coef``, as transformers' does.
+    router_logits: each MoE layer's router logits, with ``output_router_logits``.
     """
 
     token_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     token_stats: LinearCrossEntropyStats | None = None
     head_output: object | None = None
+    aux_loss: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -53,12 +60,18 @@ def fused_causal_lm_forward(
     backend: Backend,
     return_logits_default: bool,
     logit_scale: Callable[[PretrainedConfig], float] | None = None,
+    router_aux_loss: bool = False,
 ) -> Callable:
     """The forward of a family whose ``*ForCausalLM`` computes ``lm_head(hidden) · logit_scale(config)``
     (Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``), then the config's
     ``final_logit_softcapping``. The fused paths scale the hidden states and the head bias instead:
     ``(s·h)Wᵀ + s·b = s·(hWᵀ + b)``, exactly so in floating point for the powers of two that the
-    published scales are."""
+    published scales are.
+
+    With ``router_aux_loss`` (Mixtral, Qwen-MoE, GPT-OSS), ``output_router_logits`` (the argument, else
+    the config's) adds ``router_aux_loss_coef · load_balancing_loss_func(router_logits, num_experts,
+    num_experts_per_tok, attention_mask)`` to the loss, the family's own function with its
+    ``*ForCausalLM``'s arguments, so a patched model trains on transformers' loss."""
 
     def forward(
         self,
@@ -85,7 +98,8 @@ def fused_causal_lm_forward(
         labels: as transformers takes them (shifted here; or pass ``shift_labels``); the loss honours
             ``num_items_in_batch``. No logits are built unless ``return_logits=True``.
         loss_reduction: "mean" (transformers' loss), or "none": the loss of each position [B, S] (its
-            next label's; 0 where ignored), differentiable, for losses that weight tokens (SFT's DFT).
+            next label's; 0 where ignored), differentiable, for losses that weight tokens (SFT's DFT);
+            the router's ``aux_loss`` is not in it (add ``router_aux_loss_coef · output.aux_loss``).
         return_token_stats: also return the ``labels`` loss's per-target ``token_stats``.
         logprob_targets: [B, S] token ids whose per-position log-probs (at ``temperature``) come back
             as ``output.token_logprobs``, for DPO/GRPO-style trainers (already aligned: position t
@@ -108,6 +122,9 @@ def fused_causal_lm_forward(
         if labels is None and shifted is None and logprob_targets is None and head_fn is None:
             return type(self).forward(self, **inputs, logits_to_keep=logits_to_keep, **kwargs)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if router_aux_loss:  # as the family's forward: the argument, else the config's
+            if kwargs.get("output_router_logits") is None:
+                kwargs["output_router_logits"] = self.config.output_router_logits
         outputs = self.model(**inputs, **kwargs)
         hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
         weight, bias = self.lm_head.weight, self.lm_head.bias
@@ -135,6 +152,15 @@ def fused_causal_lm_forward(
                 **fused,
             )
             loss, token_stats = loss if return_token_stats else (loss, None)
+
+        aux_loss = None
+        if router_aux_loss and kwargs["output_router_logits"]:
+            balance = sys.modules[type(self).__module__].load_balancing_loss_func
+            aux_loss = balance(
+                outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+            )
+            if loss is not None and loss_reduction == "mean":
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
 
         logprobs = entropy = None
         if logprob_targets is not None:
@@ -175,6 +201,8 @@ def fused_causal_lm_forward(
             entropy=entropy,
             token_stats=token_stats,
             head_output=head_output,
+            aux_loss=aux_loss,
+            router_logits=getattr(outputs, "router_logits", None),
         )
 
     return forward

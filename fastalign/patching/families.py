@@ -7,6 +7,11 @@ does to the logits besides ``lm_head``. A piece is patched only where the kernel
 own arithmetic; the rest (``unpatched`` says what and why) stays the model's code. Every family gets the
 fused loss head, which applies ``final_logit_softcapping`` (read from the config) and ``logit_scale``.
 
+Mixture-of-experts families: the ``*Experts`` module (3-D ``gate_up_proj``/``down_proj``, one
+``act(gate)·up`` per expert) gets the fused activation where it is the plain gated one, the shared or
+dense-layer ``*MLP``s the gated-MLP path, and the fused head adds the router's load-balancing loss as the
+family's ``*ForCausalLM`` does (``router_aux_loss``).
+
 Norm conventions: "llama" is ``w · cast(x̂)``, "gemma" is ``cast(x̂ · (1 + w))`` with x̂ in fp32. OLMo-2/3
 and Helium compute ``cast(w · x̂)`` (the product in fp32), which neither kernel mode rounds the same way
 in bf16: their norms stay unpatched, as do LayerNorms.
@@ -24,7 +29,7 @@ from transformers import PretrainedConfig
 NormConvention = Literal["llama", "gemma"]
 MLPLayout = Literal["gate_up_down", "fused_gate_up"]
 #: The pieces ``patch_model`` can patch, as ``patched_pieces`` names them.
-PIECES = ("rms_norm", "mlp", "rope", "loss")
+PIECES = ("rms_norm", "mlp", "experts", "rope", "loss")
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,15 @@ class Family:
     rope: bool = True
     #: Which attention modules apply RoPE (None: all); the others (NoPE layers) are not patched.
     rope_layer: Callable[[nn.Module], bool] | None = None
+    #: The cos/sin tables hold each frequency once (half the rotary dims) and ``apply_rotary_pos_emb``
+    #: rotates ``(x1, x2)`` halves by them (GPT-OSS): the fused op gets them repeated, ``cat(cos, cos)``.
+    rope_half_tables: bool = False
+    #: Its ``*Experts`` modules hold ``[gate; up]`` concatenated in a 3-D ``gate_up_proj`` without biases
+    #: and compute ``down(act(gate) · up)`` per expert: the fused activation applies.
+    experts: bool = False
+    #: Its ``*ForCausalLM`` adds ``router_aux_loss_coef · load_balancing_loss_func(router_logits, ...)`` to
+    #: the loss when ``output_router_logits`` is on: the fused head does the same.
+    router_aux_loss: bool = False
     #: The factor the ``*ForCausalLM`` multiplies ``lm_head``'s logits by (None: 1).
     logit_scale: Callable[[PretrainedConfig], float] | None = None
     #: What stays the model's own code, and why (logged by ``patch_model``).
@@ -51,7 +65,13 @@ class Family:
     @property
     def pieces(self) -> tuple[str, ...]:
         """The pieces ``patch_model`` patches in this family (the MLP also needs a fused activation)."""
-        on = {"rms_norm": self.norm is not None, "mlp": self.mlp is not None, "rope": self.rope, "loss": True}
+        on = {
+            "rms_norm": self.norm is not None,
+            "mlp": self.mlp is not None,
+            "experts": self.experts,
+            "rope": self.rope,
+            "loss": True,
+        }
         return tuple(piece for piece in PIECES if on[piece])
 
 
@@ -97,6 +117,23 @@ FAMILIES: dict[str, Family] = {
     "stablelm": Family(norm=None, unpatched="LayerNorm"),
     "starcoder2": Family(norm=None, mlp=None, unpatched="LayerNorm; MLP (c_fc/c_proj, not gated)"),
     "vaultgemma": Family(norm="gemma"),
+    # Mixture-of-experts families of issue 23 (transformers 5.23 modeling files).
+    "deepseek_v3": Family(
+        norm="llama",
+        experts=True,  # the first_k_dense_replace layers and the shared experts: DeepseekV3MLP
+        rope_layer=lambda m: not m.config.rope_interleave,
+        unpatched="RoPE where rope_interleave (interleaved pairs; the config's default)",
+    ),
+    "gpt_oss": Family(
+        norm=None,
+        mlp=None,  # GptOssMLP is the router + experts block, not a gated MLP
+        rope_half_tables=True,
+        router_aux_loss=True,
+        unpatched=f"{_FP32_PRODUCT_NORM}; experts (clamped, biased, alpha-scaled (up + 1)·glu)",
+    ),
+    "mixtral": Family(norm="llama", mlp=None, experts=True, router_aux_loss=True),
+    "qwen2_moe": Family(norm="llama", experts=True, router_aux_loss=True),  # *MLP: the shared expert
+    "qwen3_moe": Family(norm="llama", experts=True, router_aux_loss=True),  # *MLP: mlp_only_layers
 }
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(FAMILIES))
@@ -114,6 +151,7 @@ def family_of(model_type: str) -> Family:
     if model_type not in FAMILIES:
         raise ValueError(
             f"fastalign.patch_model does not support model_type {model_type!r}; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}; patch_model(model, generic=True) patches what a probe "
+            "proves equal to the model's own forward"
         )
     return FAMILIES[model_type]

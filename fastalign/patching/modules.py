@@ -56,6 +56,64 @@ def gated_mlp_forward(layout: str, gelu: bool, dropout: bool, backend: Backend) 
     return forward
 
 
+def experts_forward(gelu: bool, backend: Backend) -> Callable:
+    """The forward of a transformers 5 ``*Experts`` module (3-D ``gate_up_proj`` [E, 2I, D] and
+    ``down_proj`` [E, D, I], ``[gate; up]`` concatenated, no biases) with the fused activation.
+
+    With ``experts_implementation`` "eager" (transformers' own loop over the hit experts), each expert's
+    ``down(act(gate) · up)`` is ``glu_linear``, which keeps only gate and up for backward; the tokens are
+    sorted by expert once (one host sync per layer, not one per expert) and each expert's weighted output
+    is accumulated as the loop does (``index_add_`` in the hidden dtype, experts in order), so the
+    forward computes the same sums. With "grouped_mm"/"batched_mm" (transformers' default) the class's
+    dispatch runs and calls the module's ``_apply_gate``, which ``fused_gate`` replaces.
+    """
+    glu = geglu if gelu else swiglu
+
+    def loop(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        final = torch.zeros_like(hidden)
+        top_k = top_k_index.shape[-1]
+        expert_of_slot = top_k_index.reshape(-1)
+        order = torch.argsort(expert_of_slot, stable=True)
+        # Index num_experts is expert parallelism's "not on this rank": sorted last, skipped as the loop does.
+        counts = torch.bincount(expert_of_slot, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+        tokens, weights = order // top_k, top_k_weights.reshape(-1)[order]
+        autocast = torch.is_autocast_enabled(hidden.device.type)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            start += count
+            token = tokens[rows]
+            gate, up = F.linear(hidden[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            down = self.down_proj[expert]
+            if autocast:  # the projection in autocast's dtype: the activation, then the projection
+                out = F.linear(glu(gate, up, backend=backend), down)
+            else:
+                out = glu_linear(gate, up, down, gelu=gelu, backend=backend)
+            final.index_add_(0, token, (out * weights[rows, None]).to(final.dtype))
+        return final
+
+    def forward(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        if self.config._experts_implementation in (None, "eager"):
+            return loop(self, hidden_states, top_k_index, top_k_weights)
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+
+    return forward
+
+
+def fused_gate(gelu: bool, backend: Backend) -> Callable:
+    """``_apply_gate`` of a ``*Experts`` module, which transformers' grouped and batched expert matmuls
+    call on the ``[tokens, 2I]`` gate_up output: ``act(gate) · up`` fused (kept for backward: gate, up)."""
+    glu = geglu if gelu else swiglu
+
+    def _apply_gate(self: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return glu(gate, up, backend=backend)
+
+    return _apply_gate
+
+
 def _plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` whose forward is ``F.linear`` of its own parameters: no subclass, no hooks
     (accelerate's device-map ``_hf_hook`` included), so calling ``F.linear`` directly is the same call."""
@@ -68,10 +126,12 @@ def _plain_linear(module: nn.Module) -> bool:
     )
 
 
-def _fused_rope(original: Callable, backend: Backend) -> Callable:
+def _fused_rope(original: Callable, backend: Backend, half_tables: bool) -> Callable:
     def fused(q, k, cos, sin, unsqueeze_dim: int = 1):
         if unsqueeze_dim != 1:  # a layout the kernel does not take: the model's own function
             return original(q, k, cos, sin, unsqueeze_dim)
+        if half_tables:  # (x1, x2) rotated by one table each half: the rotate-half tables repeat it
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return apply_rotary_pos_emb(q, k, cos, sin, backend=backend)
 
     return fused
@@ -86,30 +146,35 @@ def uses_module_rope(module: nn.Module) -> bool:
     return ROPE_FUNCTION in forward.__code__.co_names and ROPE_FUNCTION in forward.__globals__
 
 
-def _module_with_fused_rope(original_module: str, scope: dict, backend: Backend) -> types.ModuleType:
+def _module_with_fused_rope(
+    original_module: str, scope: dict, backend: Backend, half_tables: bool
+) -> types.ModuleType:
     """A module importable by name whose namespace is ``scope`` with the fused ``apply_rotary_pos_emb``.
 
     Registered in ``sys.modules`` so that whatever resolves a function's globals by module name (as
     ``torch.compile``'s guards do) finds the fused function there.
     """
-    name = f"{original_module}__fastalign_rope_{backend}"
+    name = f"{original_module}__fastalign_rope_{backend}{'_half_tables' if half_tables else ''}"
     if name not in sys.modules:
         module = types.ModuleType(name)
         module.__dict__.update(scope)
         module.__dict__["__name__"] = name
-        module.__dict__[ROPE_FUNCTION] = _fused_rope(scope[ROPE_FUNCTION], backend)
+        module.__dict__[ROPE_FUNCTION] = _fused_rope(scope[ROPE_FUNCTION], backend, half_tables)
         sys.modules[name] = module
     return sys.modules[name]
 
 
-def attention_forward_with_fused_rope(module: nn.Module, backend: Backend) -> Callable:
-    """The attention class's own forward, with ``apply_rotary_pos_emb`` resolved to the fused op.
+def attention_forward_with_fused_rope(
+    module: nn.Module, backend: Backend, half_tables: bool = False
+) -> Callable:
+    """The attention class's own forward, with ``apply_rotary_pos_emb`` resolved to the fused op (given
+    ``cat(cos, cos)``, ``cat(sin, sin)`` where the family's tables are ``half_tables``).
 
     The same code over a copy of its module's namespace: this instance changes, the class and the
     transformers module do not (so other models in the process are untouched).
     """
     forward = type(module).forward
-    scope = _module_with_fused_rope(forward.__module__, forward.__globals__, backend).__dict__
+    scope = _module_with_fused_rope(forward.__module__, forward.__globals__, backend, half_tables).__dict__
     patched = types.FunctionType(
         forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
     )

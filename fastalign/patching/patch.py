@@ -18,10 +18,13 @@ from torch import nn
 from fastalign.models.structure import base_model
 from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.patching.causal_lm import fused_causal_lm_forward
-from fastalign.patching.families import GATED_ACTIVATIONS, Family, family_of
+from fastalign.patching.families import FAMILIES, GATED_ACTIVATIONS, Family, family_of
+from fastalign.patching.generic import generic_plan
 from fastalign.patching.lora import is_lora_linear, lora_linear_forward
 from fastalign.patching.modules import (
     attention_forward_with_fused_rope,
+    experts_forward,
+    fused_gate,
     gated_mlp_forward,
     rms_norm_forward,
     uses_module_rope,
@@ -32,12 +35,12 @@ logger = logging.getLogger(__name__)
 _MARK = "_fastalign_patch"
 
 
-def _base_causal_lm(model: nn.Module, *, head: bool) -> nn.Module:
+def _base_causal_lm(model: nn.Module, *, head: bool, generic: bool = False) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside ``model`` (itself, or under a peft wrapper); without
     ``head`` (no fused loss), also a ``*ForSequenceClassification`` (a reward model: the same ``.model``
-    body under a ``score`` head)."""
+    body under a ``score`` head). Without ``generic``, its family must be in the table."""
     inner = base_model(model)
-    if hasattr(inner, "config"):
+    if hasattr(inner, "config") and not generic:
         family_of(inner.config.model_type)  # an unsupported family: say so, listing the supported ones
     if (
         not hasattr(inner, "config")
@@ -51,14 +54,19 @@ def _base_causal_lm(model: nn.Module, *, head: bool) -> nn.Module:
     return inner
 
 
-def _set_forward(module: nn.Module, function: Callable, piece: str) -> None:
+#: The methods a patch replaces on an instance: ``forward``, and the ``*Experts`` modules' ``_apply_gate``
+#: (which transformers' grouped expert matmuls call).
+_METHODS = ("forward", "_apply_gate")
+
+
+def _set_forward(module: nn.Module, function: Callable, piece: str, method: str = "forward") -> None:
     bound = types.MethodType(function, module)
-    module.forward = bound
+    setattr(module, method, bound)
     setattr(function, _MARK, piece)
 
 
-def _patched_piece(module: nn.Module) -> str | None:
-    forward = module.__dict__.get("forward")
+def _patched_piece(module: nn.Module, method: str = "forward") -> str | None:
+    forward = module.__dict__.get(method)
     return getattr(getattr(forward, "__func__", None), _MARK, None)
 
 
@@ -71,14 +79,15 @@ def _applies_rope(attention: nn.Module, family: Family) -> bool:
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo ``patch_model``: every module gets its class's forward back. Returns the model."""
     for module in model.modules():
-        if _patched_piece(module) is not None:
-            del module.forward
+        for method in _METHODS:
+            if _patched_piece(module, method) is not None:
+                delattr(module, method)
     return model
 
 
 def patched_pieces(model: nn.Module) -> dict[str, int]:
-    """How many modules of each piece ('rms_norm', 'mlp', 'rope', 'loss', 'lora') are patched (a piece the
-    family computes otherwise is absent: ``fastalign.patching.families.FAMILIES[model_type].pieces``)."""
+    """How many modules of each piece ('rms_norm', 'mlp', 'experts', 'rope', 'loss', 'lora') are patched
+    (a piece the family computes otherwise is absent: ``fastalign.patching.families.Family.pieces``)."""
     counts: dict[str, int] = {}
     for module in model.modules():
         piece = _patched_piece(module)
@@ -97,16 +106,19 @@ def patch_model(
     lora: bool = True,
     return_logits: bool = False,
     backend: Backend = "auto",
+    generic: bool = False,
 ) -> nn.Module:
     """Make a supported Hugging Face causal LM use fastalign's kernels, in place; returns the model.
 
     Args:
         model: a ``*ForCausalLM`` of a supported ``config.model_type`` (see
-            ``fastalign.patching.SUPPORTED_MODEL_TYPES``), or a peft model wrapping one; with
-            ``loss=False`` also a ``*ForSequenceClassification`` (a reward model's body).
-        rms_norm, rope, mlp: fuse the RMSNorms, the rotary embedding of q/k, the gated MLP activation,
-            where the family computes them as the kernels do (``fastalign.patching.families``: e.g. a
-            LayerNorm, a non-gated MLP or an interleaved RoPE stays the model's own).
+            ``fastalign.patching.SUPPORTED_MODEL_TYPES``; any other with ``generic``), or a peft model
+            wrapping one; with ``loss=False`` also a ``*ForSequenceClassification`` (a reward model's
+            body).
+        rms_norm, rope, mlp: fuse the RMSNorms, the rotary embedding of q/k, the gated MLP activation
+            (with ``mlp``, also each expert's of a mixture-of-experts' ``*Experts``), where the family
+            computes them as the kernels do (``fastalign.patching.families``: e.g. a LayerNorm, a
+            non-gated MLP or an interleaved RoPE stays the model's own).
         loss: with ``labels`` (or ``logprob_targets``) the forward computes the loss (or per-token
             log-probs) with the fused linear cross-entropy and builds no logits.
         lora: in a peft model, each LoRA linear adds its update into the frozen layer's output in place
@@ -114,19 +126,34 @@ def patch_model(
         return_logits: default of the forward's ``return_logits``: also build logits when a loss is
             computed (costs the [tokens, vocab] memory the fused head avoids).
         backend: 'auto' (Triton on CUDA, PyTorch elsewhere), 'triton' or 'torch'.
+        generic: for a ``model_type`` not in the table (a supported one still uses the table), find the
+            RMSNorms, gated MLPs, RoPE attentions and head by their structure and patch those that a probe
+            on random tokens proves equal to the model's own forward (``fastalign.patching.generic``: the
+            model must hold its weights). What it patched and why not the rest is logged at INFO
+            (``generic_report`` returns it); ``patched_pieces`` counts the patched modules.
 
     Patching again replaces the earlier patch (so options can change); ``unpatch_model`` restores the
     original.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    causal_lm = _base_causal_lm(model, head=loss)
+    causal_lm = _base_causal_lm(model, head=loss, generic=generic)
     config = causal_lm.config
+    if generic and config.model_type not in FAMILIES:
+        unpatch_model(model)
+        pieces = dict(rms_norm=rms_norm, rope=rope, mlp=mlp, loss=loss)
+        plan = generic_plan(causal_lm, **pieces, return_logits=return_logits, backend=backend)
+        logger.info("fastalign: %s", plan.report.summary())
+        for piece, module, function in plan.forwards:
+            _set_forward(module, function, piece)
+        if lora:
+            patch_lora_layers(model)
+        return model
     family = family_of(config.model_type)
     unpatch_model(model)
 
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    if mlp and family.mlp is not None and activation not in GATED_ACTIVATIONS:
+    if mlp and (family.mlp is not None or family.experts) and activation not in GATED_ACTIVATIONS:
         logger.warning("fastalign: activation %r has no fused kernel; the MLPs stay as they are", activation)
         mlp = False
     if family.unpatched:
@@ -140,10 +167,16 @@ def patch_model(
         elif mlp and family.mlp and name.endswith("MLP"):
             gelu = GATED_ACTIVATIONS[activation]
             _set_forward(module, gated_mlp_forward(family.mlp, gelu, family.mlp_dropout, backend), "mlp")
+        elif mlp and family.experts and name.endswith("Experts"):
+            gelu = GATED_ACTIVATIONS[activation]
+            _set_forward(module, experts_forward(gelu, backend), "experts")
+            _set_forward(module, fused_gate(gelu, backend), "experts", method="_apply_gate")
         elif rope and family.rope and name.endswith("Attention") and _applies_rope(module, family):
-            _set_forward(module, attention_forward_with_fused_rope(module, backend), "rope")
+            fused = attention_forward_with_fused_rope(module, backend, family.rope_half_tables)
+            _set_forward(module, fused, "rope")
     if loss:
-        _set_forward(causal_lm, fused_causal_lm_forward(backend, return_logits, family.logit_scale), "loss")
+        head = fused_causal_lm_forward(backend, return_logits, family.logit_scale, family.router_aux_loss)
+        _set_forward(causal_lm, head, "loss")
     if lora:
         patch_lora_layers(model)
     return model
