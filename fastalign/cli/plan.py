@@ -1,4 +1,4 @@
-"""``fastalign plan --model NAME|config.json --method full|lora|qlora --gpus N --gpu-memory 24GB ...``.
+"""``fastalign plan --model NAME|config.json --method full|lora|qlora|ppo|ppo-lora|ppo-qlora --gpus N ...``.
 
 Prints the memory a training run needs per GPU and in host RAM, term by term, whether it fits, and the
 cheapest flag changes that make it fit (``--json``: the same as one JSON object). Nothing is downloaded.
@@ -48,7 +48,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="built-in shape name (llama-3-8b, qwen2.5-7b, tiny-llama, ...) or a "
         "local config.json / model directory",
     )
-    parser.add_argument("--method", default="full", help="full, lora or qlora (default: full)")
+    parser.add_argument(
+        "--method",
+        default="full",
+        help="full, lora or qlora; ppo (policy, critic and reference as separate models), ppo-lora or "
+        "ppo-qlora (PPO on one base model: policy and critic adapters) (default: full)",
+    )
     parser.add_argument("--gpus", default="1", help="GPUs; more than 1 shards with FSDP2 (default: 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 24GB (default: 80GB)")
     parser.add_argument("--seq-len", default="4096", help="tokens per sequence (default: 4096)")

@@ -8,6 +8,7 @@ Masks are bool [B, T], True on a completion's tokens; every mean is over them (T
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -30,13 +31,21 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
 
 
-def whiten(values: Tensor, shift_mean: bool = True) -> Tensor:
+def whiten(
+    values: Tensor, shift_mean: bool = True, sum_all: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
     """TRL's ``masked_whiten`` of the entries of ``values`` (the masked-in ones, gathered flat):
     (x − mean)·rsqrt(var + 1e-8) with the unbiased variance (1 entry: its biased variance, 0, where TRL
-    would divide by zero); ``shift_mean=False`` adds the mean back (only the scale changes)."""
+    would divide by zero); ``shift_mean=False`` adds the mean back (only the scale changes).
+
+    ``sum_all``: the sum of a tensor over every process that holds a part of the batch (each process
+    passes its own entries), so that the mean and variance are the whole batch's, as in one process;
+    None: ``values`` are the whole batch."""
     values = values.float()
-    mean = values.mean()
-    variance = (values - mean).square().sum() / max(values.numel() - 1, 1)
+    sum_all = sum_all or (lambda tensor: tensor)
+    count, total = sum_all(torch.stack([values.new_tensor(values.numel()), values.sum()]))
+    mean = total / count.clamp(min=1)
+    variance = sum_all((values - mean).square().sum()) / (count - 1).clamp(min=1)
     whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
     return whitened if shift_mean else whitened + mean
 

@@ -87,8 +87,15 @@ from transformers import PretrainedConfig
 
 from fastalign.plan.shapes import ModelShape, PlanError, resolve_model, shape_from_config
 
-Method = Literal["full", "lora", "qlora"]
-METHODS: tuple[str, ...] = ("full", "lora", "qlora")
+Method = Literal["full", "lora", "qlora", "ppo", "ppo-lora", "ppo-qlora"]
+#: PPO's plans (``_ppo_plan``), each with the fine-tuning method of its policy: separate models, or one base
+#: model under LoRA / QLoRA.
+PPO_METHODS = {"ppo": "full", "ppo-lora": "lora", "ppo-qlora": "qlora"}
+METHODS: tuple[str, ...] = ("full", "lora", "qlora", *PPO_METHODS)
+#: The methods the suggestions step through, cheapest last: a plan stays on its own ladder.
+_LADDERS = (("full", "lora", "qlora"), tuple(PPO_METHODS))
+#: Methods that run in one process only (PPO's policy and critic adapters share one model).
+_ONE_PROCESS = ("ppo-lora", "ppo-qlora")
 
 GiB = 2**30
 #: CUDA context + cuBLAS workspace + kernel images, per process (0.5-1 GiB in practice).
@@ -216,6 +223,9 @@ class MemoryPlan(_Request):
     suggestions: list[str] = field(default_factory=list)
     suggested_total_per_gpu: int | None = None
     notes: list[str] = field(default_factory=list)
+    # PPO's other roles, per GPU (0 for the other methods)
+    critic: int = 0
+    reference: int = 0
 
     @property
     def training_state_bytes(self) -> int:
@@ -358,6 +368,23 @@ def plan_memory(
     """
     shape = _model_shape(config)
     _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device)
+    if method in PPO_METHODS:
+        flags = dict(
+            method=method,
+            gpus=gpus,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            checkpointing=checkpointing,
+            offload_activations=offload_activations,
+            lora_r=lora_r,
+            lora_dropout=lora_dropout,
+            bf16=bf16,
+            device=device,
+            fused_loss_head=fused_loss_head,
+            double_quant=double_quant,
+            gpu_memory_bytes=gpu_memory_bytes,
+        )
+        return _ppo_plan(shape, flags, suggest)
     setup = _Setup(
         shape.name,
         method,
@@ -408,7 +435,10 @@ def plan_memory(
         fits=total <= gpu_memory_bytes,
         terms=terms,
     )
-    notes = _notes(plan, setup)
+    return _with_suggestions(shape, plan, _notes(plan, setup), suggest)
+
+
+def _with_suggestions(shape: ModelShape, plan: MemoryPlan, notes: list[str], suggest: bool) -> MemoryPlan:
     if not suggest or plan.fits:
         return replace(plan, notes=notes)
     changes, fitting = _suggest(shape, plan)
@@ -418,6 +448,66 @@ def plan_memory(
             "smaller micro-batches) fits: shorten --seq-len"
         )
     return replace(plan, suggestions=changes, suggested_total_per_gpu=fitting, notes=notes)
+
+
+def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
+    """PPO (``fastalign/train/objectives/ppo.py``): the policy's plan under its method, plus what the
+    critic and the reference add while the policy trains (the reward model, if ``reward_funcs`` names
+    one, is a note).
+
+    ``ppo``, separate models: the critic is a second model of the same shape (a [h → 1] value head for
+    the LM head), trained in full: its weights, gradients and AdamW state, and, as its forward runs
+    beside the policy's before their one backward, working copies and activations as the policy's; the
+    reference is a frozen fp32 copy of the policy (4 B × P), sharded alike. ``ppo-lora`` / ``ppo-qlora``,
+    one base model: the critic is a second adapter of the policy's shape and a value head (16 B per
+    trained parameter), plus its forward's working copies and activations as the policy's; the reference
+    is the base with the adapters off (no memory). The rollout's KV cache lives while no activations do
+    (a note compares it)."""
+    method = flags["method"]
+    policy = plan_memory(shape, **{**flags, "method": PPO_METHODS[method]}, suggest=False)
+    h, gpus, separate = shape.hidden_size, flags["gpus"], method == "ppo"
+    head = 0 if shape.tie_embeddings else shape.vocab_size * h
+    critic_trained = shape.params - head + h if separate else policy.trainable_params + h
+    state = _shard(16 * critic_trained, gpus)  # weights (LoRA: the adapter), gradients, AdamW m and v
+    critic_how = (
+        f"{'model' if separate else 'adapter + value head'}: 16 B × {_count(critic_trained)} trained "
+        f"(weights, grads, AdamW){f' ÷ {gpus} (FSDP2)' if gpus > 1 else ''}; working copies and "
+        "activations as the policy's"
+    )
+    critic = Term(
+        "critic", "critic", state + policy.weight_copies + policy.activations, 0, gpus > 1, critic_how
+    )
+    if separate:
+        how = f"frozen fp32 copy of the policy, 4 B × {_count(shape.params)}"
+        how += f" ÷ {gpus} (FSDP2)" if gpus > 1 else ""
+        reference = Term("reference", "reference", _shard(4 * shape.params, gpus), 0, gpus > 1, how)
+    else:
+        reference = Term("reference", "reference", 0, 0, False, "the base with the adapters off")
+    total = policy.total_per_gpu + critic.gpu_bytes + reference.gpu_bytes
+    plan = replace(
+        policy,
+        method=method,
+        trainable_params=policy.trainable_params + critic_trained,
+        terms=[*policy.terms, critic, reference],
+        total_per_gpu=total,
+        fits=total <= flags["gpu_memory_bytes"],
+        critic=critic.gpu_bytes,
+        reference=reference.gpu_bytes,
+    )
+    kv_cache = 2 * shape.num_layers * shape.kv_dim * (2 if flags["bf16"] else 4) * policy.batch_size
+    kv_cache *= policy.seq_len
+    notes = [
+        f"the rollout's KV cache ({format_bytes(kv_cache)} for {policy.batch_size} × {policy.seq_len} "
+        "tokens) lives while no activations do: the training step is the peak",
+        "a reward model in reward_funcs adds its weights on every GPU (the run's dtype, unsharded)",
+    ]
+    if separate:
+        one_base = plan_memory(shape, **{**flags, "method": "ppo-lora", "gpus": 1}, suggest=False)
+        notes.append(
+            "the one-base-model mode (--method ppo-lora: policy and critic adapters, the reference the "
+            f"base; one GPU) needs {format_bytes(one_base.total_per_gpu)}"
+        )
+    return _with_suggestions(shape, plan, notes, suggest)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -592,6 +682,8 @@ def _model_shape(config: PretrainedConfig | ModelShape | str) -> ModelShape:
 def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device) -> None:
     if method not in METHODS:
         raise PlanError("method", f"must be one of {', '.join(METHODS)}, got {method!r}")
+    if method in _ONE_PROCESS and gpus != 1:
+        raise PlanError("gpus", f"{method} (one base model, two adapters) runs on 1 GPU; use --method ppo")
     for name, value in (
         ("gpus", gpus),
         ("seq_len", seq_len),
@@ -647,13 +739,16 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
     while batch_sizes[-1] > 1:
         batch_sizes.append(batch_sizes[-1] // 2)
 
-    def attempt(values: dict) -> MemoryPlan:
+    def attempt(values: dict) -> MemoryPlan | None:
+        """The plan of ``values``; None where the method cannot run on that many GPUs."""
+        if values["method"] in _ONE_PROCESS and values["gpus"] > 1:
+            return None
         return plan_memory(shape, **values, suggest=False)
 
     def fitting() -> MemoryPlan | None:
         for batch_size in batch_sizes:
             result = attempt({**inputs, "batch_size": batch_size})
-            if result.fits:
+            if result is not None and result.fits:
                 return result
         return None
 
@@ -665,11 +760,12 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
     rungs: list[tuple[str, object]] = [("checkpointing", True)]
     rungs += [("offload_activations", True)] if plan.device == "cuda" else []
     rungs += [("lora_dropout", 0.0)]
-    for method in METHODS[METHODS.index(plan.method) + 1 :]:
+    ladder = next(methods for methods in _LADDERS if plan.method in methods)
+    for method in ladder[ladder.index(plan.method) + 1 :]:
         rungs += [("method", method), ("lora_dropout", 0.0)]
     result = None
     for key, value in rungs:
-        if inputs[key] == value or (key == "lora_dropout" and inputs["method"] == "full"):
+        if inputs[key] == value or (key == "lora_dropout" and inputs["method"] in ("full", "ppo")):
             continue
         change(key, value)
         if result := fitting():
@@ -678,12 +774,15 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
     while result is None and gpus < _MAX_GPUS:
         gpus *= 2
         change("gpus", gpus)
+        if inputs["method"] in _ONE_PROCESS:  # only PPO's separate models shard
+            change("method", "ppo")
         result = fitting()
     if result is None:
         return [], None
     change("batch_size", result.batch_size)
     for key in reversed(changed):  # drop what the fit does not need, the dearest first (GPUs, batch: minimal)
-        if key not in ("gpus", "batch_size") and (trial := attempt({**inputs, key: original[key]})).fits:
+        trial = None if key in ("gpus", "batch_size") else attempt({**inputs, key: original[key]})
+        if trial is not None and trial.fits:
             inputs[key], result = original[key], trial
             changed.remove(key)
     flags = {"checkpointing": "--checkpointing", "offload_activations": "--offload-activations"}
@@ -704,6 +803,7 @@ def bits_per_param(double_quant: bool = True) -> float:
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "METHODS",
+    "PPO_METHODS",
     "MemoryPlan",
     "PlanError",
     "Term",

@@ -188,7 +188,8 @@ class TrainConfig:
     # ppo (TRL's former PPOConfig / OnPolicyConfig, trl 0.11-0.19): the sampling options, reward_funcs,
     # ref_model_name_or_path and missing_eos_penalty above apply; max_completion_length is its response_length
     value_model_path: str | None = None  # ppo: the critic's body (a sequence classifier with a new score
-    # head on every token); None: model_name_or_path
+    # head on every token); None: model_name_or_path. With use_peft the critic is a second adapter with a
+    # value head on the policy's base model (one model for policy, critic and reference): None or that model
     num_ppo_epochs: int = 4  # ppo: optimizer passes over each generation batch
     num_mini_batches: int = 1  # ppo: optimizer steps per pass (of gradient_accumulation_steps micro-batches)
     whiten_rewards: bool = False  # ppo: per-token rewards scaled to unit variance over the generation batch

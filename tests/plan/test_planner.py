@@ -260,6 +260,8 @@ def _cli_json(capsys, argv: list[str]) -> dict:
     "argv",
     [
         ["--model", "llama-3-8b", "--gpu-memory", "24GB"],  # full → checkpointing + QLoRA
+        ["--model", "llama-3-8b", "--method", "ppo", "--gpu-memory", "24GB"],  # → the one-base-model mode
+        ["--model", "llama-3-8b", "--method", "ppo-lora", "--gpu-memory", "12GB"],  # → ppo-qlora
         ["--model", "llama-3-70b", "--method", "qlora", "--gpu-memory", "48GB", "--seq-len", "8192"],
         ["--model", "llama-3-70b", "--method", "qlora", "--gpu-memory", "24GB", "--seq-len", "32768"],  # GPUs
         [
@@ -294,6 +296,43 @@ def test_suggestions_lead_to_a_plan_that_fits(capsys, argv):
     suggested = _cli_json(capsys, argv + [part for flag in plan["suggestions"] for part in flag.split()])
     assert suggested["fits"] and suggested["suggestions"] == []
     assert suggested["total_per_gpu"] == plan["suggested_total_per_gpu"] <= suggested["gpu_memory_bytes"]
+
+
+def test_ppo_separate_models_add_a_trained_critic_and_a_frozen_reference():
+    """``--method ppo``: the full fine-tuning plan of the policy, plus a critic of the policy's shape with
+    a value head for the LM head (16 B per parameter: weights, gradients, AdamW; sharded) with the
+    policy's working copies and activations, plus a frozen fp32 reference (4 B per parameter)."""
+    flags = dict(gpus=8, checkpointing=True, seq_len=8192)
+    policy = plan_memory("llama-3-8b", method="full", **flags)
+    ppo = plan_memory("llama-3-8b", method="ppo", **flags)
+    shape = shape_from_config(builtin_config("llama-3-8b"))
+    critic_params = shape.params - shape.vocab_size * shape.hidden_size + shape.hidden_size
+    assert ppo.critic == -(-16 * critic_params // 8) + policy.weight_copies + policy.activations
+    assert ppo.reference == -(-4 * shape.params // 8)
+    assert ppo.total_per_gpu == policy.total_per_gpu + ppo.critic + ppo.reference
+    assert ppo.total_per_gpu == sum(term.gpu_bytes for term in ppo.terms)
+    assert [term.name for term in ppo.terms][-2:] == ["critic", "reference"]
+    assert ppo.trainable_params == shape.params + critic_params
+    assert any("--method ppo-lora" in note for note in ppo.notes)
+
+
+def test_ppo_one_base_model_adds_an_adapter_and_a_value_head():
+    """``--method ppo-lora`` / ``ppo-qlora``: the LoRA plan of the policy, plus the critic's adapter (as
+    large as the policy's) and value head at 16 B per parameter, and its forward's working copies and
+    activations; the reference is the base (0 B). It needs far less than the separate models."""
+    for method, base in (("ppo-lora", "lora"), ("ppo-qlora", "qlora")):
+        policy = plan_memory("llama-3-8b", method=base, checkpointing=True)
+        ppo = plan_memory("llama-3-8b", method=method, checkpointing=True)
+        hidden = shape_from_config(builtin_config("llama-3-8b")).hidden_size
+        trained = policy.trainable_params + hidden
+        assert ppo.critic == 16 * trained + policy.weight_copies + policy.activations
+        assert ppo.reference == 0 and ppo.weights == policy.weights  # one base model
+        assert ppo.total_per_gpu == policy.total_per_gpu + ppo.critic
+    separate = plan_memory("llama-3-8b", method="ppo", checkpointing=True)
+    one_base = plan_memory("llama-3-8b", method="ppo-lora", checkpointing=True)
+    assert one_base.total_per_gpu < separate.total_per_gpu / 2
+    with pytest.raises(PlanError, match="runs on 1 GPU"):
+        plan_memory("llama-3-8b", method="ppo-qlora", gpus=2)
 
 
 def test_the_ladder_order_and_a_plan_that_fits_already():
@@ -399,6 +438,7 @@ def _moe(tmp_path):
         (["--model", "llama-3-8b", "--method", "dora"], "--method", "full, lora, qlora"),
         (["--model", "llama-3-8b", "--lora-r", "0"], "--lora-r", "positive"),
         (["--model", "llama-3-8b", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
+        (["--model", "llama-3-8b", "--method", "ppo-lora", "--gpus", "2"], "--gpus", "use --method ppo"),
         (["--model", "{not_causal}"], "--model", "BertForMaskedLM, not a causal LM"),
         (["--model", "{moe}"], "--model", "mixture-of-experts"),
     ],
