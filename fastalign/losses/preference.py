@@ -17,6 +17,8 @@ from torch import nn
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import token_logprobs, validation
 from fastalign.ops.backend import BACKENDS, Backend
+from fastalign.ops.linear_cross_entropy import default_chunk_size
+from fastalign.ops.linear_pair_objective import PairSums, linear_pair_objective
 from fastalign.ops.preference import (
     DPO_LOSS_TYPES,
     F_DIVERGENCE_LOSS_TYPES,
@@ -148,16 +150,33 @@ def sequence_logprobs(
     per-token entropy, which the fused kernel's statistics hold already (Σ p·z beside log Σ e^z).
     Raises a ValueError naming the first sequence without a loss token."""
     validation.require_tensor("targets", targets)
-    lengths = (targets != IGNORE_INDEX).sum(-1).float()
-    if bool((lengths == 0).any()):
-        index = int((lengths == 0).nonzero()[0, 0])
-        raise ValueError(f"sequence {index} of the batch has no loss tokens (all masked)")
+    lengths = loss_token_counts(targets)
     out = token_logprobs(
         hidden, weight, targets, bias, return_entropy=entropy, chunk_size=chunk_size, backend=backend
     )
     tokens, token_entropy = out if entropy else (out, None)
     logps = (tokens if token_weights is None else tokens * token_weights).sum(-1)
     return _Sequences(logps, lengths, tokens, None if token_entropy is None else token_entropy.detach())
+
+
+def loss_token_counts(targets: torch.Tensor) -> torch.Tensor:
+    """[N] fp32 loss tokens of each sequence of ``targets`` [N, T]; a ValueError names the first sequence
+    without any."""
+    lengths = (targets != IGNORE_INDEX).sum(-1).float()
+    if bool((lengths == 0).any()):
+        index = int((lengths == 0).nonzero()[0, 0])
+        raise ValueError(f"sequence {index} of the batch has no loss tokens (all masked)")
+    return lengths
+
+
+def _wpo_weights(aligned_chosen: torch.Tensor, aligned_rejected: torch.Tensor, pair: _Pairs) -> torch.Tensor:
+    """WPO's pair weights [P]: w_chosen·w_rejected, w = exp(mean over the loss tokens of
+    log p_t − log Σ_v p_v²) (``aligned_*``: those sums), the policy's length-normalised probability
+    aligned by its own distribution (TRL 1.16's ``use_weighting``; whole completions, whatever
+    ``ld_alpha``); constants."""
+    return (
+        torch.exp(aligned_chosen / pair.chosen_len) * torch.exp(aligned_rejected / pair.rejected_len)
+    ).detach()
 
 
 def _reward_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict:
@@ -347,25 +366,10 @@ class PreferenceLoss(nn.Module):
         targets = _masked_targets(targets, loss_mask)
         dpo = self.objective == "dpo"
         token_weights = self.token_weights(targets)
-        seq, lengths, tokens, entropy = sequence_logprobs(
-            hidden,
-            weight,
-            targets,
-            bias,
-            token_weights=token_weights,
-            entropy=dpo,
-            chunk_size=self.chunk_size,
-            backend=self.backend,
-        )
-        pair = _Pairs(
-            seq[:pairs],
-            seq[pairs:],
-            lengths[:pairs],
-            lengths[pairs:],
-            -tokens[:pairs].sum() / (lengths[:pairs].sum() if nll_tokens is None else nll_tokens),
-        )
-        if dpo:
-            refs = self._reference(
+        lengths = loss_token_counts(targets)
+        nll_divisor = lengths[:pairs].sum() if nll_tokens is None else nll_tokens
+        refs = (
+            self._reference(
                 pairs,
                 targets,
                 token_weights,
@@ -375,18 +379,65 @@ class PreferenceLoss(nn.Module):
                 ref_chosen_logps,
                 ref_rejected_logps,
             )
-            pair_weights = (
-                self._wpo_weights(hidden, weight, bias, targets, tokens, lengths)
-                if self.use_weighting
-                else None
+            if dpo
+            else None
+        )
+
+        def as_pairs(chosen, rejected, chosen_tokens, index: slice | torch.Tensor = slice(None)) -> _Pairs:
+            """Pairs ``index`` of the batch from their sequence log-probs and chosen token sums."""
+            nll = -chosen_tokens.sum() / nll_divisor
+            return _Pairs(chosen, rejected, lengths[:pairs][index], lengths[pairs:][index], nll)
+
+        if self._pair_head(targets, weight):
+            # the gradient formed per chunk of whole pairs (logits built once): the loss of the pairs
+            # ``index`` from their sums, the same function as below on the whole batch
+            def chunk_loss(index: torch.Tensor, sums: PairSums) -> torch.Tensor:
+                pair = as_pairs(sums.chosen, sums.rejected, sums.chosen_tokens, index)
+                wpo = (
+                    _wpo_weights(sums.aligned_chosen, sums.aligned_rejected, pair)
+                    if self.use_weighting
+                    else None
+                )
+                chunk_refs = None if refs is None else (refs[0][index], refs[1][index])
+                return self._loss(pair, chunk_refs, wpo, pairs)[0]
+
+            head = linear_pair_objective(
+                hidden,
+                weight,
+                targets,
+                chunk_loss,
+                bias,
+                token_weights=token_weights,
+                return_entropy=dpo,
+                return_aligned=self.use_weighting,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
             )
-            loss, rewards = self._dpo(pair, *refs, pair_weights)
-            logps = (pair.chosen, pair.rejected)
+            seq, entropy = head.logps, head.entropy
+            pair = as_pairs(seq[:pairs], seq[pairs:], head.token_sums[:pairs])
+            wpo = _wpo_weights(*head.aligned.chunk(2), pair) if self.use_weighting else None
+            with torch.no_grad():
+                _, rewards = self._loss(pair, refs, wpo, pairs)  # the metrics' log-ratios
+            loss = head.loss
         else:
-            # the log-probs a reference-free loss compares (means for SimPO, CPO's ipo, ORPO) are both
-            # its rewards over β and its logged logps, as TRL's CPO and ORPO trainers log them
-            loss, rewards = self._reference_free(pair)
-            logps = rewards
+            seq, _, tokens, entropy = sequence_logprobs(
+                hidden,
+                weight,
+                targets,
+                bias,
+                token_weights=token_weights,
+                entropy=dpo,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
+            )
+            pair = as_pairs(seq[:pairs], seq[pairs:], tokens[:pairs])
+            wpo = (
+                self._wpo_weights(hidden, weight, bias, targets, tokens, pair) if self.use_weighting else None
+            )
+            loss, rewards = self._loss(pair, refs, wpo, pairs)
+        # the log-probs a reference-free loss compares (means for SimPO, CPO's ipo, ORPO) are both its
+        # rewards over β and its logged logps, as TRL's CPO and ORPO trainers log them
+        logps = (pair.chosen, pair.rejected) if dpo else rewards
         chosen_rewards, rejected_rewards = (self.beta * reward.detach() for reward in rewards)
         metrics = _reward_metrics(chosen_rewards, rejected_rewards, *(value.detach() for value in logps))
         if self.objective in ("cpo", "simpo") and self.cpo_alpha == 0:
@@ -395,21 +446,35 @@ class PreferenceLoss(nn.Module):
             metrics["nll_loss"] = pair.nll.detach()
         if self.objective == "orpo":
             metrics |= _log_odds_metrics(pair)
-        if entropy is not None:
-            metrics["entropy"] = entropy.sum() / lengths.sum()
+        if dpo:
+            metrics["entropy"] = entropy.detach().sum() / lengths.sum()
         return PreferenceLossOutput(loss, metrics)
 
     @torch.no_grad()
-    def _wpo_weights(self, hidden, weight, bias, targets, tokens, lengths) -> torch.Tensor:
-        """WPO's pair weights [P]: w_chosen·w_rejected, w = exp(mean over the loss tokens of
-        log p_t − log Σ_v p_v²), the policy's length-normalised probability aligned by its own
-        distribution (TRL 1.16's ``use_weighting``; whole completions, whatever ``ld_alpha``)."""
+    def _wpo_weights(self, hidden, weight, bias, targets, tokens, pair: _Pairs) -> torch.Tensor:
+        """WPO's pair weights from per-token log-probs, with a second pass for log Σ_v p_v²."""
         log_sum_sq = token_log_sum_sq_probs(
             hidden, weight, targets, bias, chunk_size=self.chunk_size, backend=self.backend
         )
-        weights = torch.exp((tokens - log_sum_sq).sum(-1) / lengths)
-        chosen, rejected = weights.chunk(2)
-        return chosen * rejected
+        return _wpo_weights(*(tokens - log_sum_sq).sum(-1).chunk(2), pair)
+
+    def _pair_head(self, targets: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the loss runs in chunks of whole pairs with its gradient formed in the forward
+        (``linear_pair_objective``): not for 'aot'/'aot_unpaired', whose loss sorts all the pairs, nor
+        when one pair's loss tokens exceed 4 chunks (its logits would be alive at once)."""
+        if {"aot", "aot_unpaired"} & set(self.loss_types):
+            return False
+        chunk = self.chunk_size or default_chunk_size(weight.shape[0], weight.dtype, weight.device)
+        counts = loss_token_counts(targets)
+        longest = int((counts[: len(counts) // 2] + counts[len(counts) // 2 :]).max())
+        return longest <= 4 * chunk
+
+    def _loss(self, pair: _Pairs, refs: tuple | None, wpo: torch.Tensor | None, pairs: int):
+        """The loss of the pairs in ``pair`` (a mean over all ``pairs`` of the batch: a sum over these
+        divided by it) and its rewards' log-ratios."""
+        if refs is None:
+            return self._reference_free(pair, pairs)
+        return self._dpo(pair, *refs, wpo, pairs)
 
     def _dpo(
         self,
@@ -417,6 +482,7 @@ class PreferenceLoss(nn.Module):
         ref_chosen: torch.Tensor,
         ref_rejected: torch.Tensor,
         pair_weights: torch.Tensor | None,
+        pairs: int,
     ):
         """The weighted DPO-family loss and the implicit rewards' log-ratios; ``pair_weights`` [P] (WPO)
         scale every loss type's per-pair loss."""
@@ -440,21 +506,21 @@ class PreferenceLoss(nn.Module):
             losses = self._pair(kernel_type, c, r, smoothed)
             if pair_weights is not None:
                 losses = losses * pair_weights
-            loss = loss + loss_weight * losses.mean()
+            loss = loss + loss_weight * losses.sum() / pairs
         return loss, (pair.chosen - ref_chosen, pair.rejected - ref_rejected)
 
-    def _reference_free(self, pair: _Pairs):
+    def _reference_free(self, pair: _Pairs, pairs: int):
         """SimPO, CPO or ORPO, and what their rewards scale (mean or summed log-probs)."""
         chosen_mean, rejected_mean = pair.chosen / pair.chosen_len, pair.rejected / pair.rejected_len
         if self.objective == "simpo":
-            margin = self._pair("sigmoid", chosen_mean, rejected_mean + self.gamma / self.beta, True).mean()
-            return margin + self.cpo_alpha * pair.nll, (chosen_mean, rejected_mean)
+            margin = self._pair("sigmoid", chosen_mean, rejected_mean + self.gamma / self.beta, True)
+            return margin.sum() / pairs + self.cpo_alpha * pair.nll, (chosen_mean, rejected_mean)
         if self.objective == "cpo":
             ipo = self.loss_types[0] == "ipo"  # CPO's IPO variant compares mean log-probs
             c, r = (chosen_mean, rejected_mean) if ipo else (pair.chosen, pair.rejected)
-            margin = self._pair(self.loss_types[0], c, r, self.loss_types[0] == "sigmoid").mean()
-            return margin + self.cpo_alpha * pair.nll, (c, r)
-        loss = pair.nll + self._pair("orpo", chosen_mean, rejected_mean, False).mean()
+            margin = self._pair(self.loss_types[0], c, r, self.loss_types[0] == "sigmoid")
+            return margin.sum() / pairs + self.cpo_alpha * pair.nll, (c, r)
+        loss = pair.nll + self._pair("orpo", chosen_mean, rejected_mean, False).sum() / pairs
         return loss, (chosen_mean, rejected_mean)
 
     def _reference(

@@ -145,7 +145,7 @@ def _validate(
     return hidden.reshape(-1, dim).contiguous(), flat_targets.contiguous()
 
 
-def _prepare(
+def prepare(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -287,7 +287,7 @@ def linear_cross_entropy(
         num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch)
         if isinstance(num_items_in_batch, torch.Tensor):
             checks.positive("num_items_in_batch", num_items_in_batch)
-    flat_hidden, flat_targets, spec = _prepare(
+    flat_hidden, flat_targets, spec = prepare(
         hidden,
         weight,
         targets,
@@ -351,7 +351,7 @@ def token_logprobs(
         fp32 log-probs shaped like ``targets`` (0 where ``targets == ignore_index``), and the per-token
         entropy of the same distribution (0 where ignored) when ``return_entropy``.
     """
-    flat_hidden, flat_targets, spec = _prepare(
+    flat_hidden, flat_targets, spec = prepare(
         hidden, weight, targets, bias, ignore_index, softcap, temperature, return_entropy, chunk_size, backend
     )
     nll, entropy, _ = TokenwiseFunction.apply(flat_hidden, weight, bias, flat_targets, spec)
@@ -385,7 +385,7 @@ def token_objective(
     a 1-D tensor of auxiliary sums); losses and sums are added over chunks. Ignored tokens reach the
     objective with log-prob 0 and their gradient is dropped: the objective should weight them 0.
     """
-    flat_hidden, flat_targets, spec = _prepare(
+    flat_hidden, flat_targets, spec = prepare(
         hidden, weight, targets, bias, ignore_index, softcap, temperature, return_entropy, chunk_size, backend
     )
     needs = input_grads_needed(hidden, weight, bias)

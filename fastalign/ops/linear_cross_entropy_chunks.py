@@ -50,10 +50,10 @@ class ChunkSpec:
 # Row operations: one dispatch point per backend.
 
 
-def _row_stats(
+def row_stats(
     logits: torch.Tensor, targets: torch.Tensor, spec: ChunkSpec
 ) -> tuple[SoftmaxRowStats, torch.Tensor | None]:
-    """Row statistics, and the PyTorch path's exp buffer for ``_row_grad_`` (None for Triton)."""
+    """Row statistics, and the PyTorch path's exp buffer for ``row_grad_`` (None for Triton)."""
     if spec.backend == "torch":
         return torch_rows.softmax_row_stats(
             logits, targets, spec.ignore_index, spec.transform, spec.with_entropy
@@ -66,7 +66,7 @@ def _row_stats(
     return SoftmaxRowStats(*stats), None
 
 
-def _row_grad_(
+def row_grad_(
     logits: torch.Tensor,
     targets: torch.Tensor,
     stats: SoftmaxRowStats,
@@ -133,13 +133,13 @@ def _sweep(
         hidden_chunk = hidden[rows]
         logits = F.linear(hidden_chunk, weight, bias)
         if saved is None:
-            stats, workspace = _row_stats(logits, targets_chunk, spec)
+            stats, workspace = row_stats(logits, targets_chunk, spec)
             all_stats[:, rows] = torch.stack(stats)
         else:
             stats, workspace = SoftmaxRowStats(*saved[:, rows]), None
         if grads is not None:
             coefs = coefficients(rows, stats)
-            grad_logits = _row_grad_(logits, targets_chunk, stats, coefs, spec, workspace)
+            grad_logits = row_grad_(logits, targets_chunk, stats, coefs, spec, workspace)
             grads.add_chunk(rows, grad_logits, hidden_chunk, weight)
             del grad_logits
         # Drop this chunk's buffers before the next one is allocated: one chunk alive, not two.

@@ -10,6 +10,7 @@ itself against them.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +182,12 @@ def length_desensitised_weights(
     return weights * counted
 
 
-def _log_sum_sq_probs_torch(logits: torch.Tensor) -> torch.Tensor:
+def log_sum_sq_probs(logits: torch.Tensor, backend: Literal["triton", "torch"]) -> torch.Tensor:
+    """log Σ_v softmax(logits)_v² per row [C] (fp32) of a logits chunk [C, V] (a resolved backend)."""
+    if backend == "triton":
+        from fastalign.kernels import preference as kernels
+
+        return kernels.log_sum_sq_probs(logits)
     z = logits.float()
     return torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
 
@@ -209,14 +215,8 @@ def token_log_sum_sq_probs(
     rows = (flat_targets != ignore_index).nonzero().squeeze(-1)
     out = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
     step = chunk_size or default_chunk_size(vocab, weight.dtype, weight.device)
-    use_triton = resolve_backend(backend, hidden) == "triton"
+    resolved = resolve_backend(backend, hidden)
     for start in range(0, rows.numel(), step):
         index = rows[start : start + step]
-        logits = F.linear(flat_hidden[index], weight, bias)
-        if use_triton:
-            from fastalign.kernels import preference as kernels
-
-            out[index] = kernels.log_sum_sq_probs(logits)
-        else:
-            out[index] = _log_sum_sq_probs_torch(logits)
+        out[index] = log_sum_sq_probs(F.linear(flat_hidden[index], weight, bias), resolved)
     return out.view(targets.shape)
