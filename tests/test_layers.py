@@ -18,7 +18,7 @@ ALLOWED = {
     "ops": {"kernels"},
     "losses": {"ops", "models"},
     "data": {"errors", "models"},
-    "patching": {"ops", "models"},
+    "patching": {"errors", "ops", "models"},
     "quant": {"ops", "models"},
     "plan": {"builtin", "models"},
     "bench": set(),

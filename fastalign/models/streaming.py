@@ -6,6 +6,14 @@ one module at a time as its tensors arrive — read one at a time from the safet
 caller asks (``fastalign.quant`` quantizes each linear layer as soon as its weight is there). Peak host
 memory stays near one shard and one layer, and device memory near the final footprint.
 
+Checkpoints on disk may name and split tensors otherwise than the model holds them: a mixture-of-experts
+checkpoint (the Hub's, and what ``save_pretrained`` writes) has one ``gate_proj``/``up_proj``/``down_proj``
+(Mixtral: ``w1``/``w3``/``w2``) per expert, where transformers 5 holds each layer's experts as two 3-D
+parameters. ``fill_model`` converts as ``from_pretrained`` does, with transformers' own conversion
+mapping (``get_model_conversion_mapping``): a fused parameter is built as soon as the last of its
+checkpoint tensors arrives (which ones, the checkpoint's names tell up front), so at most one layer's
+experts are held at a time.
+
 Between the two, the skeleton can be wrapped with LoRA and sharded with FSDP2 (the trainer does): each
 rank then reads every layer but keeps only its own shard, so no rank ever holds the whole model — not
 70B in fp32, nor even in NF4 (~37 GB: more than a 24 GB GPU). Rank 0 loading and broadcasting would read
@@ -15,9 +23,10 @@ layer; reading is the cheaper side on a local or cached file system.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +35,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
 
 from fastalign.models.structure import base_model
 
@@ -44,6 +60,9 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     _tie_embeddings(model)  # init_empty_weights gives the head a meta Parameter of its own
+    # transformers finds a model's conversions by its classes, which FSDP2 replaces by classes of its own
+    # (FSDPMixtralForCausalLM, defined in torch: "custom code", which transformers skips): looked up now
+    model._checkpoint_conversions = get_model_conversion_mapping(model)
     return model
 
 
@@ -80,27 +99,42 @@ def _keys(file: Path) -> list[str]:
         raise ValueError(f"cannot read safetensors file {file}: {error}") from None
 
 
-def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint at ``path``, one at a time, file by file (each file opened once,
-    memory-mapped). Errors name a missing shard, a tensor the index promises but the shard lacks, or an
-    unreadable file."""
-    by_file: dict[Path, list[str]] = {}
-    for name, file in _shard_files(Path(path)).items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        if not file.is_file():
-            raise ValueError(f"checkpoint shard {file.name} (holding {names[0]}, ...) is missing")
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                available = set(handle.keys())
-                for name in names:
-                    if name not in available:
-                        raise ValueError(
-                            f"checkpoint shard {file.name} does not hold {name} as its index says"
-                        )
-                    yield name, handle.get_tensor(name)
-        except SafetensorError as error:
-            raise ValueError(f"cannot read safetensors file {file}: {error}") from None
+class CheckpointTensors:
+    """Every tensor of a checkpoint, one at a time when iterated, file by file (each file opened once,
+    memory-mapped); ``names``, all of them, known before any is read (what ``fill_model`` needs to know
+    when the last tensor of a fused parameter has arrived). Errors name a missing shard, a tensor the
+    index promises but the shard lacks, or an unreadable file."""
+
+    def __init__(self, path: str | Path):
+        self.files = _shard_files(Path(path))
+        self.names: list[str] = list(self.files)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        by_file: dict[Path, list[str]] = {}
+        for name, file in self.files.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            yield from _file_tensors(file, names)
+
+
+def checkpoint_tensors(path: str | Path) -> CheckpointTensors:
+    """The tensors of the checkpoint at ``path`` (one safetensors file or the shards of an index)."""
+    return CheckpointTensors(path)
+
+
+def _file_tensors(file: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors ``names`` of one safetensors file, in that order."""
+    if not file.is_file():
+        raise ValueError(f"checkpoint shard {file.name} (holding {names[0]}, ...) is missing")
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            available = set(handle.keys())
+            for name in names:
+                if name not in available:
+                    raise ValueError(f"checkpoint shard {file.name} does not hold {name} as its index says")
+                yield name, handle.get_tensor(name)
+    except SafetensorError as error:
+        raise ValueError(f"cannot read safetensors file {file}: {error}") from None
 
 
 def _checkpoint_name(name: str) -> str:
@@ -121,6 +155,75 @@ def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
             f"a checkpoint tensor has shape {tuple(full.shape)}, the model expects {tuple(param.shape)}"
         )
     param.copy_(full)
+
+
+class _Conversion:
+    """transformers' conversion of checkpoint tensors into ``model``'s parameters, as ``from_pretrained``
+    applies it (``get_model_conversion_mapping``: its renamings, e.g. Mixtral's ``block_sparse_moe`` →
+    ``mlp``, and its converters, e.g. each layer's per-expert ``gate_proj``/``up_proj`` stacked and
+    concatenated into ``experts.gate_up_proj``), on a stream. A fused parameter is converted when the
+    last of its checkpoint tensors arrives: ``names`` (every checkpoint tensor's name, when known up front)
+    tells how many it is made of; without them, the fused parameters are converted at the end. Its
+    tensors are stacked in the natural order of their names (expert 2 before expert 10), as
+    ``from_pretrained`` sorts a checkpoint before converting it."""
+
+    def __init__(self, model: nn.Module, expected: Collection[str], names: Collection[str] | None):
+        self.model = base_model(model)
+        transforms = getattr(self.model, "_checkpoint_conversions", None)  # an ``empty_model`` skeleton's
+        if transforms is None:
+            transforms = get_model_conversion_mapping(self.model)
+        self.transforms = transforms
+        self.renamings = [entry for entry in transforms if isinstance(entry, WeightRenaming)]
+        self.converters = [entry for entry in transforms if isinstance(entry, WeightConverter)]
+        self.by_pattern = {pattern: entry for entry in self.converters for pattern in entry.source_patterns}
+        self.expected = dict.fromkeys(expected, True)  # rename_source_key looks names up with .get
+        self.sizes: dict[str, int] = {}
+        for name in names or ():
+            target, pattern = self.rename(name)
+            if pattern is not None:
+                self.sizes[target] = self.sizes.get(target, 0) + 1
+        self.pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+
+    def rename(self, name: str) -> tuple[str, str | None]:
+        """The model's name for checkpoint tensor ``name``, and the converter source pattern it matched
+        (None: a plain rename), with ``from_pretrained``'s fallback to the name as it is."""
+        prefix = self.model.base_model_prefix
+        target, pattern = rename_source_key(name, self.renamings, self.converters, prefix, self.expected)
+        if target not in self.expected and name in self.expected:
+            target, pattern = rename_source_key(name, [], [], prefix, self.expected)
+        return target, pattern
+
+    def __call__(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            target, pattern = self.rename(name)
+            if pattern is None:
+                yield target, tensor
+            elif target in self.expected:  # a fused parameter the model lacks is dropped at once
+                arrived = self.pending.setdefault(target, {})
+                arrived[name] = (pattern, tensor)
+                if len(arrived) == self.sizes.get(target):
+                    yield from self.fuse(target)
+        for target in list(self.pending):
+            yield from self.fuse(target)
+
+    def remember(self) -> None:
+        """What ``from_pretrained`` leaves on the model for ``save_pretrained`` to undo: the transforms
+        this checkpoint used (so an FSDP2-sharded model, whose classes transformers does not recognise,
+        still saves one tensor per expert, as it was loaded)."""
+        used = [transform for transform in self.transforms if transform.was_used()]
+        if used:
+            self.model._weight_conversions = used
+
+    def fuse(self, target: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameter(s) ``target``'s converter builds from its arrived tensors, which it releases."""
+        arrived = self.pending.pop(target)
+        converter = None
+        for name in sorted(arrived, key=dot_natural_key):
+            pattern, tensor = arrived.pop(name)
+            converter = converter or copy.deepcopy(self.by_pattern[pattern])
+            converter.add_tensor(target, name, pattern, tensor)
+        for fused, value in converter.convert(target, model=self.model, config=self.model.config).items():
+            yield fused, value[0] if isinstance(value, list) else value
 
 
 class _Filler:
@@ -199,7 +302,9 @@ def fill_model(
     convert: Convert | None = None,
 ) -> nn.Module:
     """Materialize a model from ``empty_model`` — as it is, or wrapped by peft and sharded by FSDP2
-    since — on ``device`` from ``tensors`` (name, full tensor) in checkpoint naming, in ``dtype``, each
+    since — on ``device`` from ``tensors`` (name, full tensor) in checkpoint naming (a checkpoint's own,
+    converted as ``from_pretrained`` converts it: ``_Conversion``; ``checkpoint_tensors`` names them all up
+    front, so each fused parameter is built as soon as its tensors are in), in ``dtype``, each
     tensor passed through ``convert`` on arrival when given; LoRA adapters get their initialization from
     ``seed``. Errors name the first tensor ``source`` lacks."""
     device = torch.device(device)
@@ -209,8 +314,11 @@ def fill_model(
     for name, buffer in model.named_buffers():
         buffer.copy_(buffers[name])
     filler = _Filler(model, dtype, device, convert)
-    for name, tensor in tensors:
+    expected = [f"{module}.{attribute}" for module, names in filler.expected.items() for attribute in names]
+    conversion = _Conversion(model, expected, getattr(tensors, "names", None))
+    for name, tensor in conversion(tensors):
         filler.add(name, tensor)
+    conversion.remember()
     missing = filler.missing()
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -331,7 +331,7 @@ class _Setup(_Request):
     @functools.cached_property
     def layer_activations(self) -> int:
         """Bytes one decoder layer saves for backward, per token."""
-        return _layer_activation_bytes(self.shape, self.method, self.regime, self.lora_r)
+        return _layer_activation_bytes(self.shape.activation_shape, self.method, self.regime, self.lora_r)
 
     @property
     def layer_input(self) -> int:

@@ -2,12 +2,14 @@
 ``config.json`` files, and the ``ModelShape`` the planner's arithmetic reads.
 
 Only shapes matter (no weights): sizes of the embeddings, the decoder layers' linear layers, biases and
-norms. ``ModelShape.params`` equals ``sum(p.numel() for p in model.parameters())`` of the Hugging Face
+norms, and a mixture-of-experts layer's router and experts (Mixtral, Qwen1.5-MoE, Qwen3-MoE: every layer
+routed). ``ModelShape.params`` equals ``sum(p.numel() for p in model.parameters())`` of the Hugging Face
 model built from the same config (tests check it for every built-in shape on the meta device).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +86,45 @@ BUILTIN_SHAPES: dict[str, dict] = {
         "tie_word_embeddings": False,
         "sliding_window": None,
     },
+    # mixture-of-experts (their config.json files): every layer routes each token to top-k of E experts
+    "mixtral-8x7b": {  # Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B activated per token
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,  # each expert's
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-05,
+        "router_aux_loss_coef": 0.02,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+    },
+    "qwen3-30b-a3b": {  # Qwen3-30B-A3B: 30.5B parameters, 3.3B activated per token
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,  # the dense MLP of mlp_only_layers (none)
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -98,8 +139,13 @@ def shape_names() -> tuple[str, ...]:
     return (*BUILTIN_SHAPES, *_tiny_names())
 
 
-#: Config attributes that mark a mixture-of-experts model (the planner assumes one dense MLP per layer).
+#: Config attributes that mark a mixture-of-experts model.
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+#: The mixture-of-experts model types the planner counts: every layer routed, experts of gated MLPs
+#: held as 3-D ``gate_up_proj``/``down_proj`` (no biases), a bias-free router; Qwen1.5-MoE adds a shared
+#: expert with a sigmoid gate. (DeepSeek-V3's latent attention and dense first layers, GPT-OSS's biased
+#: experts and sinks are not modelled.)
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 #: The sizes every Llama-style config has: ``ModelShape`` field ← config attribute.
 _REQUIRED_SIZES = {
     "vocab_size": "vocab_size",
@@ -135,6 +181,16 @@ class ModelShape:
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k (weights of head_dim)
     fused_qkv: bool = False  # Phi-3: one qkv_proj and one gate_up_proj
     fused_gate_up: bool = False
+    # mixture of experts (0: a dense gated MLP of intermediate_size): each layer's E experts of width
+    # expert_intermediate_size, top-k per token, and a shared expert (Qwen1.5-MoE) of its own width
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_dim(self) -> int:
@@ -145,15 +201,57 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     def linears(self) -> list[tuple[str, int, int]]:
-        """``(name, in_features, out_features)`` of one decoder layer's linear layers (LoRA targets)."""
+        """``(name, in_features, out_features)`` of one decoder layer's linear layers (LoRA targets, what
+        4-bit quantization applies to). A MoE layer's experts and router are no ``nn.Linear``: its
+        linear layers are the attention's and the shared expert's (with its gate)."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
         attention = (
             [("qkv_proj", h, q + 2 * kv)]
             if self.fused_qkv
             else [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv)]
         )
+        if self.is_moe:
+            s = self.shared_expert_intermediate_size
+            shared = [
+                ("gate_proj", h, s),
+                ("up_proj", h, s),
+                ("down_proj", s, h),
+                ("shared_expert_gate", h, 1),
+            ]
+            return [*attention, ("o_proj", q, h), *(shared if s else [])]
         mlp = [("gate_up_proj", h, 2 * i)] if self.fused_gate_up else [("gate_proj", h, i), ("up_proj", h, i)]
         return [*attention, ("o_proj", q, h), *mlp, ("down_proj", i, h)]
+
+    @property
+    def layer_expert_params(self) -> int:
+        """One layer's routed experts (a gated MLP each: 3·hidden·width) and router (experts × hidden)."""
+        h = self.hidden_size
+        return self.num_experts * (3 * h * self.expert_intermediate_size + h)
+
+    @property
+    def layer_active_params(self) -> int:
+        """The weights one token's forward through a layer multiplies with (matrices only: the 2-D
+        weights, as ``fastalign.train.metrics.training_flops_per_token`` counts them): the linear layers,
+        the router, and its top-k experts."""
+        expert = 3 * self.hidden_size * self.expert_intermediate_size
+        routing = self.num_experts * self.hidden_size + self.experts_per_token * expert
+        return self.layer_linear_params + (routing if self.is_moe else 0)
+
+    def flops_per_token(self, sequence_length: int) -> float:
+        """Training FLOPs per token as ``training_flops_per_token`` counts a dense model's, 6·P + 12·L·d·S,
+        with P the weights a token activates (its top-k experts, not all E) and the head's."""
+        active = self.num_layers * self.layer_active_params + self.vocab_size * self.hidden_size
+        return 6.0 * active + 12 * self.num_layers * self.hidden_size * sequence_length
+
+    @property
+    def activation_shape(self) -> ModelShape:
+        """The shape whose per-token activations the planner's formula counts: a MoE layer's as a dense
+        gated MLP as wide as what a token goes through (its top-k experts and the shared one). An
+        approximation: the router's logits and the tokens' gathering into experts are not counted."""
+        if not self.is_moe:
+            return self
+        width = self.experts_per_token * self.expert_intermediate_size + self.shared_expert_intermediate_size
+        return dataclasses.replace(self, intermediate_size=width, num_experts=0, experts_per_token=0)
 
     @property
     def layer_linear_params(self) -> int:
@@ -166,10 +264,12 @@ class ModelShape:
 
     @property
     def layer_other_params(self) -> int:
-        """One layer's biases and norm weights."""
+        """One layer's parameters outside its linear layers: biases, norm weights, and a MoE layer's
+        experts and router (neither quantized to 4 bits nor LoRA targets)."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        biases = (q + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * i + h) * self.mlp_bias
-        return biases + self.norms_per_layer * h + 2 * self.head_dim * self.qk_norm
+        mlp_bias = 0 if self.is_moe else (2 * i + h) * self.mlp_bias
+        biases = (q + 2 * kv) * self.qkv_bias + h * self.o_bias + mlp_bias
+        return biases + self.norms_per_layer * h + 2 * self.head_dim * self.qk_norm + self.layer_expert_params
 
     @property
     def embedding_params(self) -> int:
@@ -201,12 +301,7 @@ class ModelShape:
 def shape_from_config(config: PretrainedConfig, name: str | None = None) -> ModelShape:
     """The ``ModelShape`` of a decoder-only causal LM config (multimodal configs: their text config)."""
     label = name or getattr(config, "name_or_path", "") or config.model_type
-    for field in _MOE_FIELDS:
-        if getattr(config, field, None):
-            raise PlanError(
-                "config",
-                f"{label} is a mixture-of-experts model ({field}); the planner models dense decoders only",
-            )
+    moe = _moe_sizes(config, label)
     missing = [attribute for attribute in _REQUIRED_SIZES.values() if not getattr(config, attribute, None)]
     if missing:
         raise PlanError(
@@ -225,14 +320,38 @@ def shape_from_config(config: PretrainedConfig, name: str | None = None) -> Mode
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=attention_bias or model_type == "qwen2",
+        qkv_bias=attention_bias or bool(getattr(config, "qkv_bias", model_type == "qwen2")),
         o_bias=attention_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         fused_qkv=model_type == "phi3",
         fused_gate_up=model_type == "phi3",
+        **moe,
     )
+
+
+def _moe_sizes(config: PretrainedConfig, label: str) -> dict[str, int]:
+    """The ``ModelShape`` expert fields of a config (none for a dense one); a mixture-of-experts model
+    the planner does not model (another type, or one with dense layers among the routed) is an error."""
+    marks = [field for field in _MOE_FIELDS if getattr(config, field, None)]
+    if not marks:
+        return {}
+    dense_layers = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
+    if config.model_type not in MOE_MODEL_TYPES or dense_layers:
+        what = "dense layers among the routed ones" if dense_layers else marks[0]
+        raise PlanError(
+            "config",
+            f"{label} is a mixture-of-experts model ({what}) the planner does not model: it counts "
+            f"{', '.join(MOE_MODEL_TYPES)} with every layer routed",
+        )
+    mixtral = config.model_type == "mixtral"
+    return {
+        "num_experts": config.num_local_experts if mixtral else config.num_experts,
+        "experts_per_token": config.num_experts_per_tok,
+        "expert_intermediate_size": config.intermediate_size if mixtral else config.moe_intermediate_size,
+        "shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", 0) or 0,
+    }
 
 
 def builtin_config(name: str) -> PretrainedConfig:

@@ -201,6 +201,11 @@ class TrainConfig:
     gamma: float = 1.0  # ppo: discount
     lam: float = 0.95  # ppo: GAE's λ
 
+    # mixture-of-experts router (TRL's SFT/DPO/KTO/GRPO/RLOO configs): the load-balancing loss of a MoE
+    # model (one whose config has output_router_logits) is added with this weight; None: the model
+    # config's router_aux_loss_coef; 0 turns it off. An error for a model without a router.
+    router_aux_loss_coef: float | None = None
+
     # logging, evaluation, checkpoints
     # When to log, evaluate and save, as transformers' TrainingArguments: a strategy ("no", "steps" every
     # <x>_steps, "epoch" at each epoch's end); "steps" and "epoch" also act at the run's last step. A
@@ -437,6 +442,8 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("cliprange_value", lambda value: value >= 0, "non-negative"),
     ("gamma", lambda value: 0 <= value <= 1, "in [0, 1]"),
     ("lam", lambda value: 0 <= value <= 1, "in [0, 1]"),
+    # mixture-of-experts router
+    ("router_aux_loss_coef", lambda value: value is None or value >= 0, "non-negative, or null"),
 )
 
 

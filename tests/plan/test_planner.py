@@ -56,6 +56,40 @@ def test_published_parameter_counts():
     assert {"llama-3-8b", "llama-3-70b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b"} <= set(BUILTIN_SHAPES)
 
 
+def test_mixture_of_experts_shapes_count_experts_and_activate_top_k():
+    """Mixtral-8x7B and Qwen3-30B-A3B at their published totals (46.7B, 30.5B) and activated sizes (12.9B,
+    3.3B per token: top-2 of 8 and top-8 of 128 experts); FLOPs count the activated weights only; the
+    experts are neither LoRA targets nor 4-bit (QLoRA keeps them in bf16, as the loader does)."""
+    from fastalign.train.metrics import training_flops_per_token
+
+    for name, total, active in (("mixtral-8x7b", 46.7e9, 12.9e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9)):
+        shape = shape_from_config(builtin_config(name))
+        assert shape.params == pytest.approx(total, rel=0.01)
+        activated = shape.num_layers * shape.layer_active_params + shape.root_params
+        assert activated == pytest.approx(active, rel=0.02)
+        with torch.device("meta"):  # the trainer's count multiplies every expert: less the idle ones
+            every_expert = training_flops_per_token(
+                AutoModelForCausalLM.from_config(builtin_config(name)), 4096
+            )
+        idle = shape.num_layers * (shape.num_experts - shape.experts_per_token) * 3 * shape.hidden_size
+        assert shape.flops_per_token(4096) == every_expert - 6 * idle * shape.expert_intermediate_size
+    mixtral = shape_from_config(builtin_config("mixtral-8x7b"))
+    assert [name for name, _, _ in mixtral.linears()] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert mixtral.layer_other_params == 8 * (3 * 4096 * 14336 + 4096) + 2 * 4096  # experts, router, norms
+    assert mixtral.activation_shape.intermediate_size == 2 * 14336  # what a token goes through
+    plan = plan_memory("mixtral-8x7b", method="qlora", bf16=True, seq_len=512, batch_size=1)
+    quantized = 32 * mixtral.layer_linear_params
+    assert plan.weights > 2 * (mixtral.params - quantized)  # the experts stay bf16
+    # Qwen1.5-MoE's shared expert (gated) is a set of linear layers: LoRA targets, counted exactly
+    config = AutoConfig.for_model(
+        "qwen2_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=6, moe_intermediate_size=16, shared_expert_intermediate_size=48, vocab_size=100,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert shape_from_config(config).params == sum(p.numel() for p in model.parameters())
+
+
 # --------------------------------------------------------------------------------------------------
 # Arithmetic by hand
 
@@ -411,13 +445,14 @@ def _not_causal(tmp_path):
 
 
 def _moe(tmp_path):
+    """A mixture-of-experts model the planner does not model (latent attention, dense first layers)."""
     AutoConfig.for_model(
-        "mixtral",
+        "deepseek_v3",
         hidden_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         intermediate_size=64,
-        num_local_experts=4,
+        n_routed_experts=4,
     ).save_pretrained(tmp_path)
     return str(tmp_path)
 

@@ -33,6 +33,7 @@ from fastalign.patching.causal_lm import shift_labels
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
 from fastalign.train.objectives.base import LENGTH_KEYS, Objective, Prepared, RunParts, pick
+from fastalign.train.objectives.router_aux import RouterAuxLoss
 from fastalign.train.reference import (
     Reference,
     ReferenceOptions,
@@ -48,7 +49,7 @@ _DPO_ONLY = ("ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "use_we
 _LOSS_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "cpo_alpha", *_DPO_ONLY)
 #: The keys each reads besides the lengths (``PreferenceLoss`` checks their values).
 _LOSS_KEYS = {
-    "dpo": ("beta", "loss_type", "loss_weights", "label_smoothing", *_DPO_ONLY),
+    "dpo": ("beta", "loss_type", "loss_weights", "label_smoothing", *_DPO_ONLY, "router_aux_loss_coef"),
     "simpo": ("beta", "simpo_gamma", "label_smoothing", "cpo_alpha"),
     "cpo": ("beta", "loss_type", "label_smoothing", "cpo_alpha"),
     "orpo": ("beta",),
@@ -75,6 +76,7 @@ class DPOOptions:
     truncation_mode: str  # dpo only (TRL's CPOConfig and ORPOConfig have none): keep_start for the others
     disable_dropout: bool
     chat_template_kwargs: dict | None  # template variables of conversational rows
+    router_aux_loss_coef: float | None  # dpo only: a MoE policy's load-balancing loss weight
 
     @classmethod
     def from_config(cls, config: TrainConfig, name: str) -> DPOOptions:
@@ -104,6 +106,8 @@ class DPOObjective(Objective):
             raise ConfigError(f"config for {name}: {error}") from None
         self.reference: Reference | None = None
         self._step_chosen_tokens = torch.ones(())
+        # TRL's DPOConfig has the key; its CPO and ORPO trainers follow the model config
+        self.router_aux = RouterAuxLoss(options.router_aux_loss_coef, config_key=name == "dpo")
 
     @classmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> DPOObjective:
@@ -130,6 +134,7 @@ class DPOObjective(Objective):
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         if self.options.disable_dropout:
             disable_dropout(model)
+        self.router_aux.setup(model)
         if self.loss.reference_free:
             return Prepared(train, evaluation)
 
@@ -149,6 +154,7 @@ class DPOObjective(Objective):
     def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
         local = sum(_chosen_tokens(batch) for batch in micro_batches)
         self._step_chosen_tokens = all_reduce_sum(local, self.ctx).cpu().clamp_min(1)
+        self.router_aux.start_step(len(micro_batches), self.ctx.world_size)
         return micro_batches, {}
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
@@ -161,10 +167,16 @@ class DPOObjective(Objective):
         def head(hidden, weight, bias):
             return self.loss(hidden, weight, targets, bias=bias, nll_tokens=nll_tokens, **references)
 
-        result = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], head_fn=head)
+        result = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            head_fn=head,
+            **self.router_aux.forward_kwargs(),
+        )
         loss, metrics = result.head_output
         share = pairs / num_items_in_batch
-        return loss * share, {key: value * share for key, value in metrics.items()}
+        metrics = {key: value * share for key, value in metrics.items()}
+        return self.router_aux.add(model, loss * share, result, metrics)
 
     def _references(self, batch: dict, pairs: int) -> dict[str, torch.Tensor]:
         """Precomputed in the batch, or from the reference model (chosen rows, then rejected)."""

@@ -28,6 +28,7 @@ from fastalign.patching.causal_lm import shift_labels
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
 from fastalign.train.objectives.base import LENGTH_KEYS, Objective, Prepared, RunParts, pick
+from fastalign.train.objectives.router_aux import RouterAuxLoss
 from fastalign.train.reference import (
     Reference,
     ReferenceOptions,
@@ -51,6 +52,7 @@ class KTOOptions:
     truncation: bool
     disable_dropout: bool
     chat_template_kwargs: dict | None  # template variables of conversational rows
+    router_aux_loss_coef: float | None  # a MoE policy's load-balancing loss weight (None: the model's)
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> KTOOptions:
@@ -88,6 +90,7 @@ class KTOObjective(Objective):
         self.reference: Reference | None = None
         self._class_counts = torch.ones(2)  # desirable, undesirable completions of the current step
         self._kl = torch.zeros(1)
+        self.router_aux = RouterAuxLoss(options.router_aux_loss_coef)
 
     @classmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> KTOObjective:
@@ -109,6 +112,7 @@ class KTOObjective(Objective):
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         if self.options.disable_dropout:
             disable_dropout(model)
+        self.router_aux.setup(model)
 
         def score(reference: Reference, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             found = {"ref_logp": reference.sequence_logprobs(*_rows(batch))}
@@ -138,6 +142,7 @@ class KTOObjective(Objective):
         sums = all_reduce_sum(sums, self.ctx).cpu()
         self._class_counts = sums[:2]
         self._kl = (sums[2] / sums[3].clamp_min(1)).clamp(min=0).float().reshape(1)
+        self.router_aux.start_step(len(micro_batches), self.ctx.world_size)
         return micro_batches, {}
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
@@ -160,7 +165,12 @@ class KTOObjective(Objective):
                 **kl_terms,
             )
 
-        result = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], head_fn=head)
+        result = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            head_fn=head,
+            **self.router_aux.forward_kwargs(),
+        )
         loss, metrics = result.head_output
         share = self.loss_tokens(batch) / num_items_in_batch
         step_metrics = {key: metrics[key] * share for key in ("kl", "entropy")}
@@ -172,7 +182,7 @@ class KTOObjective(Objective):
             for key in (f"rewards/{name}", f"logps/{name}"):
                 step_metrics[key] = metrics[key] * weight if key in metrics else torch.zeros(())
         step_metrics["rewards/margins"] = step_metrics["rewards/chosen"] - step_metrics["rewards/rejected"]
-        return loss * share, step_metrics
+        return self.router_aux.add(model, loss * share, result, step_metrics)
 
     @torch.no_grad()
     def _kl_log_ratios(self, model, batch: dict) -> torch.Tensor:

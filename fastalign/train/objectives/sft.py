@@ -21,7 +21,8 @@ from fastalign.data import split_long_examples, tokenize_sft_dataset, wrap_examp
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
-from fastalign.train.objectives.base import Objective, pick
+from fastalign.train.objectives.base import Objective, Prepared, RunParts, pick
+from fastalign.train.objectives.router_aux import RouterAuxLoss
 
 #: SFTOptions fields that are ``tokenize_sft_dataset``'s arguments of the same name.
 _TOKENIZE_KEYS = (
@@ -53,6 +54,7 @@ class SFTOptions:
     dataset_text_field: str
     chat_template_kwargs: dict | None
     loss_type: list[str]  # one of SFT_LOSS_TYPES (TRL's SFTConfig takes one name; the config holds a list)
+    router_aux_loss_coef: float | None  # a MoE policy's load-balancing loss weight (None: the model's)
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> SFTOptions:
@@ -88,6 +90,7 @@ class SFTObjective(Objective):
         self.options = options or SFTOptions.from_config(TrainConfig())
         packs_bins = self.options.packing and self.options.packing_strategy != "wrapped"
         self.packing_length = self.options.max_length if packs_bins else None
+        self.router_aux = RouterAuxLoss(self.options.router_aux_loss_coef)
 
     @classmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> SFTObjective:
@@ -110,6 +113,14 @@ class SFTObjective(Objective):
         )
         return split(examples, options.max_length) if split else examples
 
+    def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
+        self.router_aux.setup(model)
+        return super().setup(model, train, evaluation, parts)
+
+    def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
+        self.router_aux.start_step(len(micro_batches), self.ctx.world_size)
+        return micro_batches, {}
+
     def loss_tokens(self, batch: dict) -> int:
         # The model shifts labels by one: the first label of each row is never a target.
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -118,11 +129,14 @@ class SFTObjective(Objective):
         self, model: torch.nn.Module, batch: dict, num_items_in_batch: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         dft = self.options.loss_type == ["dft"]
+        # with the router's aux loss, per token: the model's "mean" would add it unscaled by the step's share
+        per_token = dft or self.router_aux.enabled
         out = model(
             **batch,
             num_items_in_batch=num_items_in_batch,
-            loss_reduction="none" if dft else "mean",
+            loss_reduction="none" if per_token else "mean",
             return_token_stats=True,
+            **self.router_aux.forward_kwargs(),
         )
         if getattr(out, "token_stats", None) is None:
             raise TypeError(
@@ -131,8 +145,10 @@ class SFTObjective(Objective):
             )
         count = num_items_in_batch.to(out.token_stats.entropy.device).float()
         # DFT: the gradient of -p·log p with p held constant is p times cross-entropy's (0 where ignored)
-        loss = (out.loss * torch.exp(-out.loss).detach()).sum() / count if dft else out.loss
-        return loss, {
+        weights = torch.exp(-out.loss).detach() if dft else 1.0
+        loss = (out.loss * weights).sum() / count if per_token else out.loss
+        metrics = {
             "entropy": out.token_stats.entropy.sum() / count,
             "mean_token_accuracy": out.token_stats.accuracy.sum() / count,
         }
+        return self.router_aux.add(model, loss, out, metrics)
