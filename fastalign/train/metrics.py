@@ -11,14 +11,18 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 
 
 def training_flops_per_token(model: torch.nn.Module, sequence_length: int) -> float:
-    """6·P for the matmul weights P (embedding lookups excluded, the LM head included) plus the
-    attention scores and values, 12·L·d·S, forward and backward — the usual MFU convention."""
+    """6·P for the matmul weights P a token goes through (embedding lookups excluded, the LM head
+    included; of a mixture-of-experts layer's fused [experts, …] weights, its ``num_experts_per_tok``
+    experts) plus the attention scores and values, 12·L·d·S, forward and backward — the usual MFU
+    convention."""
     config = model.config
     embeddings = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
     output = model.get_output_embeddings()
     if output is not None:
         embeddings.discard(id(output.weight))  # tied: the head's matmul does count
-    weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+    matrices = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings]
+    top_k = getattr(config, "num_experts_per_tok", None)
+    weights = sum(p.numel() * (top_k / p.shape[0] if p.dim() == 3 and top_k else 1) for p in matrices)
     attention = 12 * config.num_hidden_layers * config.hidden_size * sequence_length
     return 6.0 * weights + attention
 
