@@ -1,5 +1,7 @@
 # The two entry points of the README. Each sets up .venv first (scripts/setup.sh, idempotent).
 VENV ?= .venv
+# pytest-xdist workers of `make test` (one per CI core; 0 runs the suite in this process)
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 
 .PHONY: setup demo test lint bench-cpu
@@ -15,7 +17,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 bench-cpu: setup
 	$(VENV)/bin/fastalign bench all --preset cpu

@@ -11,6 +11,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest worker per core (pytest-xdist): one thread each, in this process and
+    # in the processes its tests start, instead of every worker's torch spreading over every core.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
