@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import fastalign
 import fastalign.models.streaming as streaming
-from fastalign.builtin import tiny_sft_rows, tiny_tokenizer
+from fastalign.builtin import tiny_prompt_rows, tiny_sft_rows, tiny_tokenizer
 from fastalign.quant import QuantOptions, load_4bit_model, quantize_model
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.export import export_model
@@ -162,3 +162,29 @@ def test_sft_trains_a_moe_checkpoint_with_the_aux_loss_and_exports_it(checkpoint
     assert_same_state(
         materialize_model(skeleton, config.output_dir, None, torch.device("cpu"), seed=0), trained
     )
+
+
+def test_grpo_adds_the_aux_loss_with_its_weight(checkpoint, tmp_path):
+    """GRPO (as TRL's GRPOTrainer) adds ``router_aux_loss_coef · aux_loss`` to the step's loss and logs
+    ``aux_loss``: the same sampled completions (seeded by data position) with the weight 0.5 and 0 differ
+    by exactly half the logged aux loss, and PPO's options have no such key (TRL's former trainer)."""
+    _, directory = checkpoint("mixtral")
+    losses = {}
+    for coef in (0.5, 0.0):
+        (tmp_path / str(coef)).mkdir()
+        config = short_config(
+            tmp_path / str(coef),
+            tiny_prompt_rows(4),
+            model_name_or_path=str(directory),
+            reward_funcs=["fastalign.builtin:digit_ratio"],
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=4,
+            max_steps=1,
+            router_aux_loss_coef=coef,
+        )
+        (row,) = [row for row in train(config, "grpo") if "loss" in row]
+        losses[coef] = row
+    assert "aux_loss" not in losses[0.0] and losses[0.5]["aux_loss"] > 0
+    added = losses[0.5]["loss"] - losses[0.0]["loss"]
+    assert added == pytest.approx(0.5 * losses[0.5]["aux_loss"], rel=1e-4, abs=1e-7)

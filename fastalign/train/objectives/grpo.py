@@ -51,6 +51,7 @@ from fastalign.train.config import ConfigError, TrainConfig, model_option, optio
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.engine import Callback
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
+from fastalign.train.objectives.router_aux import RouterAuxLoss
 from fastalign.train.reference import Reference, reference_model, token_logprobs_of
 from fastalign.train.rewards import RewardFunction, resolve_reward_funcs
 from fastalign.train.rollout import (
@@ -317,6 +318,10 @@ class RolloutObjective(PromptObjective):
         self._batches: list[dict] = []
         self._metrics: dict[str, float] = {}
         self.completion_rows: list[dict] = []  # the last generation's, for log_completions
+        # a MoE policy's router loss, where the options have TRL's key (GRPO, RLOO; TRL's former PPO
+        # trainer had none)
+        coef = getattr(options, "router_aux_loss_coef", None)
+        self.router_aux = RouterAuxLoss(coef) if hasattr(options, "router_aux_loss_coef") else None
 
     @classmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> RolloutObjective:
@@ -380,6 +385,8 @@ class RolloutObjective(PromptObjective):
 
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         super().setup(model, train, evaluation, parts)
+        if self.router_aux is not None:
+            self.router_aux.setup(model)
         # each held-out prompt once per completion, adjacent: an evaluation micro-batch of
         # per_device_eval_batch_size rows (a multiple of the group) holds whole groups, as in TRL
         group = self.options.eval_generations
@@ -406,6 +413,8 @@ class RolloutObjective(PromptObjective):
             self._batches, self._metrics = self._rollout(model, micro_batches, reused)
             self._generation = generation
         size = len(self._batches) // slices
+        if self.router_aux is not None:
+            self.router_aux.start_step(size, self.ctx.world_size)
         return self._batches[part * size : (part + 1) * size], self._metrics
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
@@ -420,15 +429,20 @@ class RolloutObjective(PromptObjective):
             states = hidden[:, prompt_width - 1 : -1]
             return self.head_loss(states, weight, bias, completion_ids, batch, num_items)
 
-        result = model(
+        output = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             position_ids=batch["position_ids"],
             head_fn=head,
-        ).head_output
+            **(self.router_aux.forward_kwargs() if self.router_aux is not None else {}),
+        )
+        result = output.head_output
         share = self.batch_loss_terms(batch) / num_items_in_batch
         loss = result.loss if self.normalises else result.loss * share
-        return loss, {key: value * share for key, value in result.metrics.items()}
+        metrics = {key: value * share for key, value in result.metrics.items()}
+        if self.router_aux is None:
+            return loss, metrics
+        return self.router_aux.add(model, loss, output, metrics)
 
     # ---------------------------------------------------------------------------------------------
     def _evaluate(self, model, prompts: dict) -> tuple[torch.Tensor, dict]:
@@ -579,6 +593,7 @@ class GRPOOptions(RolloutOptions):
     importance_sampling_level: str
     use_bias_correction_kl: bool
     top_entropy_quantile: float
+    router_aux_loss_coef: float | None  # a MoE policy's load-balancing loss weight (None: the model's)
 
     @classmethod
     def from_config(cls, config: TrainConfig, name: str) -> GRPOOptions:

@@ -41,6 +41,7 @@ class RLOOOptions(RolloutOptions):
 
     normalize_advantages: bool
     reward_clip_range: list[float] | None
+    router_aux_loss_coef: float | None  # a MoE policy's load-balancing loss weight (None: the model's)
 
     @classmethod
     def from_config(cls, config: TrainConfig, name: str) -> RLOOOptions:
