@@ -244,7 +244,7 @@ def run_fastalign(spec: dict, phases: Phases) -> dict:
         options["reward_funcs"] = [f"benchmarks.e2e.bench_real_trl:{distinct_tokens.__name__}"]
     config = TrainConfig(
         model_name_or_path=spec["model_dir"], dataset_name=spec["data"], output_dir=spec["output_dir"],
-        loss_curve_png=False, report_to=[], **options,
+        overwrite_output_dir=True, loss_curve_png=False, report_to=[], **options,
     )  # fmt: skip
     run_training(config, "dpo" if objective == "dpo-lora" else objective, callbacks=[Record()])
     return phases.result(losses)
