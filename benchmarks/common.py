@@ -6,6 +6,7 @@ their peak resident memory is their own.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as dt
 import json
@@ -86,6 +87,20 @@ def add_floor(row: dict, floor_ms: float) -> dict:
     row["floor_ms"] = round(floor_ms, 4)
     row["fwd_bwd_over_floor"] = round(row["fwd_bwd_ms"] / floor_ms, 3)
     return row
+
+
+def arguments(
+    description: str, presets: Iterable[str], default_preset: str, default_providers: str = "all"
+) -> argparse.ArgumentParser:
+    """The parser of the arguments ``fastalign bench`` hands every benchmark script: ``--preset``,
+    ``--providers`` and ``--out``; a script with more adds them to it."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", choices=sorted(presets), default=default_preset)
+    parser.add_argument("--providers", nargs="*", help=f"subset of providers (default: {default_providers})")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return parser
 
 
 def select_providers(

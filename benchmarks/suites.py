@@ -38,9 +38,8 @@ SUITES = (
           "distillation head (generalized JSD) vs TRL's generalized_jsd_loss, Liger"),
     Suite("nf4", "kernels", "benchmarks/kernels/bench_nf4.py", "NF4 dequantization and the QLoRA linear"),
     Suite("e2e_patch_model", "e2e", "benchmarks/e2e/bench_patch_model.py",
-          "a Llama-shaped model's forward+backward, original vs patch_model"),
-    Suite("e2e_patch_moe", "e2e", "benchmarks/e2e/bench_patch_moe.py",
-          "a Qwen3-MoE-shaped model's forward+backward, original vs patch_model, per expert path"),
+          "Llama-, Granite- and Qwen3-MoE-shaped models' forward+backward (the MoE per expert path), "
+          "original vs patch_model"),
     Suite("e2e_alignment_step", "e2e", "benchmarks/e2e/bench_alignment_step.py",
           "DPO and GRPO training steps through `fastalign train`"),
     Suite("e2e_ppo_step", "e2e", "benchmarks/e2e/bench_ppo_step.py",

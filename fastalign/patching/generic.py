@@ -93,6 +93,11 @@ class GenericPlan:
     forwards: list[Forward]
     report: GenericReport
 
+    @classmethod
+    def nothing(cls, model_type: str, why: str) -> GenericPlan:
+        """No forward set: the probe (``why``) found nothing it could patch safely."""
+        return cls([], GenericReport(model_type, unpatched={"probe": why}))
+
 
 def generic_report(
     model: nn.Module,
@@ -124,12 +129,13 @@ def generic_plan(
     model_type = causal_lm.config.model_type
     if any(param.is_meta for param in causal_lm.parameters()):
         why = "its weights are on the meta device: patch it once they are loaded"
-        return GenericPlan([], GenericReport(model_type, unpatched={"probe": why}))
+        return GenericPlan.nothing(model_type, why)
+    wanted = {"rms_norm": rms_norm, "mlp": mlp, "rope": rope}
     try:
-        return _plan(causal_lm, rms_norm, rope, mlp, loss, return_logits, backend)
+        return _plan(causal_lm, [piece for piece in _PROBES if wanted[piece]], loss, return_logits, backend)
     except Exception as error:  # the model's own code, whatever it raises: then it stays as it is
         why = f"the probe failed ({type(error).__name__}: {one_line(error)})"
-        return GenericPlan([], GenericReport(model_type, unpatched={"probe": why}))
+        return GenericPlan.nothing(model_type, why)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,21 +230,16 @@ def _logit_scales(config: PretrainedConfig) -> list[tuple[str, Callable[[Pretrai
 
 
 def _plan(
-    causal_lm: nn.Module,
-    rms_norm: bool,
-    rope: bool,
-    mlp: bool,
-    loss: bool,
-    return_logits: bool,
-    backend: Backend,
+    causal_lm: nn.Module, pieces: list[str], loss: bool, return_logits: bool, backend: Backend
 ) -> GenericPlan:
+    """``generic_plan``'s probe, unguarded: the module ``pieces`` (names in ``_PROBES``) and, with
+    ``loss``, the head."""
     config = causal_lm.config
-    wanted = {"rms_norm": rms_norm, "mlp": mlp, "rope": rope}
     candidates = [
         (piece, module)
         for module in causal_lm.model.modules()
-        for piece, (is_candidate, _) in _PROBES.items()
-        if wanted[piece] and is_candidate(module)
+        for piece in pieces
+        if _PROBES[piece][0](module)
     ]
     ids = _probe_ids(causal_lm)
     inputs = _record_inputs(causal_lm, {module for _, module in candidates}, ids)
@@ -281,7 +282,7 @@ def _plan(
 
     if body_error > _model_tolerance(causal_lm):
         why = f"the probed pieces together change the model's output (relative error {body_error:.1e})"
-        return GenericPlan([], GenericReport(config.model_type, unpatched={"probe": why}))
+        return GenericPlan.nothing(config.model_type, why)
     patched = {key: _describe(values) for key, values in found.items()}
     unpatched = {key: _describe(values) for key, values in refused.items()}
     head_key = f"loss {type(causal_lm).__name__}"

@@ -60,7 +60,6 @@ def test_a_noisy_result_is_refused_unless_allowed(tmp_path, capsys):
 def test_selection(capsys):
     assert [suite.name for suite in suites.select("e2e")] == [
         "e2e_patch_model",
-        "e2e_patch_moe",
         "e2e_alignment_step",
         "e2e_ppo_step",
         "e2e_sft",

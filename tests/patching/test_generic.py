@@ -115,6 +115,18 @@ def crossing_row() -> dict[str, torch.Tensor]:
     return packed_row([24, 8])
 
 
+def assert_same_loss_and_gradients(original, patched) -> CausalLMOutputWithPast:
+    """``patched``'s loss and every parameter's gradient on ``crossing_row`` equal ``original``'s;
+    returns ``patched``'s output."""
+    batch = crossing_row()
+    expected, got = original(**batch), patched(**batch)
+    assert relative_error(got.loss, expected.loss) <= TOLERANCE
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_gradients(original, patched)
+    return got
+
+
 def test_the_families_are_not_in_the_table(models):
     assert not set(IDS) & set(FAMILIES)
     with pytest.raises(ValueError, match=r"supported: .*generic=True"):
@@ -135,13 +147,7 @@ def test_generic_patch_keeps_loss_and_every_gradient(models, family_id, caplog):
     assert all(module.training for module in patched.modules())
     assert all(param.grad is None for param in patched.parameters())
 
-    batch = crossing_row()
-    expected, got = original(**batch), patched(**batch)
-    assert got.logits is None  # the fused head
-    assert relative_error(got.loss, expected.loss) <= TOLERANCE
-    expected.loss.backward()
-    got.loss.backward()
-    assert_same_gradients(original, patched)
+    assert assert_same_loss_and_gradients(original, patched).logits is None  # the fused head
 
 
 @torch.no_grad()
@@ -214,12 +220,7 @@ def test_a_norm_computing_otherwise_is_left_and_reported(models, forward, why, c
     assert "forward" not in patched.model.layers[0].input_layernorm.__dict__
     assert caplog.text.rstrip().endswith(f"; kept rms_norm OtherRMSNorm (1 module: {why})")
 
-    batch = crossing_row()
-    expected, got = original(**batch), patched(**batch)
-    assert relative_error(got.loss, expected.loss) <= TOLERANCE
-    expected.loss.backward()
-    got.loss.backward()
-    assert_same_gradients(original, patched)
+    assert_same_loss_and_gradients(original, patched)
 
 
 def test_a_head_computing_otherwise_is_left_and_reported(models, caplog):
@@ -255,12 +256,7 @@ def test_the_logit_scale_is_found_by_probing(tmp_path, caplog):
         patched = fastalign.patch_model(copy.deepcopy(original), generic=True)
     assert patched_pieces(patched) == {"rms_norm": 9, "mlp": 2, "rope": 2, "loss": 1}  # 4 norms a layer
     assert "loss HyperCLOVAXForCausalLM (lm_head(hidden)·logits_scaling)" in caplog.text
-    batch = crossing_row()
-    expected, got = original(**batch), patched(**batch)
-    assert relative_error(got.loss, expected.loss) <= TOLERANCE
-    expected.loss.backward()
-    got.loss.backward()
-    assert_same_gradients(original, patched)
+    assert_same_loss_and_gradients(original, patched)
 
 
 def test_generic_uses_the_table_for_a_supported_family(caplog):
