@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoConfig, PretrainedConfig
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 
 class PlanError(ValueError):
@@ -298,8 +301,41 @@ class ModelShape:
         return self.num_layers * rank * sum(fan_in + fan_out for _, fan_in, fan_out in self.linears())
 
 
+#: How far (relative) the planner's parameter count may be from the model's own.
+PARAMS_TOLERANCE = 0.005
+
+
 def shape_from_config(config: PretrainedConfig, name: str | None = None) -> ModelShape:
-    """The ``ModelShape`` of a decoder-only causal LM config (multimodal configs: their text config)."""
+    """The ``ModelShape`` of a decoder-only causal LM config (multimodal configs: their text config).
+
+    Checked against the parameters of the model transformers builds from the config (on the meta
+    device: no memory): a family whose layers the Llama-style count misses by more than
+    ``PARAMS_TOLERANCE`` (a non-gated MLP, say) is refused rather than planned wrong; a few norm or bias
+    vectors more or less (OLMo-2's q/k norms, Cohere's single norm) are within it."""
+    shape = _shape_from_config(config, name)
+    actual = _model_params(config.to_json_string())
+    if actual is not None and abs(actual - shape.params) > PARAMS_TOLERANCE * actual:
+        raise PlanError(
+            "config",
+            f"{shape.name} ({shape.model_type}) has {actual:,} parameters, but the planner's Llama-style "
+            f"count of its layers gives {shape.params:,}: its norms, biases or MLP are not modelled yet",
+        )
+    return shape
+
+
+@functools.lru_cache(maxsize=64)
+def _model_params(config_json: str) -> int | None:
+    """Parameters of the causal LM transformers builds from this config (None where it cannot)."""
+    try:
+        config = AutoConfig.for_model(**json.loads(config_json))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # a family transformers cannot build here: the Llama-style count stands alone
+        return None
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _shape_from_config(config: PretrainedConfig, name: str | None) -> ModelShape:
     label = name or getattr(config, "name_or_path", "") or config.model_type
     moe = _moe_sizes(config, label)
     missing = [attribute for attribute in _REQUIRED_SIZES.values() if not getattr(config, attribute, None)]

@@ -31,6 +31,7 @@ from fastalign.plan import (
     shape_from_config,
     shape_names,
 )
+from fastalign.plan.shapes import PARAMS_TOLERANCE
 
 GiB = 2**30
 
@@ -581,3 +582,20 @@ def test_prediction_matches_the_measured_peak_of_training_on_cpu():
     predicted = plan.training_state_bytes
     assert predicted == plan.gradients + plan.optimizer + plan.activations + plan.loss_head
     assert abs(measured["peak"] - predicted) <= 0.25 * predicted, (measured["peak"], predicted)
+
+
+def test_a_family_the_count_does_not_describe_is_refused():
+    """The Llama-style count is checked against the model transformers builds (meta device): Arcee's
+    non-gated relu² MLP (two matrices, not three) is refused with both counts; OLMo-2's extra q/k norm
+    weights are within the tolerance."""
+    sizes = dict(
+        hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=2816, vocab_size=32000,
+    )  # fmt: skip
+    with pytest.raises(PlanError, match=r"arcee \(arcee\) has 82,318,336 parameters, but .* 88,085,504"):
+        shape_from_config(AutoConfig.for_model("arcee", **sizes), "arcee")
+    olmo2 = AutoConfig.for_model("olmo2", **sizes)
+    with torch.device("meta"):
+        actual = sum(p.numel() for p in AutoModelForCausalLM.from_config(olmo2).parameters())
+    assert shape_from_config(olmo2).params != actual
+    assert shape_from_config(olmo2).params == pytest.approx(actual, rel=PARAMS_TOLERANCE)
