@@ -388,7 +388,7 @@ class PreferenceLoss(nn.Module):
             nll = -chosen_tokens.sum() / nll_divisor
             return _Pairs(chosen, rejected, lengths[:pairs][index], lengths[pairs:][index], nll)
 
-        if self._pair_head(targets, weight):
+        if self._pair_head(lengths, weight):
             # the gradient formed per chunk of whole pairs (logits built once): the loss of the pairs
             # ``index`` from their sums, the same function as below on the whole batch
             def chunk_loss(index: torch.Tensor, sums: PairSums) -> torch.Tensor:
@@ -458,15 +458,15 @@ class PreferenceLoss(nn.Module):
         )
         return _wpo_weights(*(tokens - log_sum_sq).sum(-1).chunk(2), pair)
 
-    def _pair_head(self, targets: torch.Tensor, weight: torch.Tensor) -> bool:
+    def _pair_head(self, lengths: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the loss runs in chunks of whole pairs with its gradient formed in the forward
         (``linear_pair_objective``): not for 'aot'/'aot_unpaired', whose loss sorts all the pairs, nor
         when one pair's loss tokens exceed 4 chunks (its logits would be alive at once)."""
         if {"aot", "aot_unpaired"} & set(self.loss_types):
             return False
         chunk = self.chunk_size or default_chunk_size(weight.shape[0], weight.dtype, weight.device)
-        counts = loss_token_counts(targets)
-        longest = int((counts[: len(counts) // 2] + counts[len(counts) // 2 :]).max())
+        pairs = len(lengths) // 2  # ``lengths``: each sequence's loss tokens, chosen rows first
+        longest = int((lengths[:pairs] + lengths[pairs:]).max())
         return longest <= 4 * chunk
 
     def _loss(self, pair: _Pairs, refs: tuple | None, wpo: torch.Tensor | None, pairs: int):
