@@ -1,5 +1,6 @@
 """The public functional API. Every op takes ``backend='auto'|'triton'|'torch'``."""
 
+from fastalign.ops.cpu_gemm import Fp32CpuGemms, cpu_gemms
 from fastalign.ops.gae import generalized_advantage_estimation
 from fastalign.ops.grpo import combine_rewards, group_advantages
 from fastalign.ops.linear_cross_entropy import (
@@ -23,10 +24,12 @@ from fastalign.ops.swiglu import geglu, glu_linear, swiglu
 
 __all__ = [
     "FourBitState",
+    "Fp32CpuGemms",
     "LinearCrossEntropyStats",
     "NestedAbsmax",
     "apply_rotary_pos_emb",
     "combine_rewards",
+    "cpu_gemms",
     "dequantize_4bit",
     "geglu",
     "generalized_advantage_estimation",

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fastalign.ops.cpu_gemm import LOW_PRECISION, cpu_gemms
 from fastalign.train import checkpoint
 from fastalign.train.batches import FILLER_KEY, BatchPosition
 from fastalign.train.config import ConfigError
@@ -180,6 +181,10 @@ class Engine:
         self.eval_batches, self.callbacks = list(eval_batches), list(callbacks)
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.autocast_dtype = autocast_dtype  # single process: fp32 weights, bf16 or fp16 matmuls
+        # the dtype the GEMMs run in: autocast's, else low-precision weights' (dtype: bfloat16)
+        self.gemm_dtype = autocast_dtype or next(
+            (p.dtype for p in model.parameters() if p.dtype in LOW_PRECISION), None
+        )
         # fp16's narrow range underflows small gradients unless the loss is scaled up (bf16 needs none)
         self.scaler = torch.amp.GradScaler(self.ctx.device.type) if autocast_dtype == torch.float16 else None
         self.run_config = run_config  # saved in each checkpoint: what a resume is checked against
@@ -312,7 +317,8 @@ class Engine:
                 )
             # FSDP2 averages gradients over ranks; each rank's loss is its share of the global mean.
             scaled = loss * self.ctx.world_size
-            (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
+            with cpu_gemms(self.ctx.device, self.gemm_dtype):
+                (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
             loss_sum += loss.detach().double().cpu()
             _accumulate(objective_sums, metrics)
         loss_value = float(all_reduce_sum(loss_sum, self.ctx))
@@ -433,8 +439,13 @@ class Engine:
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _autocast(self):
-        return autocast(self.ctx.device, self.autocast_dtype)
+    def _autocast(self) -> contextlib.ExitStack:
+        """Autocast, and fp32 GEMMs where this CPU's low-precision ones are slow (the backward pass
+        takes the latter too: ``fastalign.ops.cpu_gemm``)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(autocast(self.ctx.device, self.autocast_dtype))
+        stack.enter_context(cpu_gemms(self.ctx.device, self.gemm_dtype))
+        return stack
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         """FSDP2 reduce-scatters gradients only after the last micro-batch of a step."""

@@ -195,3 +195,36 @@ def test_lora_merge_keeps_what_the_adapter_learned(smollm2, tokenizer, rows_file
     )
     answer = merged.generate(**prompt, max_new_tokens=12, do_sample=False)[0, prompt["input_ids"].shape[1] :]
     assert "Rome" in tokenizer.decode(answer), tokenizer.decode(answer)
+
+
+def test_bf16_on_a_cpu_with_slow_bf16_gemms_is_bf16_autocast(
+    smollm2, tokenizer, rows_file, tmp_path, monkeypatch
+):
+    """``bf16: true`` on a CPU whose bf16 GEMMs are slow runs them as fp32 GEMMs of the bf16 operands
+    (``fastalign.ops.cpu_gemm``; forced here, whatever this CPU), in forward and backward. Its first
+    loss is the patched model's under bf16 autocast with those GEMMs, and as close to the fp32 loss as
+    native bf16 GEMMs come (on these rows: fp32 0.3177, native bf16 0.3100, widened 0.3143)."""
+    import fastalign.ops.cpu_gemm as cpu_gemm
+    import fastalign.train.engine as engine_module
+
+    monkeypatch.setattr(cpu_gemm, "low_precision_gemm_is_slow", lambda dtype: True)
+    modes = []
+
+    def recording(device, dtype):
+        modes.append(cpu_gemm.cpu_gemms(device, dtype))
+        return modes[-1]
+
+    monkeypatch.setattr(engine_module, "cpu_gemms", recording)
+    batch = trl_style_batch(tokenizer, ROWS)
+    fp32 = completion_loss(fresh(smollm2), batch)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        native = fresh(smollm2)(**batch).loss.item()
+        with cpu_gemm.Fp32CpuGemms():
+            widened = fastalign.patch_model(fresh(smollm2))(**batch).loss.item()
+    out = run_training(config(smollm2, tmp_path, dataset_name=str(rows_file), bf16=True), "sft")
+    assert logged(out)[0]["loss"] == pytest.approx(widened, rel=1e-3)
+    assert abs(widened - fp32) <= abs(native - fp32) * 1.5
+    counts = [mode.count for mode in modes if isinstance(mode, cpu_gemm.Fp32CpuGemms)]
+    # preparing the batch (no GEMM for SFT), the forward (7 linear layers × 30, the head: 212 GEMMs) and
+    # the backward (their gradients, the attention: 450)
+    assert len(counts) == 3 and counts[0] == 0 and min(counts[1:]) > 200, counts
