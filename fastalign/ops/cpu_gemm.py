@@ -36,6 +36,9 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 _FUNCTIONAL = {aten.mm: aten.mm, aten.addmm: aten.addmm, aten.bmm: aten.bmm, aten.baddbmm: aten.baddbmm}
 _IN_PLACE = {aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm}
 _ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+#: The most bytes one widened (fp32) operand piece may take: a larger operand, the LM head's [V, D]
+#: weight say, is widened block by block, so the mode adds no [V, D] fp32 copy to the peak.
+BLOCK_BYTES = 16 * 2**20
 #: Emulation is used when the native GEMMs take this many times as long (a margin over timing noise).
 SLOW_FACTOR = 1.5
 
@@ -79,6 +82,8 @@ class Fp32CpuGemms(TorchDispatchMode):
         if dtype is None:
             return func(*args, **kwargs)
         self.count += 1
+        if packet is aten.mm:
+            return _blocked_mm(*args, dtype, out)
         result = functional.default(*map(_up, args), **{k: _up(v) for k, v in inputs.items()}).to(dtype)
         if out is not None:
             return out.copy_(result)
@@ -99,6 +104,31 @@ class Fp32CpuGemms(TorchDispatchMode):
         self.count += 1
         grads = func(*map(up, args), **{key: up(value) for key, value in kwargs.items()})
         return tuple(grad.to(dtype) for grad in grads)
+
+
+def _blocked_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None):
+    """``a @ b`` (a [M, K], b [K, N]) into ``out`` (or a new tensor) in ``dtype``, from fp32 pieces of
+    at most ``BLOCK_BYTES``: the larger operand is cut along its other dimension (rows of ``a``,
+    columns of ``b``; each output element is then the same fp32 dot product) or, when that dimension is
+    the shorter one, along K, the pieces' products summed in fp32."""
+    (m, k), n = a.shape, b.shape[1]
+    out = torch.empty(m, n, dtype=dtype) if out is None else out
+    if max(a.numel(), b.numel()) * 4 <= BLOCK_BYTES:
+        return out.copy_(torch.mm(a.float(), b.float()))
+    if a.numel() >= b.numel() and m >= k:
+        step, whole = max(1, BLOCK_BYTES // (4 * k)), b.float()
+        for start in range(0, m, step):
+            out[start : start + step] = torch.mm(a[start : start + step].float(), whole)
+    elif a.numel() < b.numel() and n >= k:
+        step, whole = max(1, BLOCK_BYTES // (4 * k)), a.float()
+        for start in range(0, n, step):
+            out[:, start : start + step] = torch.mm(whole, b[:, start : start + step].float())
+    else:
+        step, total = max(1, BLOCK_BYTES // (4 * max(m, n))), torch.zeros(m, n)
+        for start in range(0, k, step):
+            total.addmm_(a[:, start : start + step].float(), b[start : start + step].float())
+        out.copy_(total)
+    return out
 
 
 def _best_seconds(fn, repeats: int = 3) -> float:
