@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastalign.ops import apply_rotary_pos_emb, geglu, glu_linear, rms_norm, swiglu
+from fastalign.ops.autocast_linear import autocast_linear
 from fastalign.ops.backend import Backend
 
 
@@ -26,6 +27,12 @@ def rms_norm_forward(gemma: bool, backend: Backend) -> Callable:
         )
 
     return forward
+
+
+def linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` that, under autocast, keeps no low-precision copy of the weight for
+    backward (``fastalign.ops.autocast_linear``)."""
+    return autocast_linear(x, self.weight, self.bias)
 
 
 def gated_mlp_forward(layout: str, gelu: bool, dropout: bool, backend: Backend) -> Callable:

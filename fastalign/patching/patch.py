@@ -26,6 +26,7 @@ from fastalign.patching.modules import (
     experts_forward,
     fused_gate,
     gated_mlp_forward,
+    linear_forward,
     rms_norm_forward,
     uses_module_rope,
 )
@@ -104,6 +105,7 @@ def patch_model(
     mlp: bool = True,
     loss: bool = True,
     lora: bool = True,
+    linear: bool = True,
     return_logits: bool = False,
     backend: Backend = "auto",
     generic: bool = False,
@@ -123,6 +125,10 @@ def patch_model(
             log-probs) with the fused linear cross-entropy and builds no logits.
         lora: in a peft model, each LoRA linear adds its update into the frozen layer's output in place
             (``fastalign.patching.lora``: peft's sum without its two temporaries per layer).
+        linear: under autocast, each ``nn.Linear`` of the decoder casts its weight to the autocast dtype
+            in forward and again in backward instead of saving the cast copy
+            (``fastalign.ops.autocast_linear``: autocast's arithmetic, without a low-precision copy of
+            every weight alive from forward to backward).
         return_logits: default of the forward's ``return_logits``: also build logits when a loss is
             computed (costs the [tokens, vocab] memory the fused head avoids).
         backend: 'auto' (Triton on CUDA, PyTorch elsewhere), 'triton' or 'torch'.
@@ -174,6 +180,8 @@ def patch_model(
         elif rope and family.rope and name.endswith("Attention") and _applies_rope(module, family):
             fused = attention_forward_with_fused_rope(module, backend, family.rope_half_tables)
             _set_forward(module, fused, "rope")
+        elif linear and type(module) is nn.Linear:
+            _set_forward(module, linear_forward, "linear")
     if loss:
         head = fused_causal_lm_forward(backend, return_logits, family.logit_scale, family.router_aux_loss)
         _set_forward(causal_lm, head, "loss")

@@ -21,10 +21,14 @@ What the engine keeps (``fastalign.train.loading`` / ``policy`` / ``run`` / ``di
 * **Sharding** (N > 1, FSDP2 per layer + root): weights, LoRA parameters, gradients and optimizer state
   are divided by N. Not sharded: activations (data parallel: every GPU has its own T tokens), the loss
   head, the working copies below, the CUDA context.
-* **Working copies** (``weight_copies``). Single-process bf16, full: autocast caches a bf16 copy of every
-  trainable weight it casts for the whole forward (2 B × the layers' linear weights) plus the head's
-  bf16 cast. LoRA: the bf16 casts of the frozen weights are saved for backward (all layers; one layer
-  under checkpointing) plus the adapters' cached casts. QLoRA: one linear weight dequantized to bf16
+* **Working copies** (``weight_copies``). Single-process bf16 with fastalign's kernels (the default):
+  each linear layer casts its weight to bf16 in forward and again in backward
+  (``fastalign.ops.autocast_linear``), so one layer's cast is alive at a time, plus the head's bf16
+  cast and, for LoRA, the adapters' casts. Without them (``fused_loss_head=False``, SFT without
+  ``use_liger_kernel``), full: autocast caches a bf16 copy of every trainable weight it casts for the
+  whole forward (2 B × the layers' linear weights) plus the head's bf16 cast; LoRA: the bf16 casts of
+  the frozen weights are saved for backward (all layers; one layer under checkpointing) plus the
+  adapters' cached casts. QLoRA: one linear weight dequantized to bf16
   at a time, plus the adapters' casts. FSDP2: the root unit (embeddings, final norm, head) stays gathered
   in bf16 through forward and backward; up to two layer units are gathered at a time (computing +
   prefetching), each with, for trainable weights, its unsharded bf16 gradient and the fp32 copy that
@@ -584,6 +588,12 @@ def _cast_copies(setup: _Setup) -> tuple[int, str]:
     """One process: autocast's casts of the weights, or QLoRA's dequantized weight."""
     shape, autocast = setup.shape, setup.regime.autocast
     head_cast = 2 * shape.vocab_size * shape.hidden_size
+    if autocast and setup.fused_loss_head and setup.method in ("full", "lora"):
+        adapters = 2 * setup.lora_count if setup.method == "lora" else 0
+        how = "one linear's bf16 cast at a time (none kept for backward) + the head's bf16 cast"
+        return 2 * shape.max_linear_params + adapters + head_cast, how + (
+            " + adapters' casts" if adapters else ""
+        )
     if autocast and setup.method == "full":
         copies = 2 * shape.num_layers * shape.layer_linear_params + head_cast
         return copies, "autocast's bf16 cache of the layers' linear weights + the head's bf16 cast"

@@ -197,7 +197,7 @@ def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool, 
     if config.use_liger_kernel:
         fastalign.patch_model(model, loss=lm_head)
     elif needs_fused_head:
-        fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False)
+        fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False, linear=False)
 
 
 #: peft's task type of each model task.

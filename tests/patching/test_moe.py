@@ -204,7 +204,8 @@ def test_the_published_details_and_what_is_patched(models):
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.router_aux_loss_coef) == (8, 2, 0.02)
     assert mixtral.config._experts_implementation == "grouped_mm"  # transformers' default, also on CPU
     patched = fastalign.patch_model(mixtral)
-    assert patched_pieces(patched) == {"rms_norm": 5, "experts": 2, "rope": 2, "loss": 1}
+    # linear: q, k, v, o of each layer (the experts are 3-D tensors, the router's gate is its own module)
+    assert patched_pieces(patched) == {"rms_norm": 5, "experts": 2, "rope": 2, "loss": 1, "linear": 8}
     experts = patched.model.layers[0].mlp.experts
     assert {"forward", "_apply_gate"} <= experts.__dict__.keys()
     unpatch_model(patched)
@@ -220,9 +221,9 @@ def test_the_published_details_and_what_is_patched(models):
     pieces = patched_pieces(fastalign.patch_model(deepseek))
     assert pieces["mlp"] == 2 and pieces["experts"] == 1 and "rope" not in pieces  # dense + shared MLP
 
-    gpt_oss = models("gpt-oss")  # only RoPE (its half tables repeated) and the head
+    gpt_oss = models("gpt-oss")  # RoPE (its half tables repeated), the head, q k v o of its 2 layers
     assert gpt_oss.model.rotary_emb(torch.zeros(1), torch.arange(4)[None])[0].shape[-1] == 32  # of 64
-    assert patched_pieces(fastalign.patch_model(gpt_oss)) == {"rope": 2, "loss": 1}
+    assert patched_pieces(fastalign.patch_model(gpt_oss)) == {"rope": 2, "loss": 1, "linear": 8}
 
     assert decoder_layers(mixtral) == list(mixtral.model.layers)  # what FSDP2 shards one by one
 

@@ -45,7 +45,7 @@ def assert_same_gradients(original, patched, tolerance):
 def test_loss_and_gradients_match_original(model_type, dtype):
     original, patched = pair(model_type, dtype)
     pieces = patched_pieces(patched)
-    assert set(pieces) == {"rms_norm", "mlp", "rope", "loss"}, pieces
+    assert set(pieces) == {"rms_norm", "mlp", "rope", "loss", "linear"}, pieces
     batch = padded_batch()
     expected, got = original(**batch), patched(**batch)
     assert got.logits is None  # the fused head builds no logits
@@ -182,8 +182,8 @@ def test_patch_twice_options_and_unpatch():
     before = model(**batch).loss
     fastalign.patch_model(model)
     fastalign.patch_model(model)  # harmless
-    assert patched_pieces(model) == {"rms_norm": 5, "mlp": 2, "rope": 2, "loss": 1}
-    fastalign.patch_model(model, rms_norm=False, loss=False)
+    assert patched_pieces(model) == {"rms_norm": 5, "mlp": 2, "rope": 2, "loss": 1, "linear": 14}
+    fastalign.patch_model(model, rms_norm=False, loss=False, linear=False)
     assert patched_pieces(model) == {"mlp": 2, "rope": 2}
     assert model(**batch).logits is not None
     unpatch_model(model)

@@ -102,7 +102,12 @@ def test_llama3_8b_full_fine_tuning_by_formula():
     plan = plan_memory("llama-3-8b", method="full", gpus=1, seq_len=4096, checkpointing=True)
     assert plan.weights == 4 * params and plan.gradients == 4 * params  # fp32 params are the master copy
     assert plan.optimizer == 8 * params and plan.lora_params == 0  # AdamW m and v in fp32
-    assert plan.weight_copies == 2 * layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + 2 * vocab * h
+    # one linear's bf16 cast at a time (fastalign.ops.autocast_linear keeps none), the head's cast
+    assert plan.weight_copies == 2 * h * i + 2 * vocab * h
+    unpatched = plan_memory(
+        "llama-3-8b", method="full", gpus=1, seq_len=4096, checkpointing=True, fused_loss_head=False
+    )  # autocast's cache: a bf16 copy of every linear weight
+    assert unpatched.weight_copies == 2 * layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + 2 * vocab * h
     assert plan.cuda_context == CUDA_CONTEXT_BYTES
     # Under autocast the residual stream is fp32 (x = 4) and each of q/k/v/gate/up casts its input:
     # 2·(8h + 4) + 2·5h + 2·(2q + 2kv) + 4·heads + 8i.

@@ -1,0 +1,61 @@
+"""``autocast_linear``: autocast's linear layer, bit for bit, without a low-precision weight copy saved
+for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
+
+from fastalign.ops.autocast_linear import autocast_linear
+
+
+def _run(linear, x, weight, bias, dtype):
+    """Output and gradients of ``linear`` under ``dtype`` autocast, and the storages it saved."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    leaves = [
+        t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None
+        for t in (x, weight, bias)
+    ]
+    with saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=dtype):
+        out = linear(*leaves)
+    out.float().square().sum().backward()
+    grads = [leaf.grad if leaf is not None and leaf.requires_grad else None for leaf in leaves]
+    return out, grads, saved, leaves
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_same_numbers_as_autocast_and_no_weight_copy_saved(dtype, with_bias, frozen):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 40, generator=generator).requires_grad_()
+    weight = torch.randn(24, 40, generator=generator).requires_grad_(not frozen)
+    bias = torch.randn(24, generator=generator).requires_grad_(not frozen) if with_bias else None
+    out, grads, saved, leaves = _run(autocast_linear, x, weight, bias, dtype)
+    ref_out, ref_grads, ref_saved, _ = _run(F.linear, x, weight, bias, dtype)
+    assert out.dtype == dtype and torch.equal(out, ref_out)
+    for got, expected in zip(grads, ref_grads, strict=True):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert got.dtype == expected.dtype
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # autocast saves a low-precision copy of the weight (as its [40, 24] transpose); here the weight
+    # itself is saved
+    assert any(t.numel() == weight.numel() and t.dtype == dtype for t in ref_saved)
+    assert not any(t.numel() == weight.numel() and t.dtype == dtype for t in saved)
+    assert any(t is leaves[1] or t.untyped_storage().data_ptr() == leaves[1].data_ptr() for t in saved)
+
+
+def test_outside_autocast_and_without_gradients_it_is_f_linear():
+    x, weight = torch.randn(5, 8), torch.randn(3, 8, requires_grad=True)
+    assert torch.equal(autocast_linear(x, weight), F.linear(x, weight))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = autocast_linear(x, weight)
+    assert got.dtype == torch.bfloat16 and got.grad_fn is None
