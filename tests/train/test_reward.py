@@ -70,14 +70,14 @@ def test_a_causal_lm_checkpoint_loads_as_its_body_under_a_new_score_head(tmp_pat
 
 
 def test_kernels_patch_the_body_of_a_reward_model():
-    """No LM head to fuse; the body's RMSNorm, RoPE and gated MLP kernels still apply, and change no
-    score."""
+    """No LM head to fuse; the body's RMSNorm, RoPE, gated MLP and linear layers are patched all the
+    same (the score head is the model's own), and no score changes."""
     model = tiny_model("llama", task="sequence_classification")
     rows = tiny_preference_rows(4, seed=1)
     expected = scores(model, rows)
     cfg = with_defaults(TrainConfig(use_liger_kernel=True))
     model = prepare_policy(model, cfg, CPU, needs_fused_head=False, task="sequence_classification")
-    assert patched_pieces(model) == {"rms_norm": 5, "rope": 2, "mlp": 2}
+    assert patched_pieces(model) == {"rms_norm": 5, "rope": 2, "mlp": 2, "linear": 14}
     torch.testing.assert_close(scores(model, rows), expected, rtol=1e-4, atol=1e-5)
 
 
