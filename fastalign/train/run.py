@@ -31,7 +31,6 @@ from fastalign.train.config import ConfigError, TrainConfig, check_config
 from fastalign.train.distributed import init_distributed, shutdown_distributed
 from fastalign.train.engine import Callback, Engine, Schedule
 from fastalign.train.export import export_model
-from fastalign.train.host_memory import map_large_allocations
 from fastalign.train.loading import is_hub_dataset, load_dataset_rows, load_model_and_tokenizer, resolve_model
 from fastalign.train.metrics import peak_flops, training_flops_per_token
 from fastalign.train.neftune import enable_neftune
@@ -47,8 +46,6 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
     'simpo', 'cpo', 'kto', 'grpo', 'rloo', 'reward'), save the final model (or adapter) in
     ``config.output_dir``, and return that path."""
     ctx = init_distributed()
-    if ctx.device.type == "cpu":
-        map_large_allocations()  # freed activations leave the process (fastalign.train.host_memory)
     try:
         check_config(config)  # a TrainConfig built in code skips load_config's checks
         config = with_objective_defaults(name, config)  # saved with the run: the values it trained with
