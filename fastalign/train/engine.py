@@ -442,10 +442,7 @@ class Engine:
     def _autocast(self) -> contextlib.ExitStack:
         """Autocast, and fp32 GEMMs where this CPU's low-precision ones are slow (the backward pass
         takes the latter too: ``fastalign.ops.cpu_gemm``)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(autocast(self.ctx.device, self.autocast_dtype))
-        stack.enter_context(cpu_gemms(self.ctx.device, self.gemm_dtype))
-        return stack
+        return autocast(self.ctx.device, self.autocast_dtype, self.gemm_dtype)
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         """FSDP2 reduce-scatters gradients only after the last micro-batch of a step."""
@@ -510,9 +507,16 @@ class Engine:
             )
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` to ``dtype`` on ``device``'s type, or nothing when ``dtype`` is None."""
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+def autocast(
+    device: torch.device, dtype: torch.dtype | None, gemm_dtype: torch.dtype | None = None
+) -> contextlib.ExitStack:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type (none when ``dtype`` is None), with fp32
+    GEMMs where this CPU's ``gemm_dtype`` (default ``dtype``) ones are slow (``fastalign.ops.cpu_gemm``)."""
+    stack = contextlib.ExitStack()
+    if dtype is not None:
+        stack.enter_context(torch.autocast(device.type, dtype=dtype))
+    stack.enter_context(cpu_gemms(device, gemm_dtype or dtype))
+    return stack
 
 
 def _to(batch: dict, device: torch.device) -> dict:

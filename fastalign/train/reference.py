@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastalign.ops.cpu_gemm import cpu_gemms
 from fastalign.patching.causal_lm import shift_labels
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
@@ -215,10 +214,7 @@ def setup_reference(
     sync)."""
     reference = reference_model(model, options.ref_model_name_or_path, parts)
     if options.precompute_ref_log_probs:
-        with (  # as under the engine
-            autocast(parts.ctx.device, parts.autocast_dtype),
-            cpu_gemms(parts.ctx.device, parts.autocast_dtype),
-        ):
+        with autocast(parts.ctx.device, parts.autocast_dtype):  # as under the engine
             examples = tuple(
                 precompute_reference(
                     part, reference, collate, score, _attach, parts.eval_batch_size, parts.ctx
