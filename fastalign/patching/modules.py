@@ -123,13 +123,15 @@ def fused_gate(gelu: bool, backend: Backend) -> Callable:
 
 def _plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` whose forward is ``F.linear`` of its own parameters: no subclass, no hooks
-    (accelerate's device-map ``_hf_hook`` included), so calling ``F.linear`` directly is the same call."""
+    (accelerate's device-map ``_hf_hook`` included), its class's forward or ``linear_forward`` (which is
+    ``F.linear`` outside autocast), so calling ``F.linear`` directly is the same call."""
+    forward = module.__dict__.get("forward")
     return (
         type(module) is nn.Linear
         and not module._forward_hooks
         and not module._forward_pre_hooks
         and not hasattr(module, "_hf_hook")
-        and "forward" not in module.__dict__
+        and (forward is None or getattr(forward, "__func__", None) is linear_forward)
     )
 
 

@@ -192,6 +192,25 @@ def test_patch_twice_options_and_unpatch():
     torch.testing.assert_close(model(**batch).loss, before)
 
 
+@pytest.mark.parametrize("linear", [True, False], ids=["linears-patched", "linears-own"])
+def test_gated_mlp_saves_no_down_projection_input(linear, monkeypatch):
+    """The patched MLP's down projection is ``glu_linear`` (its [tokens, intermediate] input recomputed
+    in backward, not saved) whether or not ``patch_model`` also patched the ``nn.Linear`` modules."""
+    import fastalign.patching.modules as modules
+
+    calls = []
+    original_glu_linear = modules.glu_linear
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original_glu_linear(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "glu_linear", spy)
+    model = fastalign.patch_model(tiny_model("llama"), linear=linear)
+    model(**padded_batch()).loss.backward()
+    assert len(calls) == model.config.num_hidden_layers
+
+
 def test_patching_one_model_leaves_others_alone():
     patched, other = tiny_model("llama"), tiny_model("llama")
     fastalign.patch_model(patched)
