@@ -1,8 +1,11 @@
 """``PreferenceLoss`` (DPO family, SimPO, CPO, ORPO) and ``KTOLoss`` from hidden states, never logits.
 
-Sequence log-probs come from the fused, chunked linear log-softmax (``token_logprobs``); reference
-passes run under ``no_grad`` (or use precomputed reference log-probs); the per-pair loss is one small
-kernel (``fastalign/kernels/preference.py``). Option and metric names follow TRL's DPOConfig,
+The policy's sequence log-probs come from the fused, chunked linear log-softmax with the loss's
+gradient formed in the forward, in chunks of whole pairs (DPO family) or completions (KTO)
+(``linear_pair_objective``, ``linear_sequence_objective``), or from per-token log-probs
+(``token_logprobs``) where a unit is too long for that; reference passes run under ``no_grad`` (or use
+precomputed reference log-probs); the per-pair loss is one small kernel
+(``fastalign/kernels/preference.py``). Option and metric names follow TRL's DPOConfig,
 CPOConfig, ORPOConfig and KTOConfig.
 """
 
@@ -17,8 +20,8 @@ from torch import nn
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import token_logprobs, validation
 from fastalign.ops.backend import BACKENDS, Backend
-from fastalign.ops.linear_cross_entropy import default_chunk_size
 from fastalign.ops.linear_pair_objective import PairSums, linear_pair_objective
+from fastalign.ops.linear_sequence_objective import fits_whole_units, linear_sequence_objective
 from fastalign.ops.preference import (
     DPO_LOSS_TYPES,
     F_DIVERGENCE_LOSS_TYPES,
@@ -461,13 +464,11 @@ class PreferenceLoss(nn.Module):
     def _pair_head(self, lengths: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the loss runs in chunks of whole pairs with its gradient formed in the forward
         (``linear_pair_objective``): not for 'aot'/'aot_unpaired', whose loss sorts all the pairs, nor
-        when one pair's loss tokens exceed 4 chunks (its logits would be alive at once)."""
+        when a pair's loss tokens are too many for one sweep (``fits_whole_units``)."""
         if {"aot", "aot_unpaired"} & set(self.loss_types):
             return False
-        chunk = self.chunk_size or default_chunk_size(weight.shape[0], weight.dtype, weight.device)
         pairs = len(lengths) // 2  # ``lengths``: each sequence's loss tokens, chosen rows first
-        longest = int((lengths[:pairs] + lengths[pairs:]).max())
-        return longest <= 4 * chunk
+        return fits_whole_units(lengths[:pairs] + lengths[pairs:], weight, self.chunk_size)
 
     def _loss(self, pair: _Pairs, refs: tuple | None, wpo: torch.Tensor | None, pairs: int):
         """The loss of the pairs in ``pair`` (a mean over all ``pairs`` of the batch: a sum over these
@@ -627,26 +628,44 @@ class KTOLoss(nn.Module):
             raise ValueError(
                 f"kl_logps {tuple(kl_logps.shape)} and ref_kl_logps {tuple(ref_kl_logps.shape)} differ"
             )
-        seq, lengths, _, entropy = sequence_logprobs(
-            hidden,
-            weight,
-            _masked_targets(targets, loss_mask),
-            bias,
-            entropy=True,
-            chunk_size=self.chunk_size,
-            backend=self.backend,
-        )
+        targets = _masked_targets(targets, loss_mask)
+        lengths = loss_token_counts(targets)
         if uses_kl:
             kl = (kl_logps.float() - ref_kl_logps.float()).mean().clamp(min=0).detach()
         else:
-            kl = torch.zeros((), device=seq.device)
-        logratios = seq - ref_logps.float()
+            kl = torch.zeros((), device=hidden.device)
+        ref_logps = ref_logps.float()
         desirable = labels.bool()
-        c = torch.where(desirable, logratios, kl)
-        r = torch.where(desirable, kl, logratios)
-        losses = pair_loss(c, r, "kto", beta=self.beta, backend=self.backend)
         weights = torch.where(desirable, self.desirable_weight, self.undesirable_weight)
-        rewards = self.beta * logratios.detach()
+
+        def loss_of(seq: torch.Tensor, index: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+            """The loss of completions ``index`` from their log-probs ``seq``: their share of the mean."""
+            logratios = seq - ref_logps[index]
+            c = torch.where(desirable[index], logratios, kl)
+            r = torch.where(desirable[index], kl, logratios)
+            losses = pair_loss(c, r, "kto", beta=self.beta, backend=self.backend)
+            return (losses * weights[index]).sum() / count
+
+        if fits_whole_units(lengths, weight, self.chunk_size):
+            # each completion's loss is its own once the KL is fixed: the gradient formed per chunk of
+            # whole completions, the logits built once (``linear_sequence_objective``)
+            head = linear_sequence_objective(
+                hidden,
+                weight,
+                targets,
+                lambda index, sums: loss_of(sums.logps, index),
+                bias,
+                return_entropy=True,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
+            )
+            loss, seq, entropy = head.loss, head.logps, head.entropy
+        else:
+            seq, _, _, entropy = sequence_logprobs(
+                hidden, weight, targets, bias, entropy=True, chunk_size=self.chunk_size, backend=self.backend
+            )
+            loss = loss_of(seq)
+        rewards = self.beta * (seq.detach() - ref_logps)
         metrics = {"kl": kl, "entropy": entropy.sum() / lengths.sum()}
         for name, selected in (("chosen", desirable), ("rejected", ~desirable)):
             if bool(selected.any()):
@@ -654,4 +673,4 @@ class KTOLoss(nn.Module):
                 metrics[f"logps/{name}"] = seq.detach()[selected].mean()
         if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-        return PreferenceLossOutput((losses * weights).mean(), metrics)
+        return PreferenceLossOutput(loss, metrics)

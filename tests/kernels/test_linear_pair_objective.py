@@ -1,4 +1,5 @@
-"""fastalign.ops.linear_pair_objective, both backends, against the same loss on float64 logits.
+"""fastalign.ops.linear_pair_objective (and the linear_sequence_objective under it), both backends,
+against the same loss on float64 logits.
 
 The loss is a DPO-like pair loss with an NLL term and per-pair constants (a reference), so every input
 of ``PairSums`` carries a gradient; sizes are odd, some tokens are ignored (with NaN hidden states
@@ -12,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastalign.ops.linear_pair_objective import PairSums, linear_pair_objective, pair_chunks
+from fastalign.ops.linear_pair_objective import PairSums, linear_pair_objective
+from fastalign.ops.linear_sequence_objective import linear_sequence_objective, unit_chunks
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference
 
@@ -115,9 +117,10 @@ def test_without_gradients_the_sums_are_the_same(backend):
 
 def test_pairs_are_grouped_whole_within_the_chunk():
     counts = [4, 2, 9, 3, 3, 1]  # chosen 0..2, then rejected 0..2: pairs of 7, 5 and 10 tokens
-    assert pair_chunks(counts, 12) == [[0, 1], [2]]
-    assert pair_chunks(counts, 4) == [[0], [1], [2]]  # a pair larger than the chunk is a chunk alone
-    assert pair_chunks(counts, 100) == [[0, 1, 2]]
+    pairs = [[0, 3], [1, 4], [2, 5]]
+    assert unit_chunks(pairs, counts, 12) == [[0, 1, 3, 4], [2, 5]]  # chosen rows first, then rejected
+    assert unit_chunks(pairs, counts, 4) == [[0, 3], [1, 4], [2, 5]]  # a pair larger than a chunk: alone
+    assert unit_chunks(pairs, counts, 100) == [[0, 1, 2, 3, 4, 5]]
 
 
 def test_bad_shapes_are_named():
@@ -128,3 +131,11 @@ def test_bad_shapes_are_named():
         linear_pair_objective(
             hidden, weight, targets, lambda i, s: s.chosen.sum(), token_weights=weights[:, 1:]
         )
+
+
+def test_units_must_split_the_sequences_in_groups_of_one_size():
+    hidden, weight, _, targets, _ = make_inputs(torch.float32)
+    loss = lambda index, sums: sums.logps.sum()  # noqa: E731
+    for units in ([[0, 1], [2, 3], [4]], [[0, 1], [2, 3], [4, 4]], [[0, 1, 2], [3, 4], [5]]):
+        with pytest.raises(ValueError, match="units must split the 6 sequences"):
+            linear_sequence_objective(hidden, weight, targets, loss, units=units)

@@ -231,7 +231,13 @@ def test_reference_free_objectives(backend, variant):
     torch.testing.assert_close(out.metrics["nll_loss"].double(), nll.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_kto_matches_formula(backend):
+@pytest.mark.parametrize(
+    "chunk_size", [None, 2, 1], ids=["completions-per-chunk", "completion-per-chunk", "per-token-logprobs"]
+)
+def test_kto_matches_formula(backend, chunk_size):
+    """The gradient formed in the forward per chunk of whole completions (several, or one; odd lengths),
+    and per-token log-probs when a completion spans more than 4 chunks (chunk_size 1), all equal the
+    formula in float64."""
     hidden, weight, targets, mask, _ = make_batch(torch.float32, seed=3)
     gen = torch.Generator().manual_seed(4)
     labels = torch.tensor([True, False, True, True, False, False], device=DEVICE)
@@ -240,13 +246,17 @@ def test_kto_matches_formula(backend):
         (torch.randn(5, generator=gen) - 8).to(DEVICE),
         (torch.randn(5, generator=gen) - 8.5).to(DEVICE),
     )
-    loss_fn = KTOLoss(beta=BETA, desirable_weight=1.3, undesirable_weight=0.7, backend=backend)
+    loss_fn = KTOLoss(
+        beta=BETA, desirable_weight=1.3, undesirable_weight=0.7, chunk_size=chunk_size, backend=backend
+    )
     out = loss_fn(
         hidden, weight, targets, labels, mask, ref_logps=ref_logps, kl_logps=kl_logps, ref_kl_logps=ref_kl
     )
     out.loss.backward()
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-    seq, _, _ = seq_logps64(h64, w64, targets, mask)
+    seq, _, lengths = seq_logps64(h64, w64, targets, mask)
+    log_p = (h64 @ w64.T).log_softmax(-1)
+    entropy = (-(log_p.exp() * log_p).sum(-1) * mask).sum() / lengths.sum()
     kl = (kl_logps - ref_kl).double().mean().clamp(min=0)
     ratio = seq - ref_logps.double()
     chosen = 1 - torch.sigmoid(BETA * (ratio[labels] - kl))
@@ -255,7 +265,12 @@ def test_kto_matches_formula(backend):
     expected.backward()
     assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
     assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
+    assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.float32)
     torch.testing.assert_close(out.metrics["kl"].double(), kl)
+    torch.testing.assert_close(out.metrics["entropy"].double(), entropy.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        out.metrics["logps/rejected"].double(), seq[~labels].mean().detach(), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(
         out.metrics["rewards/chosen"].double(), (BETA * ratio[labels]).mean().detach(), rtol=1e-5, atol=1e-6
     )
