@@ -71,13 +71,20 @@ class _GLULinearFunction(torch.autograd.Function):
     projection's input, act(gate)·up, is the MLP's largest activation ([tokens, intermediate]); eagerly
     the down projection keeps it for its weight gradient beside the gate and up the activation keeps.
     Backward recomputes it (one elementwise pass) instead: one [tokens, intermediate] tensor less per
-    layer, the same matmuls."""
+    layer, the same matmuls.
+
+    ``dtype``: the matmuls' dtype. Under autocast it is autocast's and the projection is autocast's
+    (``fastalign.ops.autocast_linear``): input, weight and bias cast to it, the weight cast again in
+    backward rather than saved, the weight and bias gradients formed in it and widened to theirs."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, gelu: bool, torch_backend: bool):
+    def forward(ctx, gate, up, weight, bias, gelu: bool, torch_backend: bool, dtype: torch.dtype):
         ctx.save_for_backward(gate, up, weight)
-        ctx.gelu, ctx.torch_backend, ctx.has_bias = gelu, torch_backend, bias is not None
-        return F.linear(_glu_with_grad(gate, up, gelu, torch_backend), weight, bias)
+        ctx.gelu, ctx.torch_backend, ctx.dtype = gelu, torch_backend, dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        hidden = _glu_with_grad(gate, up, gelu, torch_backend).to(dtype)
+        with torch.autocast(gate.device.type, enabled=False):
+            return F.linear(hidden, weight.to(dtype), None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -87,16 +94,21 @@ class _GLULinearFunction(torch.autograd.Function):
             gate = gate.detach().requires_grad_(needs_gate)
             up = up.detach().requires_grad_(needs_up)
             hidden = _glu_with_grad(gate, up, ctx.gelu, ctx.torch_backend)
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype)
         grad_weight = (
-            flat_grad.t().mm(hidden.detach().reshape(-1, hidden.shape[-1])) if needs_weight else None
+            flat_grad.t().mm(hidden.detach().reshape(-1, hidden.shape[-1]).to(ctx.dtype)).to(weight.dtype)
+            if needs_weight
+            else None
         )
-        grad_bias = flat_grad.sum(0) if ctx.has_bias and needs_bias else None
+        grad_bias = flat_grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and needs_bias else None
         inputs = [tensor for tensor in (gate, up) if tensor.requires_grad]
-        grads = iter(torch.autograd.grad(hidden, inputs, grad_out.matmul(weight)) if inputs else ())
+        grads = iter(())
+        if inputs:
+            grad_hidden = flat_grad.matmul(weight.to(ctx.dtype)).view(hidden.shape).to(hidden.dtype)
+            grads = iter(torch.autograd.grad(hidden, inputs, grad_hidden))
         grad_gate = next(grads) if needs_gate else None
         grad_up = next(grads) if needs_up else None
-        return grad_gate, grad_up, grad_weight, grad_bias, None, None
+        return grad_gate, grad_up, grad_weight, grad_bias, None, None, None
 
 
 def _glu_with_grad(gate: torch.Tensor, up: torch.Tensor, gelu: bool, torch_backend: bool) -> torch.Tensor:
@@ -115,19 +127,24 @@ def glu_linear(
 ) -> torch.Tensor:
     """``F.linear(act(gate) * up, weight, bias)`` (act: silu, or gelu-tanh with ``gelu``): a gated MLP's
     activation and down projection, keeping only ``gate`` and ``up`` for backward (the projection's
-    input is recomputed there). Not under autocast: there the projection's dtypes are autocast's, so
-    call ``swiglu``/``geglu`` and the projection."""
+    input is recomputed there). Under autocast the projection is autocast's, without its saved
+    low-precision weight copy (``autocast_linear``): the weight may then be of another dtype than
+    ``gate``; outside autocast it must be of the same."""
     _check_pair(gate, up)
-    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1] or weight.dtype != gate.dtype:
+    autocast = torch.is_autocast_enabled(gate.device.type)
+    if (
+        weight.dim() != 2
+        or weight.shape[1] != gate.shape[-1]
+        or (weight.dtype != gate.dtype and not autocast)
+    ):
         raise ValueError(
             f"weight must be [out, {gate.shape[-1]}] in {gate.dtype}, got {tuple(weight.shape)} "
             f"{weight.dtype}"
         )
-    if torch.is_autocast_enabled(gate.device.type):
-        raise ValueError("glu_linear does not run under autocast: call swiglu/geglu, then the projection")
     torch_backend = resolve_backend(backend, gate) == "torch"
     if not (
         torch.is_grad_enabled() and any(t.requires_grad for t in (gate, up, weight, bias) if t is not None)
     ):
         return F.linear(_glu_with_grad(gate, up, gelu, torch_backend), weight, bias)
-    return _GLULinearFunction.apply(gate, up, weight, bias, gelu, torch_backend)
+    dtype = torch.get_autocast_dtype(gate.device.type) if autocast else weight.dtype
+    return _GLULinearFunction.apply(gate, up, weight, bias, gelu, torch_backend, dtype)

@@ -48,15 +48,13 @@ def gated_mlp_forward(layout: str, gelu: bool, dropout: bool, backend: Backend) 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up(self, x)
         down = self.down_proj
-        if (
-            _plain_linear(down)
-            and down.weight.dtype == gate.dtype
-            and not torch.is_autocast_enabled(x.device.type)
+        if _plain_linear(down) and (
+            down.weight.dtype == gate.dtype or torch.is_autocast_enabled(x.device.type)
         ):
             out = glu_linear(
                 gate, up, down.weight, down.bias, gelu=gelu, backend=backend
             )  # keeps gate, up only
-        else:  # LoRA, 4-bit, hooked or autocast projections: the module itself
+        else:  # LoRA, 4-bit or hooked projections: the module itself
             out = down(glu(gate, up, backend=backend))
         return F.dropout(out, p=self.residual_dropout, training=self.training) if dropout else out
 
@@ -74,7 +72,6 @@ def experts_forward(gelu: bool, backend: Backend) -> Callable:
     forward computes the same sums. With "grouped_mm"/"batched_mm" (transformers' default) the class's
     dispatch runs and calls the module's ``_apply_gate``, which ``fused_gate`` replaces.
     """
-    glu = geglu if gelu else swiglu
 
     def loop(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         final = torch.zeros_like(hidden)
@@ -84,7 +81,6 @@ def experts_forward(gelu: bool, backend: Backend) -> Callable:
         # Index num_experts is expert parallelism's "not on this rank": sorted last, skipped as the loop does.
         counts = torch.bincount(expert_of_slot, minlength=self.num_experts + 1)[: self.num_experts].tolist()
         tokens, weights = order // top_k, top_k_weights.reshape(-1)[order]
-        autocast = torch.is_autocast_enabled(hidden.device.type)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -93,11 +89,7 @@ def experts_forward(gelu: bool, backend: Backend) -> Callable:
             start += count
             token = tokens[rows]
             gate, up = F.linear(hidden[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            down = self.down_proj[expert]
-            if autocast:  # the projection in autocast's dtype: the activation, then the projection
-                out = F.linear(glu(gate, up, backend=backend), down)
-            else:
-                out = glu_linear(gate, up, down, gelu=gelu, backend=backend)
+            out = glu_linear(gate, up, self.down_proj[expert], gelu=gelu, backend=backend)
             final.index_add_(0, token, (out * weights[rows, None]).to(final.dtype))
         return final
 

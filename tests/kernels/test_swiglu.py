@@ -82,5 +82,50 @@ def test_glu_linear_frozen_weight_and_bad_inputs():
     torch.testing.assert_close(out, expected)
     with pytest.raises(ValueError, match=r"weight must be \[out, 6\] in torch.float32, got \(3, 5\)"):
         glu_linear(gate, up, torch.randn(3, 5))
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast"):
-        glu_linear(gate, up, weight)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_glu_linear_under_autocast_is_autocasts_projection(backend, dtype, gelu, bias):
+    """Under autocast (low-precision gate and up, fp32 weight): the values and gradients of the
+    activation followed by autocast's ``F.linear``, bit for bit, without saving the projection's input
+    or a low-precision copy of its weight."""
+    device = DEVICE if DEVICE.type == "cuda" else torch.device("cpu")
+    glu = geglu if gelu else swiglu
+    gate32, up32 = torch.randn(3, 5, 37, device=device) * 3, torch.randn(3, 5, 37, device=device)
+    weight32, bias32 = torch.randn(11, 37, device=device) / 6, torch.randn(11, device=device)
+
+    def run(project):
+        gate, up = (t.to(dtype).requires_grad_() for t in (gate32, up32))
+        weight, b = weight32.clone().requires_grad_(), bias32.clone().requires_grad_() if bias else None
+        saved = []
+
+        def keep(tensor):
+            saved.append(tensor)
+            return tensor
+
+        with (
+            torch.autocast(device.type, dtype=dtype),
+            torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t),
+        ):
+            out = project(gate, up, weight, b)
+        out.float().pow(2).sum().backward()
+        grads = [t.grad for t in (gate, up, weight, b) if t is not None]
+        return out, grads, saved
+
+    out, grads, saved = run(lambda g, u, w, b: glu_linear(g, u, w, b, gelu=gelu, backend=backend))
+    expected, expected_grads, expected_saved = run(
+        lambda g, u, w, b: torch.nn.functional.linear(glu(g, u, backend=backend), w, b)
+    )
+    assert out.dtype == dtype and torch.equal(out, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert not any(t.numel() == 11 * 37 and t.dtype == dtype for t in saved)  # no weight copy
+    assert any(t.numel() == 11 * 37 and t.dtype == dtype for t in expected_saved)  # autocast's copy
+    # the projection's input (the activation's output: gate and up are leaves) is recomputed, not saved
+    projection_input = [
+        any(t.numel() == 3 * 5 * 37 and t.grad_fn is not None for t in found)
+        for found in (saved, expected_saved)
+    ]
+    assert projection_input == [False, True]

@@ -192,10 +192,12 @@ def test_patch_twice_options_and_unpatch():
     torch.testing.assert_close(model(**batch).loss, before)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("linear", [True, False], ids=["linears-patched", "linears-own"])
-def test_gated_mlp_saves_no_down_projection_input(linear, monkeypatch):
+def test_gated_mlp_saves_no_down_projection_input(linear, autocast, monkeypatch):
     """The patched MLP's down projection is ``glu_linear`` (its [tokens, intermediate] input recomputed
-    in backward, not saved) whether or not ``patch_model`` also patched the ``nn.Linear`` modules."""
+    in backward, not saved) whether or not ``patch_model`` also patched the ``nn.Linear`` modules, under
+    autocast too."""
     import fastalign.patching.modules as modules
 
     calls = []
@@ -207,7 +209,9 @@ def test_gated_mlp_saves_no_down_projection_input(linear, monkeypatch):
 
     monkeypatch.setattr(modules, "glu_linear", spy)
     model = fastalign.patch_model(tiny_model("llama"), linear=linear)
-    model(**padded_batch()).loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**padded_batch()).loss
+    loss.backward()
     assert len(calls) == model.config.num_hidden_layers
 
 
