@@ -215,7 +215,7 @@ def _stats_for_user(
     )
 
 
-def _autocast_aware(op):
+def autocast_aware(op):
     """Inside an autocast region, run the op as ``F.linear`` would run the head there: hidden states,
     weight and bias cast to the autocast dtype (the casts carry the gradients back to fp32 weights),
     and autocast off inside, where the chunk loop sets every dtype itself."""
@@ -238,7 +238,7 @@ def _autocast_aware(op):
     return wrapper
 
 
-@_autocast_aware
+@autocast_aware
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -328,7 +328,7 @@ def _mean_scale(
     return 1.0 / divisor.reshape(())
 
 
-@_autocast_aware
+@autocast_aware
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -361,7 +361,7 @@ def token_logprobs(
     return logprobs
 
 
-@_autocast_aware
+@autocast_aware
 def token_objective(
     hidden: torch.Tensor,
     weight: torch.Tensor,

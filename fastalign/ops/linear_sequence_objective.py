@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from fastalign.ops.backend import Backend
 from fastalign.ops.chunked_head import GradientInForward, InputGrads, input_grads_needed
-from fastalign.ops.linear_cross_entropy import default_chunk_size, prepare
+from fastalign.ops.linear_cross_entropy import autocast_aware, default_chunk_size, prepare
 from fastalign.ops.linear_cross_entropy_chunks import ChunkSpec, row_grad_, row_stats
 from fastalign.ops.linear_cross_entropy_torch import GradCoefficients
 from fastalign.ops.preference import log_sum_sq_probs
@@ -82,7 +82,9 @@ def unit_chunks(units: Sequence[Sequence[int]], counts: list[int], chunk_size: i
 def fits_whole_units(unit_tokens: torch.Tensor, weight: torch.Tensor, chunk_size: int | None) -> bool:
     """Whether the largest unit's loss tokens (``unit_tokens`` [U]) fit ``MAX_CHUNKS_PER_UNIT`` chunks
     of the head ``weight`` [V, D] (``chunk_size`` or the default): when not, run per-token log-probs."""
-    chunk = chunk_size or default_chunk_size(weight.shape[0], weight.dtype, weight.device)
+    device = weight.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    chunk = chunk_size or default_chunk_size(weight.shape[0], dtype, weight.device)
     return unit_tokens.numel() == 0 or int(unit_tokens.max()) <= MAX_CHUNKS_PER_UNIT * chunk
 
 
@@ -96,8 +98,11 @@ class _Plan(NamedTuple):
     with_aligned: bool
 
 
-def _sequence_grads(plan: _Plan, sequences: torch.Tensor, sums: SequenceSums):
-    """The chunk's loss and its gradients w.r.t. the weighted [k] and plain [k] sequence sums."""
+def _sequence_grads(plan: _Plan, sequences: torch.Tensor, sums: SequenceSums, needed: bool):
+    """The chunk's loss and (when ``needed``) its gradients w.r.t. the weighted [k] and plain [k]
+    sequence sums."""
+    if not needed:
+        return plan.sequence_loss(sequences, sums).detach(), None, None
     with torch.enable_grad():
         leaves = [sums.logps.detach().requires_grad_(), sums.tokens.detach().requires_grad_()]
         loss = plan.sequence_loss(sequences, sums._replace(logps=leaves[0], tokens=leaves[1]))
@@ -143,7 +148,7 @@ class _SequenceObjectiveFunction(GradientInForward):
             )
             index = torch.tensor(seqs, device=device)
             loss, grad_weighted, grad_plain = _sequence_grads(
-                plan, index, SequenceSums(chunk_logps, chunk_sums, chunk_aligned)
+                plan, index, SequenceSums(chunk_logps, chunk_sums, chunk_aligned), grads is not None
             )
             total += loss
             logps[index], token_sums[index] = chunk_logps, chunk_sums
@@ -164,6 +169,7 @@ class _SequenceObjectiveFunction(GradientInForward):
         return total, logps, token_sums, entropy, aligned
 
 
+@autocast_aware
 def linear_sequence_objective(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -186,7 +192,8 @@ def linear_sequence_objective(
     default: every sequence alone). ``token_weights`` [S, T] weight ``SequenceSums.logps`` (LD-DPO);
     ``tokens`` stays the plain sum. ``return_entropy``: the per-token entropy (from the softmax
     statistics); ``return_aligned``: WPO's per-sequence Σ (log p − log Σ_v p_v²) in ``SequenceSums`` and
-    the result. A chunk holds ``chunk_size`` loss tokens, or one unit when a unit has more.
+    the result. A chunk holds ``chunk_size`` loss tokens, or one unit when a unit has more. Under
+    autocast the head runs in autocast's dtype, as ``F.linear`` would.
     """
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [S, T, D], got {tuple(hidden.shape)}")

@@ -141,6 +141,10 @@ def glu_linear(
             f"weight must be [out, {gate.shape[-1]}] in {gate.dtype}, got {tuple(weight.shape)} "
             f"{weight.dtype}"
         )
+    if bias is not None and (bias.shape != weight.shape[:1] or (bias.dtype != weight.dtype and not autocast)):
+        raise ValueError(
+            f"bias must be [{weight.shape[0]}] in {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}"
+        )
     torch_backend = resolve_backend(backend, gate) == "torch"
     if not (
         torch.is_grad_enabled() and any(t.requires_grad for t in (gate, up, weight, bias) if t is not None)

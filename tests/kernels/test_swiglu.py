@@ -82,6 +82,8 @@ def test_glu_linear_frozen_weight_and_bad_inputs():
     torch.testing.assert_close(out, expected)
     with pytest.raises(ValueError, match=r"weight must be \[out, 6\] in torch.float32, got \(3, 5\)"):
         glu_linear(gate, up, torch.randn(3, 5))
+    with pytest.raises(ValueError, match=r"bias must be \[3\] in torch.float32, got \(3,\) torch.bfloat16"):
+        glu_linear(gate, up, weight, torch.zeros(3, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])

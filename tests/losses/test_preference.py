@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from fastalign.losses import KTOLoss, PreferenceLoss
+from fastalign.losses import preference as preference_module
+from fastalign.ops.linear_sequence_objective import linear_sequence_objective as sweep
 from fastalign.ops.preference import DPO_LOSS_TYPES, SMOOTHED_DPO_LOSS_TYPES
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference, relative_error
@@ -234,7 +236,7 @@ def test_reference_free_objectives(backend, variant):
 @pytest.mark.parametrize(
     "chunk_size", [None, 2, 1], ids=["completions-per-chunk", "completion-per-chunk", "per-token-logprobs"]
 )
-def test_kto_matches_formula(backend, chunk_size):
+def test_kto_matches_formula(backend, chunk_size, monkeypatch):
     """The gradient formed in the forward per chunk of whole completions (several, or one; odd lengths),
     and per-token log-probs when a completion spans more than 4 chunks (chunk_size 1), all equal the
     formula in float64."""
@@ -248,6 +250,10 @@ def test_kto_matches_formula(backend, chunk_size):
     )
     loss_fn = KTOLoss(
         beta=BETA, desirable_weight=1.3, undesirable_weight=0.7, chunk_size=chunk_size, backend=backend
+    )
+    swept = []
+    monkeypatch.setattr(
+        preference_module, "linear_sequence_objective", lambda *a, **k: swept.append(1) or sweep(*a, **k)
     )
     out = loss_fn(
         hidden, weight, targets, labels, mask, ref_logps=ref_logps, kl_logps=kl_logps, ref_kl_logps=ref_kl
@@ -266,6 +272,7 @@ def test_kto_matches_formula(backend, chunk_size):
     assert_close_to_reference("loss", out.loss.detach(), expected.detach(), torch.float32)
     assert_close_to_reference("grad hidden", hidden.grad, h64.grad, torch.float32)
     assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.float32)
+    assert swept == ([] if chunk_size == 1 else [1])  # 6 tokens: over 4 chunks of 1, within 4 of 2
     torch.testing.assert_close(out.metrics["kl"].double(), kl)
     torch.testing.assert_close(out.metrics["entropy"].double(), entropy.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(
@@ -274,6 +281,39 @@ def test_kto_matches_formula(backend, chunk_size):
     torch.testing.assert_close(
         out.metrics["rewards/chosen"].double(), (BETA * ratio[labels]).mean().detach(), rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_under_autocast_the_head_runs_in_its_dtype(backend, objective):
+    """Under bf16 autocast over fp32 hidden states and weight (the trainer's single-process bf16), the
+    loss and gradients are those of the same call on bf16 casts, as ``F.linear`` would run the head."""
+    hidden, weight, targets, mask, _ = make_batch(torch.float32, seed=5)
+    labels = torch.tensor([True, False, True, True, False, False], device=DEVICE)
+    zeros = torch.zeros(P, device=DEVICE)
+
+    def run(cast: bool):
+        h, w = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+        inputs = (h.bfloat16(), w.bfloat16()) if cast else (h, w)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=not cast):
+            if objective == "dpo":
+                out = PreferenceLoss(backend=backend)(
+                    *inputs, targets, mask, ref_chosen_logps=zeros, ref_rejected_logps=zeros
+                )
+            else:
+                out = KTOLoss(backend=backend)(
+                    *inputs,
+                    targets,
+                    labels,
+                    mask,
+                    ref_logps=torch.zeros(2 * P, device=DEVICE),
+                    kl_logps=zeros,
+                    ref_kl_logps=zeros,
+                )
+        out.loss.backward()
+        return out.loss, h.grad, w.grad
+
+    for got, expected in zip(run(cast=False), run(cast=True), strict=True):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
 def test_bad_input():

@@ -5,6 +5,7 @@ reference set-ups agree; bad input fails with errors naming the row, function or
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -100,6 +101,19 @@ def test_dpo_learns_the_preferred_completion(tmp_path):
     assert all(row["rewards/accuracies"] >= 0.9 for row in late), rows
     assert min(row["rewards/margins"] for row in late) > early["rewards/margins"] + 0.3
     assert late[-1]["loss"] < 0.5 < rows[0]["loss"]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto", "grpo"])
+def test_bf16_single_process_runs_every_head(tmp_path, objective):
+    """``bf16: true`` in one process is autocast over fp32 weights: the preference heads (pairs, KTO's
+    completions) and GRPO's run in bf16 and train, with the first step's loss that of the fp32 run's
+    within bf16's precision (the same policy and batch)."""
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        run_training(config(tmp_path / precision, objective, bf16=precision == "bf16"), objective)
+        losses[precision] = [row["loss"] for row in logged(tmp_path / precision) if "loss" in row]
+    assert len(losses["bf16"]) == 2 and all(math.isfinite(loss) for loss in losses["bf16"])
+    assert losses["bf16"][0] == pytest.approx(losses["fp32"][0], rel=0.02, abs=0.02)
 
 
 @pytest.mark.slow
