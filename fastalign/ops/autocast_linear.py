@@ -13,18 +13,45 @@ copy, per layer and backward, against a saved copy per layer for the whole step.
 autocast's: the same casts of input, weight and bias, the same low-precision matmuls (the input
 gradient ``grad · W``, the weight gradient ``gradᵀ · x`` rounded to the low precision, then widened to
 the weight's dtype, as autocast's cast back does; the bias gradient likewise).
+
+The input's cast is shared: q, k and v (gate and up) read one normalized tensor, and autocast casts
+it, and saves the cast, once per projection; here consecutive calls on the same unmodified tensor reuse
+the last call's cast (``_cast_input``), so one low-precision copy is saved instead of three (two). The
+values are the same casts, so outputs and gradients are unchanged.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
+
+#: (input, its version, dtype, its cast) of the last ``_cast_input``, all weak: a reused cast is one that
+#: is still alive (saved for backward by an earlier projection).
+_last_cast: tuple[weakref.ref, int, torch.dtype, weakref.ref] | None = None
+
+
+def _cast_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, or the previous call's cast when ``x`` is the same tensor, unmodified since
+    (its version), and that cast is still alive."""
+    global _last_cast
+    if x.dtype == dtype:
+        return x
+    if _last_cast is not None:
+        source, version, cast_dtype, cast = _last_cast
+        low = cast() if source() is x and version == x._version and cast_dtype == dtype else None
+        if low is not None:
+            return low
+    low = x.to(dtype)
+    _last_cast = (weakref.ref(x), x._version, dtype, weakref.ref(low))
+    return low
 
 
 class _AutocastLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
-        x_low = x.to(dtype)
+        x_low = _cast_input(x, dtype)
         with torch.autocast(x.device.type, enabled=False):
             out = F.linear(x_low, weight.to(dtype), None if bias is None else bias.to(dtype))
         ctx.save_for_backward(x_low, weight)

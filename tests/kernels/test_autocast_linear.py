@@ -59,3 +59,44 @@ def test_outside_autocast_and_without_gradients_it_is_f_linear():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         got = autocast_linear(x, weight)
     assert got.dtype == torch.bfloat16 and got.grad_fn is None
+
+
+def test_projections_of_one_input_share_its_cast():
+    """q, k and v of one normalized tensor: autocast's numbers, one low-precision copy of the input saved
+    (autocast saves three); a tensor modified in place between calls is cast again."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 40, generator=generator).requires_grad_()
+    weights = [torch.randn(24, 40, generator=generator).requires_grad_() for _ in range(3)]
+
+    def projections(linear):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, *weights)]
+        saved = []
+
+        def pack(tensor):
+            saved.append(tensor)
+            return tensor
+
+        with saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            normed = leaves[0] * 2
+            outs = [linear(normed, weight) for weight in leaves[1:]]
+        sum(out.float().square().sum() for out in outs).backward()
+        copies = {
+            t.untyped_storage().data_ptr()
+            for t in saved
+            if t.dtype == torch.bfloat16 and t.numel() == x.numel()
+        }
+        return outs, [leaf.grad for leaf in leaves], len(copies)
+
+    outs, grads, copies = projections(autocast_linear)
+    ref_outs, ref_grads, ref_copies = projections(F.linear)
+    for got, expected in zip(outs + grads, ref_outs + ref_grads, strict=True):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert (copies, ref_copies) == (1, 3)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        normed = x.detach().clone()
+        first = autocast_linear(normed, weights[0])
+        normed.mul_(3)  # a new version: not the tensor the first call cast
+        second = autocast_linear(normed, weights[0])
+    assert torch.equal(second, F.linear(normed.bfloat16(), weights[0].bfloat16()))
+    assert not torch.equal(first, second)
