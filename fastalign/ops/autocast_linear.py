@@ -48,30 +48,50 @@ def _cast_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return low
 
 
+def cast_linear(x_low: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """Autocast's projection of ``x_low`` (already in ``dtype``): the weight and bias cast to ``dtype``,
+    autocast off, no cast kept (``cast_linear_backward`` casts the weight again)."""
+    with torch.autocast(x_low.device.type, enabled=False):
+        return F.linear(x_low, weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+def cast_linear_backward(
+    grad_out: torch.Tensor,
+    x_low: torch.Tensor,
+    weight: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+    dtype: torch.dtype,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``cast_linear`` that ``needs`` asks for, as autocast forms them: w.r.t. its input
+    (in ``dtype``, shaped like it), its weight (in ``dtype``, widened to the weight's) and its bias
+    (widened to ``bias_dtype``; None without a bias)."""
+    needs_x, needs_weight, needs_bias = needs
+    flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+    grad_x = flat_grad.mm(weight.to(dtype)).view(*grad_out.shape[:-1], -1) if needs_x else None
+    grad_weight = (
+        flat_grad.t().mm(x_low.reshape(-1, x_low.shape[-1])).to(weight.dtype) if needs_weight else None
+    )
+    grad_bias = flat_grad.sum(0).to(bias_dtype) if needs_bias and bias_dtype is not None else None
+    return grad_x, grad_weight, grad_bias
+
+
 class _AutocastLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
         x_low = _cast_input(x, dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            out = F.linear(x_low, weight.to(dtype), None if bias is None else bias.to(dtype))
         ctx.save_for_backward(x_low, weight)
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype, dtype)
-        return out
+        return cast_linear(x_low, weight, bias, dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x_low, weight = ctx.saved_tensors
         x_dtype, bias_dtype, dtype = ctx.dtypes
-        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
-        grad_x = grad_weight = grad_bias = None
-        if needs_x:
-            grad_x = flat_grad.mm(weight.to(dtype)).view(*grad_out.shape[:-1], -1).to(x_dtype)
-        if needs_weight:
-            grad_weight = flat_grad.t().mm(x_low.reshape(-1, x_low.shape[-1])).to(weight.dtype)
-        if needs_bias and bias_dtype is not None:
-            grad_bias = flat_grad.sum(0).to(bias_dtype)
-        return grad_x, grad_weight, grad_bias, None
+        grad_x, grad_weight, grad_bias = cast_linear_backward(
+            grad_out, x_low, weight, bias_dtype, dtype, ctx.needs_input_grad[:3]
+        )
+        return None if grad_x is None else grad_x.to(x_dtype), grad_weight, grad_bias, None
 
 
 def autocast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from fastalign.ops.autocast_linear import cast_linear, cast_linear_backward
 from fastalign.ops.backend import Backend, resolve_backend
 from fastalign.ops.recompute import recompute_in_backward
 
@@ -74,17 +75,16 @@ class _GLULinearFunction(torch.autograd.Function):
     layer, the same matmuls.
 
     ``dtype``: the matmuls' dtype. Under autocast it is autocast's and the projection is autocast's
-    (``fastalign.ops.autocast_linear``): input, weight and bias cast to it, the weight cast again in
-    backward rather than saved, the weight and bias gradients formed in it and widened to theirs."""
+    (``cast_linear`` and its backward, shared with ``fastalign.ops.autocast_linear``): input, weight and
+    bias cast to it, the weight cast again in backward rather than saved, the weight and bias gradients
+    formed in it and widened to theirs."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, gelu: bool, torch_backend: bool, dtype: torch.dtype):
         ctx.save_for_backward(gate, up, weight)
         ctx.gelu, ctx.torch_backend, ctx.dtype = gelu, torch_backend, dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        hidden = _glu_with_grad(gate, up, gelu, torch_backend).to(dtype)
-        with torch.autocast(gate.device.type, enabled=False):
-            return F.linear(hidden, weight.to(dtype), None if bias is None else bias.to(dtype))
+        return cast_linear(_glu_with_grad(gate, up, gelu, torch_backend).to(dtype), weight, bias, dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -94,18 +94,16 @@ class _GLULinearFunction(torch.autograd.Function):
             gate = gate.detach().requires_grad_(needs_gate)
             up = up.detach().requires_grad_(needs_up)
             hidden = _glu_with_grad(gate, up, ctx.gelu, ctx.torch_backend)
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype)
-        grad_weight = (
-            flat_grad.t().mm(hidden.detach().reshape(-1, hidden.shape[-1]).to(ctx.dtype)).to(weight.dtype)
-            if needs_weight
-            else None
-        )
-        grad_bias = flat_grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and needs_bias else None
         inputs = [tensor for tensor in (gate, up) if tensor.requires_grad]
-        grads = iter(())
-        if inputs:
-            grad_hidden = flat_grad.matmul(weight.to(ctx.dtype)).view(hidden.shape).to(hidden.dtype)
-            grads = iter(torch.autograd.grad(hidden, inputs, grad_hidden))
+        grad_hidden, grad_weight, grad_bias = cast_linear_backward(
+            grad_out,
+            hidden.detach().to(ctx.dtype),
+            weight,
+            ctx.bias_dtype,
+            ctx.dtype,
+            (bool(inputs), needs_weight, needs_bias),
+        )
+        grads = iter(torch.autograd.grad(hidden, inputs, grad_hidden.to(hidden.dtype)) if inputs else ())
         grad_gate = next(grads) if needs_gate else None
         grad_up = next(grads) if needs_up else None
         return grad_gate, grad_up, grad_weight, grad_bias, None, None, None
