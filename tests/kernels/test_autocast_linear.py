@@ -51,6 +51,8 @@ def test_same_numbers_as_autocast_and_no_weight_copy_saved(dtype, with_bias, fro
     assert any(t.numel() == weight.numel() and t.dtype == dtype for t in ref_saved)
     assert not any(t.numel() == weight.numel() and t.dtype == dtype for t in saved)
     assert any(t is leaves[1] or t.untyped_storage().data_ptr() == leaves[1].data_ptr() for t in saved)
+    # the input's cast feeds only the weight's gradient: a frozen weight (LoRA's base layer) keeps none
+    assert any(t.numel() == x.numel() for t in saved) != frozen
 
 
 def test_outside_autocast_and_without_gradients_it_is_f_linear():
