@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastalign.ops.cpu_gemm import LOW_PRECISION, cpu_gemms
-from fastalign.train import checkpoint
+from fastalign.train import checkpoint, host_memory
 from fastalign.train.batches import FILLER_KEY, BatchPosition
 from fastalign.train.config import ConfigError
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
@@ -344,6 +344,8 @@ class Engine:
             if self.scaler.get_scale() >= scale:  # as transformers: no scheduler step for a skipped one
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ctx.device.type == "cpu":
+            host_memory.release_freed_host_memory()  # the step's freed tensors, off the resident set
         tokens = int(all_reduce_sum(sum(_token_count(batch) for batch in micro_batches), self.ctx))
         self.state.step += 1
         self.state.position = self.batches.advance(self.state.position)

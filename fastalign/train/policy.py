@@ -12,7 +12,7 @@ import fastalign
 from fastalign.builtin.models import ModelTask
 from fastalign.errors import one_line
 from fastalign.quant import QuantOptions
-from fastalign.train import memory
+from fastalign.train import host_memory, memory
 from fastalign.train.config import ConfigError, TrainConfig, model_option
 from fastalign.train.distributed import DistributedContext, shard_model
 from fastalign.train.loading import (
@@ -60,13 +60,16 @@ def prepare_policy(
 
 
 def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: DistributedContext):
-    """On the device and sharded; a 4-bit skeleton is filled from its checkpoint only once sharded."""
+    """On the device and sharded; a 4-bit skeleton is filled from its checkpoint only once sharded. On
+    the CPU its layers hand freed memory back to the OS as they go (``host_memory``)."""
     skeleton = any(param.is_meta for param in model.parameters())
     if not skeleton:
         model.to(ctx.device)
     model = shard_model(model, mixed_precision=config.bf16)
     if skeleton:
         _fill(model, name_or_path, config, ctx.device)
+    if ctx.device.type == "cpu":
+        host_memory.release_between_layers(model)
     return model
 
 

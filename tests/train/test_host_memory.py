@@ -1,0 +1,92 @@
+"""Freed host memory goes back to the OS after each decoder layer's forward and backward, and at the end
+of each step, on the CPU; the numbers trained are the same."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+from fastalign.builtin import tiny_model, tiny_sft_rows
+from fastalign.models.structure import decoder_layers
+from fastalign.train import host_memory
+from fastalign.train.memory import enable_activation_checkpointing
+from tests.train.runs import short_config, train
+from tests.train.test_memory import assert_same_step, padded_batch, train_step
+
+glibc = pytest.mark.skipif(
+    host_memory._malloc_trim() is None or not sys.platform.startswith("linux"), reason="needs glibc"
+)
+
+
+@pytest.fixture
+def releases(monkeypatch) -> list[int]:
+    """Each trim, counted; every layer boundary trims (no slack)."""
+    calls = []
+    release = host_memory.release_freed_host_memory
+
+    def counted() -> bool:
+        calls.append(1)
+        return release()
+
+    monkeypatch.setattr(host_memory, "release_freed_host_memory", counted)
+    monkeypatch.setattr(host_memory, "SLACK", -1)
+    return calls
+
+
+@glibc
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_each_layer_releases_after_forward_and_backward_and_trains_the_same(releases, checkpointing):
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(reference)
+    handles = host_memory.release_between_layers(model)
+    layers = len(decoder_layers(model))
+    assert len(handles) == 2 * layers
+    batch = padded_batch()
+    loss = train_step(model, batch)
+    # after each layer's forward, and after its backward (which with checkpointing may recompute the
+    # forward and count again)
+    assert 2 * layers <= len(releases) <= 3 * layers
+    torch.testing.assert_close(loss, train_step(reference, batch))
+    for (name, expected), (_, got) in zip(
+        reference.named_parameters(), model.named_parameters(), strict=True
+    ):
+        assert torch.equal(got.grad, expected.grad), name
+    releases.clear()
+    with torch.no_grad():
+        model(batch["input_ids"])
+    assert len(releases) == layers  # inference: after each forward only
+    for handle in handles:
+        handle.remove()
+    releases.clear()
+    assert_same_step(reference, model)
+    assert releases == []
+
+
+@glibc
+def test_the_resident_set_may_grow_by_the_slack_before_a_trim(monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_memory, "release_freed_host_memory", lambda: calls.append(1))
+    monkeypatch.setattr(host_memory, "_floor", [host_memory._resident_bytes()])
+    host_memory._release_if_grown()
+    assert calls == []  # within the slack
+    monkeypatch.setattr(host_memory, "_floor", [host_memory._resident_bytes() - host_memory.SLACK - 1])
+    host_memory._release_if_grown()
+    assert calls == [1]
+
+
+def test_a_model_without_decoder_layers_gets_no_hooks():
+    assert host_memory.release_between_layers(torch.nn.Linear(2, 2)) == []
+
+
+@glibc
+def test_a_cpu_run_releases_at_each_layer_and_step(tmp_path, releases):
+    steps = train(short_config(tmp_path, tiny_sft_rows(8), max_steps=2), "sft")
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(row["loss"])) for row in steps)
+    layers = len(decoder_layers(tiny_model("llama")))
+    assert len(releases) >= 2 * (2 * layers + 1)  # each step: every layer's forward and backward, its end
