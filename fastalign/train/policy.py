@@ -56,20 +56,20 @@ def prepare_policy(
         memory.enable_activation_checkpointing(model)
     if config.activation_offloading:
         memory.enable_activation_offloading(model)
-    return _place(model, config.model_name_or_path, config, ctx)
+    model = _place(model, config.model_name_or_path, config, ctx)
+    if ctx.device.type == "cpu":  # its layers hand what they free back to the OS as they train
+        host_memory.release_between_layers(model)
+    return model
 
 
 def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: DistributedContext):
-    """On the device and sharded; a 4-bit skeleton is filled from its checkpoint only once sharded. On
-    the CPU its layers hand freed memory back to the OS as they go (``host_memory``)."""
+    """On the device and sharded; a 4-bit skeleton is filled from its checkpoint only once sharded."""
     skeleton = any(param.is_meta for param in model.parameters())
     if not skeleton:
         model.to(ctx.device)
     model = shard_model(model, mixed_precision=config.bf16)
     if skeleton:
         _fill(model, name_or_path, config, ctx.device)
-    if ctx.device.type == "cpu":
-        host_memory.release_between_layers(model)
     return model
 
 
