@@ -4,7 +4,8 @@ A step: this rank's micro-batches (which an objective may first turn into traini
 generating completions); the loss-term count of all of them on all ranks (so each micro-batch's loss is
 its share of the accumulated batch's mean: exact gradient accumulation); forward and backward of each
 (gradient sync only on the last under FSDP2); a non-finite check; clipping; optimizer and scheduler
-step. The objective's metrics are summed like its loss, so they too are means over the whole step.
+step; on the CPU, the step's freed heap memory handed back to the OS (``host_memory``). The objective's
+metrics are summed like its loss, so they too are means over the whole step.
 
 A run that diverges ends with a one-line ``NonFiniteLossError`` (a ValueError) naming a checkpoint that
 trains on: weights that are not finite are never saved, and the checkpoint holding the weights that gave

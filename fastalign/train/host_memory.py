@@ -4,17 +4,26 @@ Why: PyTorch's CPU tensors come from glibc's ``malloc``. Tensors above its mappi
 and unmapped one by one, but each unmapping raises the threshold (up to 32 MiB), so soon a layer's
 tensors come from the heap, and the heap keeps what is freed: a temporary's pages stay resident until a
 later tensor happens to fit in their place. On SmolLM2-135M (bf16 DPO LoRA, 8 × 249 tokens) a step's
-resident peak was 4.4 GB while at most 2.8 GB were alive; TRL's runs carry the same overhead.
+resident peak was 4.4 GB while at most 2.8 GB were alive; TRL's runs carry the same overhead. A fixed
+mapping threshold (``mallopt``) would map every tensor afresh instead: at 1 MiB the same step peaked at
+2.9 GB but ran 40% slower (page faults and zeroing on every allocation).
 
 ``malloc_trim(0)`` returns every free page of every arena (``madvise``). It runs at the end of each
 optimizer step, and after a decoder layer's forward or backward once the heaps hold ``SLACK`` (64 MiB)
-more resident free memory than just after the last trim (the resident set less what ``malloc`` has handed
-out, ``mallinfo2``): the resident set stays within about ``SLACK`` of what is alive. A trim costs a pass
-over the heaps (about 16 ms on that model) and the page faults of touching the returned pages again; the
-slack keeps it to a few trims a step where little is freed (KTO with checkpointing: 39 a step, peak 3.6
-→ 3.3 GB), about two a layer where much is (that DPO LoRA step: 60, peak 4.4 → 2.9 GB), with no step
-time change beyond this CPU's noise. On an accelerator nothing of this runs (the device memory has its
-own caching allocator); without glibc (musl, macOS) neither, as there is no ``malloc_trim``.
+more resident free memory than just after the last trim (anonymous resident memory less what ``malloc``
+has handed out, ``mallinfo2``): the resident set stays within about ``SLACK`` of what is alive. A trim
+costs a pass over the heaps (about 16 ms on that model) and the page faults of touching the returned
+pages again; a layer boundary that does not trim costs a ``/proc`` read and ``mallinfo2``'s walk of the
+free lists. The slack keeps trims to a few a step where little is freed (KTO with checkpointing: 39 a
+step, peak 3.6 → 3.3 GB) and about two a layer where much is (that DPO LoRA step), with no change in step
+time beyond this CPU's ±30% noise. A layer whose input needs no gradient (the first, under LoRA) has no
+backward boundary; the step's end covers it.
+
+Nothing of this runs on an accelerator (device memory has its own caching allocator), without glibc's
+``malloc_trim`` (musl, macOS), under another allocator preloaded (jemalloc, tcmalloc, mimalloc: glibc's
+heaps are then empty), or with ``FASTALIGN_MALLOC_TRIM=0`` (for those who tune ``MALLOC_*`` or
+``GLIBC_TUNABLES`` themselves). Layer boundaries also need ``mallinfo2`` (glibc 2.33+); before that only
+the step's end trims.
 """
 
 from __future__ import annotations
@@ -33,7 +42,10 @@ from fastalign.models.structure import decoder_layers
 SLACK = 64 << 20
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_floor = [0]  # resident bytes not handed out by malloc, just after the last trim (or the fewest since)
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+#: anonymous resident bytes not handed out by malloc, just after the last trim
+_floor = 0
 
 
 class _MallInfo2(ctypes.Structure):
@@ -44,46 +56,57 @@ class _MallInfo2(ctypes.Structure):
 
 
 @functools.cache
-def _libc():
-    """glibc's ``malloc_trim`` and ``mallinfo2`` (2.33+), or None elsewhere."""
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, when it is the allocator and trimming is wanted (see the module docstring), else None."""
+    if os.environ.get("FASTALIGN_MALLOC_TRIM", "1") == "0":
+        return None
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS):
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim, info = libc.malloc_trim, libc.mallinfo2
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     except (OSError, AttributeError):
         return None
-    if not os.path.exists("/proc/self/statm"):
+    return libc
+
+
+@functools.cache
+def _mallinfo2():
+    """glibc's ``mallinfo2`` (2.33+) where ``/proc/self/statm`` is there too, else None."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2") or not os.path.exists("/proc/self/statm"):
         return None
-    info.restype = _MallInfo2
-    return trim, info
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * _PAGE
+    libc.mallinfo2.argtypes, libc.mallinfo2.restype = [], _MallInfo2
+    return libc.mallinfo2
 
 
 def _resident_not_in_use() -> int:
-    """The resident set less the bytes ``malloc`` has handed out (heap chunks in use, mapped chunks):
-    code, Python's own arenas and the heaps' resident free pages; only the last grows between trims."""
-    info = _libc()[1]()
-    return _resident_bytes() - info.uordblks - info.hblkhd
+    """Anonymous resident bytes (statm's resident less its shared, file-backed pages) less what
+    ``malloc`` has handed out (heap chunks in use, mapped chunks): Python's own arenas, thread stacks and
+    the heaps' resident free pages, of which only the last grows much between trims."""
+    with open("/proc/self/statm", "rb") as statm:
+        fields = statm.read().split()
+    info = _mallinfo2()()
+    return (int(fields[1]) - int(fields[2])) * _PAGE - info.uordblks - info.hblkhd
 
 
-def release_freed_host_memory() -> bool:
-    """Return the free pages of glibc's heaps to the OS; whether it could (no glibc: it cannot)."""
-    if _libc() is None:
-        return False
-    _libc()[0](0)
-    _floor[0] = _resident_not_in_use()
-    return True
+def release_freed_host_memory() -> None:
+    """Return the free pages of glibc's heaps to the OS (nothing without glibc)."""
+    global _floor
+    libc = _glibc()
+    if libc is None:
+        return
+    libc.malloc_trim(0)
+    if _mallinfo2() is not None:
+        _floor = _resident_not_in_use()
 
 
 def _release_if_grown(*_) -> None:
-    unused = _resident_not_in_use()
-    if unused > _floor[0] + SLACK:
+    """Trim when the heaps' resident free memory has grown by ``SLACK`` since the last trim. The floor
+    moves only at trims: a dip below it (chunks handed out from pages a trim returned are counted in use
+    before they are touched) must not make the next return to it look like growth."""
+    if _resident_not_in_use() > _floor + SLACK:
         release_freed_host_memory()
-    else:
-        _floor[0] = min(_floor[0], unused)
 
 
 def _after_forward(*_) -> None:
@@ -103,14 +126,15 @@ def _watch_backward(_layer: nn.Module, args: tuple, kwargs: dict) -> None:
 def release_between_layers(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
     """Hooks on ``model``'s decoder layers that trim after each layer's forward (with gradients) and
     backward when the heaps' resident free memory has grown by ``SLACK`` (see the module docstring);
-    none without glibc, or for a model whose layers ``decoder_layers`` does not find (the end of each
-    step still trims). Returns the hooks' handles (``.remove()`` each to undo)."""
-    if _libc() is None:
+    none where that cannot be measured, or for a model whose layers ``decoder_layers`` does not find
+    (the end of each step still trims). Returns the hooks' handles (``.remove()`` each to undo)."""
+    if _mallinfo2() is None:
         return []
     try:
         layers = decoder_layers(model)
     except ValueError:
         return []
+    release_freed_host_memory()  # the floor: what loading the model left behind, returned
     handles = []
     for layer in layers:
         handles.append(layer.register_forward_pre_hook(_watch_backward, with_kwargs=True))

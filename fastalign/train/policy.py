@@ -1,6 +1,6 @@
 """The model a run trains, and its frozen reference: in the dtype and with the attention kernel asked for,
 patched, with LoRA and the activation-memory savers when asked for, on the device, sharded with FSDP2
-under ``torchrun``."""
+under ``torchrun``; on the CPU the policy's layers hand freed heap memory back to the OS as they train."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ def prepare_policy(
 ) -> torch.nn.Module:
     """Patched (every fused kernel with ``use_liger_kernel``; else only the fused loss head when the
     objective's loss needs it, i.e. all but SFT and reward), LoRA, activation checkpointing/offloading, on
-    the device, sharded. ``task``: what the model was loaded as (``load_model_and_tokenizer``); a reward
-    model (sequence_classification) has no LM head to fuse, and its LoRA is peft's SEQ_CLS. A 4-bit
-    skeleton (``load_model_and_tokenizer(..., materialize=False)``) is filled from its checkpoint last,
-    once sharded, so that each rank only ever holds its shard of it.
+    the device, sharded; on the CPU, trimming glibc's heaps between layers (``host_memory``). ``task``:
+    what the model was loaded as (``load_model_and_tokenizer``); a reward model (sequence_classification)
+    has no LM head to fuse, and its LoRA is peft's SEQ_CLS. A 4-bit skeleton
+    (``load_model_and_tokenizer(..., materialize=False)``) is filled from its checkpoint last, once
+    sharded, so that each rank only ever holds its shard of it.
 
     First the run's ``dtype`` and ``attn_implementation`` (``set_model_options``) and ``tf32``. LoRA
     variants that read the base weights when they are added (DoRA: the magnitude starts as each row's

@@ -32,12 +32,16 @@ def _run(linear, x, weight, bias, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
-def test_same_numbers_as_autocast_and_no_weight_copy_saved(dtype, with_bias, frozen):
+@pytest.mark.parametrize(
+    "frozen, bias_trained",
+    [(False, True), (True, False), (True, True)],
+    ids=["trained", "frozen", "bias-only"],
+)
+def test_same_numbers_as_autocast_and_no_weight_copy_saved(dtype, with_bias, frozen, bias_trained):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 7, 40, generator=generator).requires_grad_()
     weight = torch.randn(24, 40, generator=generator).requires_grad_(not frozen)
-    bias = torch.randn(24, generator=generator).requires_grad_(not frozen) if with_bias else None
+    bias = torch.randn(24, generator=generator).requires_grad_(bias_trained) if with_bias else None
     out, grads, saved, leaves = _run(autocast_linear, x, weight, bias, dtype)
     ref_out, ref_grads, ref_saved, _ = _run(F.linear, x, weight, bias, dtype)
     assert out.dtype == dtype and torch.equal(out, ref_out)
@@ -51,8 +55,10 @@ def test_same_numbers_as_autocast_and_no_weight_copy_saved(dtype, with_bias, fro
     assert any(t.numel() == weight.numel() and t.dtype == dtype for t in ref_saved)
     assert not any(t.numel() == weight.numel() and t.dtype == dtype for t in saved)
     assert any(t is leaves[1] or t.untyped_storage().data_ptr() == leaves[1].data_ptr() for t in saved)
-    # the input's cast feeds only the weight's gradient: a frozen weight (LoRA's base layer) keeps none
-    assert any(t.numel() == x.numel() for t in saved) != frozen
+    # the input's cast feeds only the weight's gradient: like autocast, a frozen weight (LoRA's base
+    # layer) keeps none
+    keeps_input = [any(t.numel() == x.numel() for t in tensors) for tensors in (saved, ref_saved)]
+    assert keeps_input == [not frozen, not frozen]
 
 
 def test_outside_autocast_and_without_gradients_it_is_f_linear():

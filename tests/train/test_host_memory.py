@@ -4,7 +4,6 @@ of each step, on the CPU; the numbers trained are the same."""
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
@@ -16,9 +15,7 @@ from fastalign.train.memory import enable_activation_checkpointing
 from tests.train.runs import short_config, train
 from tests.train.test_memory import assert_same_step, padded_batch, train_step
 
-glibc = pytest.mark.skipif(
-    host_memory._libc() is None or not sys.platform.startswith("linux"), reason="needs glibc"
-)
+glibc = pytest.mark.skipif(host_memory._mallinfo2() is None, reason="needs glibc 2.33+ and /proc")
 
 
 @pytest.fixture
@@ -27,9 +24,9 @@ def releases(monkeypatch) -> list[int]:
     calls = []
     release = host_memory.release_freed_host_memory
 
-    def counted() -> bool:
+    def counted() -> None:
         calls.append(1)
-        return release()
+        release()
 
     monkeypatch.setattr(host_memory, "release_freed_host_memory", counted)
     monkeypatch.setattr(host_memory, "SLACK", -(1 << 40))
@@ -68,23 +65,51 @@ def test_each_layer_releases_after_forward_and_backward_and_trains_the_same(rele
     assert releases == []
 
 
-@glibc
-def test_the_resident_free_heap_may_grow_by_the_slack_before_a_trim(monkeypatch):
+def test_a_trim_waits_for_the_slack_and_a_dip_does_not_move_the_floor(monkeypatch):
     calls = []
     monkeypatch.setattr(host_memory, "release_freed_host_memory", lambda: calls.append(1))
-    monkeypatch.setattr(host_memory, "_floor", [host_memory._resident_not_in_use()])
-    host_memory._release_if_grown()
-    assert calls == []  # within the slack
-    monkeypatch.setattr(host_memory, "_floor", [host_memory._resident_not_in_use() - host_memory.SLACK - 1])
-    host_memory._release_if_grown()
-    assert calls == [1]
+    monkeypatch.setattr(host_memory, "_floor", 1000)
+    for unused, trims in [
+        (1000 + host_memory.SLACK, 0),
+        (10, 0),
+        (1000 + host_memory.SLACK, 0),
+        (1001 + host_memory.SLACK, 1),
+    ]:
+        monkeypatch.setattr(host_memory, "_resident_not_in_use", lambda unused=unused: unused)
+        host_memory._release_if_grown()
+        assert len(calls) == trims
+    assert host_memory._floor == 1000
 
 
+@glibc
+def test_a_trim_sets_the_floor_to_what_is_left():
+    host_memory.release_freed_host_memory()
+    assert abs(host_memory._floor - host_memory._resident_not_in_use()) < host_memory.SLACK
+
+
+@glibc
 def test_a_model_without_decoder_layers_gets_no_hooks():
     assert host_memory.release_between_layers(torch.nn.Linear(2, 2)) == []
 
 
+@pytest.mark.parametrize("preload", [None, "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"])
+def test_switched_off_by_the_environment_or_another_allocator(monkeypatch, preload):
+    if preload:
+        monkeypatch.setenv("LD_PRELOAD", preload)
+    else:
+        monkeypatch.setenv("FASTALIGN_MALLOC_TRIM", "0")
+    host_memory._glibc.cache_clear()
+    host_memory._mallinfo2.cache_clear()
+    try:
+        assert host_memory.release_between_layers(tiny_model("llama")) == []
+        assert host_memory._glibc() is None
+    finally:  # found again with the environment restored
+        host_memory._glibc.cache_clear()
+        host_memory._mallinfo2.cache_clear()
+
+
 @glibc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a run takes the GPU when there is one")
 def test_a_cpu_run_releases_at_each_layer_and_step(tmp_path, releases):
     steps = train(short_config(tmp_path, tiny_sft_rows(8), max_steps=2), "sft")
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(row["loss"])) for row in steps)
