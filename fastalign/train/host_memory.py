@@ -9,15 +9,15 @@ mapping threshold (``mallopt``) would map every tensor afresh instead: at 1 MiB 
 2.9 GB but ran 40% slower (page faults and zeroing on every allocation).
 
 ``malloc_trim(0)`` returns every free page of every arena (``madvise``). It runs at the end of each
-optimizer step, and after a decoder layer's forward or backward once the heaps hold ``SLACK`` (64 MiB)
+optimizer step, and after a decoder layer's forward or backward once the heaps hold ``SLACK`` (256 MiB)
 more resident free memory than just after the last trim (anonymous resident memory less what ``malloc``
 has handed out, ``mallinfo2``): the resident set stays within about ``SLACK`` of what is alive. A trim
-costs a pass over the heaps (about 16 ms on that model) and the page faults of touching the returned
-pages again; a layer boundary that does not trim costs a ``/proc`` read and ``mallinfo2``'s walk of the
-free lists. The slack keeps trims to a few a step where little is freed (KTO with checkpointing: 39 a
-step, peak 3.6 → 3.3 GB) and about two a layer where much is (that DPO LoRA step), with no change in step
-time beyond this CPU's ±30% noise. A layer whose input needs no gradient (the first, under LoRA) has no
-backward boundary; the step's end covers it.
+costs a pass over the heaps (about 30 ms there) and, above all, the page faults of touching the returned
+pages again, so the slack is a trade: on SmolLM2-135M's fp32 SFT step (batch 4 × 248 tokens), 256 MiB
+trims 5 to 7 times a step, the peak 3.76 → 3.37 GB, the step time unchanged within this CPU's noise;
+64 MiB trims 38 times, the peak 3.19 GB, the step 35% slower. A layer boundary that does not trim costs
+a ``/proc`` read and ``mallinfo2``'s walk of the free lists. A layer whose input needs no gradient (the
+first, under LoRA) has no backward boundary; the step's end covers it.
 
 Nothing of this runs on an accelerator (device memory has its own caching allocator), without glibc's
 ``malloc_trim`` (musl, macOS), under another allocator preloaded (jemalloc, tcmalloc, mimalloc: glibc's
@@ -39,7 +39,7 @@ from torch import nn
 from fastalign.models.structure import decoder_layers
 
 #: how much more resident free heap memory than just after the last trim a layer boundary tolerates
-SLACK = 64 << 20
+SLACK = 256 << 20
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
