@@ -429,10 +429,10 @@ def test_token_objective_forms_the_gradient_in_forward(backend):
 
 def test_inside_autocast_the_head_runs_in_the_autocast_dtype(backend):
     """As F.linear would: bf16 matmuls from fp32 weights, gradients back in fp32."""
-    hidden = torch.randn(37, 24, requires_grad=True)
-    weight = (torch.randn(101, 24) / 5).requires_grad_()
-    targets = torch.randint(0, 101, (37,))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    hidden = torch.randn(37, 24, device=DEVICE, requires_grad=True)
+    weight = (torch.randn(101, 24, device=DEVICE) / 5).requires_grad_()
+    targets = torch.randint(0, 101, (37,), device=DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         loss = linear_cross_entropy(hidden, weight, targets, backend=backend)
         expected = torch.nn.functional.cross_entropy(
             torch.nn.functional.linear(hidden, weight).float(), targets

@@ -320,7 +320,7 @@ def test_entropy_mask_gathers_across_processes():
     """``entropy_gather`` (every process's values) sets the threshold: here another process's tokens all
     have a higher entropy than this one's, so at ρ = 0.5 none of this one's is kept."""
     hidden, weight, ids, mask, advantages, old, _ = make_batch(torch.float32)
-    others = torch.full((int(mask.sum()) + 1,), 100.0)
+    others = torch.full((int(mask.sum()) + 1,), 100.0, device=DEVICE)  # on the device, as a gather's
     loss_fn = GRPOLoss(top_entropy_quantile=0.5, entropy_gather=lambda local: torch.cat([local, others]))
     out = loss_fn(hidden, weight, ids, mask, advantages, old_per_token_logps=old)
     out.loss.backward()

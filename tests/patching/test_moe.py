@@ -27,7 +27,7 @@ import fastalign
 from fastalign.models.structure import decoder_layers
 from fastalign.patching import patched_pieces, shift_labels, unpatch_model
 from fastalign.patching.families import PIECES, family_of
-from tests.helpers import relative_error
+from tests.helpers import relative_error, to_device
 from tests.patching import test_trainer as trainer_runs
 from tests.patching.test_patch_model import TOLERANCE as DTYPE_TOLERANCE
 from tests.patching.test_published_configs import (
@@ -294,11 +294,12 @@ def test_output_router_logits_from_the_config(models):
     ],
     ids=["qwen1.5-moe-grouped_mm", "qwen1.5-moe-eager", "deepseek-v3-no-interleave"],
 )
-def test_triton_kernels(models, family_id, implementation, changes):
-    """The Triton kernels (interpreted on CPU: short rows) on the experts' gate/up halves (through
+def test_triton_kernels(models, family_id, implementation, changes, device):
+    """The Triton kernels (on CUDA, or interpreted on CPU: short rows) on the experts' gate/up halves (through
     ``_apply_gate`` and through the eager loop's ``glu_linear``), the shared expert, norms, RoPE, head."""
     original, patched = pair(models, family_id, implementation, backend="triton", **changes)
-    batch = padded_batch(length=10)
+    original, patched = original.to(device), patched.to(device)
+    batch = {key: to_device(value, device) for key, value in padded_batch(length=10).items()}
     expected, got = _forward(original, batch, "argument"), _forward(patched, batch, "argument")
     assert relative_error(got.loss, expected.loss) <= TOLERANCE
     expected.loss.backward()
@@ -321,10 +322,15 @@ def test_token_logprobs_and_greedy_generation_match(models, family_id):
     expected = (logits / 0.7).log_softmax(-1).gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
     out = patched(**batch, logprob_targets=targets, temperature=0.7, output_router_logits=True)
     torch.testing.assert_close(out.token_logprobs, expected * (targets != -100), rtol=1e-5, atol=1e-5)
-    assert len(out.router_logits) == sum(hasattr(layer.mlp, "experts") for layer in original.model.layers)
+    reference = original(**batch, output_router_logits=True)
+    if getattr(reference, "router_logits", None) is None:
+        # transformers 5.17's DeepSeek-V3 records no router logits (5.23's does): none to pass on
+        assert getattr(out, "router_logits", None) is None
+    else:
+        routed = sum(hasattr(layer.mlp, "experts") for layer in original.model.layers)
+        assert len(out.router_logits) == len(reference.router_logits) == routed
     if family_id in AUX_IDS:  # computed for trainers that add it themselves (TRL's DPO, GRPO)
-        reference = original(**batch, output_router_logits=True).aux_loss
-        torch.testing.assert_close(out.aux_loss, reference, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.aux_loss, reference.aux_loss, rtol=1e-5, atol=1e-6)
 
     prompt = {"input_ids": batch["input_ids"][:1, :6]}
     generate = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
