@@ -13,6 +13,7 @@ from benchmarks.e2e import bench_real_trl as bench
 from fastalign.train.config import TrainConfig, check_config
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
+from tests.helpers import require
 
 TRL_CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "dpo-lora": "DPOConfig", "kto": "KTOConfig",
                "grpo": "GRPOConfig"}  # fmt: skip
@@ -26,6 +27,7 @@ def spec(objective: str, setting: str) -> dict:
 @pytest.mark.parametrize("setting", list(bench.SETTINGS))
 @pytest.mark.parametrize("objective", bench.OBJECTIVES)
 def test_both_tools_take_the_shared_options_with_the_same_values(objective, setting, tmp_path):
+    require("trl")
     import trl
 
     options = bench.shared_options(spec(objective, setting))

@@ -29,6 +29,7 @@ from fastalign.train.distributed import DistributedContext
 from fastalign.train.neftune import enable_neftune, neftune_noise
 from fastalign.train.objectives import make_objective
 from fastalign.train.objectives.sft import SFTObjective, SFTOptions
+from tests.helpers import require
 
 CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
 
@@ -52,6 +53,8 @@ def _labels(example: TokenizedExample) -> list[int]:
 def _trl_prepared(rows: list[dict], tokenizer, tmp_path, **options) -> list[tuple[list[int], list[int]]]:
     """(input_ids, labels) of each row as TRL's SFTTrainer prepares its training set."""
     import datasets
+
+    require("trl")
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(
@@ -225,6 +228,8 @@ def test_token_overrides_match_trl(tmp_path):
     override_tokenizer(ours_tokenizer, ours_model, eos_token="<|im_end|>", pad_token="<|bos|>")
 
     import datasets
+
+    require("trl")
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(
@@ -261,6 +266,7 @@ def test_a_token_outside_the_vocabulary_is_refused(key):
 
 
 def test_chat_template_from_a_tokenizer_directory_matches_trls_clone(tmp_path):
+    require("trl")
     from trl import clone_chat_template
 
     source = tiny_tokenizer()
@@ -318,6 +324,8 @@ def _random_examples(seed: int, count: int, longest: int) -> list[TokenizedExamp
 
 def _trl_packed(examples: list[TokenizedExample], max_length: int, strategy: str) -> list[dict]:
     import datasets
+
+    require("trl")
     from trl.data_utils import pack_dataset
 
     table = datasets.Dataset.from_dict(
@@ -454,6 +462,7 @@ def test_neftune_only_in_training_mode(use_peft):
 def test_one_wrapped_packing_step_equals_trl(tmp_path):
     """TRL's wrapped packing trains on padded max_length blocks with no position reset: one step of each
     on the same blocks (max_length chosen so the rows make as many blocks as one batch holds)."""
+    require("trl")
     from trl import SFTConfig, SFTTrainer
 
     from fastalign.builtin import tiny_sft_rows

@@ -12,7 +12,6 @@ import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from trl import ModelConfig, get_peft_config
 
 from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config, model_option
@@ -21,6 +20,7 @@ from fastalign.train.loading import load_model_and_tokenizer
 from fastalign.train.merge import merge_adapter
 from fastalign.train.policy import load_frozen_model, model_dtype, prepare_policy, set_tf32
 from fastalign.train.run import run_training
+from tests.helpers import require
 
 CPU = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 IDS = torch.tensor([[1, 17, 42, 99, 7, 300, 12, 5]])
@@ -50,6 +50,9 @@ def policy(name: str, needs_fused_head: bool = True, **options) -> torch.nn.Modu
 def test_defaults_are_trls():
     """Unset, the weights load in fp32 (TRL's ModelConfig and create_model_from_path default, not
     transformers 5's checkpoint dtype) with transformers' default attention; the LoRA options are off."""
+    require("trl")
+    from trl import ModelConfig
+
     trl, ours = ModelConfig(), TrainConfig()
     assert model_dtype(ours, "tiny-llama") == getattr(torch, trl.dtype) == torch.float32
     assert ours.attn_implementation is trl.attn_implementation is None
@@ -183,6 +186,9 @@ LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
 
 def test_lora_config_is_trls():
     """The adapter fastalign adds is the LoraConfig TRL's get_peft_config builds from the same options."""
+    require("trl")
+    from trl import ModelConfig, get_peft_config
+
     model = policy("tiny-llama", **LORA, use_rslora=True, use_dora=True, lora_modules_to_save=["lm_head"])
     ours = model.peft_config["default"]
     trl = get_peft_config(

@@ -13,6 +13,7 @@ from fastalign.models.structure import IGNORE_INDEX
 from fastalign.train.config import ConfigError, TrainConfig, check_config
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
+from tests.helpers import require
 
 CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
 CONVERSATION = [
@@ -43,6 +44,8 @@ def _sft_ours(rows: list[dict], **options) -> list[tuple[list[int], list[int]]]:
 
 def _sft_trl(rows: list[dict], tmp_path, **options) -> list[tuple[list[int], list[int]]]:
     import datasets
+
+    require("trl")
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(output_dir=str(tmp_path / "trl"), report_to=[], bf16=False, use_cpu=True, **options)
@@ -91,6 +94,8 @@ PAIRS = {
 def _trl_preference_batch(rows: list[dict], tmp_path, **options) -> dict[str, torch.Tensor]:
     """TRL's DPOTrainer's collated batch of all ``rows``, labels as its loss builds them."""
     import datasets
+
+    require("trl")
     from trl import DPOConfig, DPOTrainer
 
     args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], bf16=False, use_cpu=True, **options)
@@ -180,6 +185,7 @@ def test_truncation_mode_that_would_be_ignored_is_refused(options, message):
 @pytest.mark.parametrize("name", ["kto", "cpo", "simpo", "orpo", "grpo", "rloo"])
 def test_objectives_without_truncation_mode_in_trl_refuse_keep_end(name):
     """TRL 1.16's KTOConfig, CPOConfig, ORPOConfig, GRPOConfig and RLOOConfig have no truncation_mode."""
+    require("trl")
     import trl
     from trl.experimental.cpo import CPOConfig
     from trl.experimental.orpo import ORPOConfig

@@ -16,6 +16,7 @@ from fastalign.ops.grpo import (
     high_entropy_mask,
 )
 from tests.conftest import DEVICE
+from tests.helpers import require
 
 NAN = float("nan")
 
@@ -244,6 +245,7 @@ class _Accelerator:
 def test_high_entropy_mask_is_trls(quantile, ranks):
     """TRL's own ``GRPOTrainer.get_high_entropy_mask`` (with the processes simulated) is the oracle:
     ties (entropies on a grid) and padding included."""
+    require("trl")
     from trl import GRPOTrainer
 
     gen = torch.Generator().manual_seed(8)

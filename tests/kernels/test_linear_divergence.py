@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fastalign.ops import linear_divergence
 from tests.conftest import DEVICE
-from tests.helpers import assert_close_to_reference, relative_error
+from tests.helpers import assert_close_to_reference, relative_error, require
 
 BATCH, SEQ, STUDENT_DIM, TEACHER_DIM, VOCAB = 2, 9, 13, 19, 101
 CHUNK = 8
@@ -26,6 +26,7 @@ IGNORE = -100
 @functools.cache
 def trl_generalized_jsd_loss():
     """TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` (a staticmethod on full logits)."""
+    require("trl")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "importing from trl.experimental"
         from trl.experimental.gkd.gkd_trainer import GKDTrainer
@@ -141,6 +142,7 @@ def test_equals_trl_generalized_jsd_loss_on_full_logits(backend, beta):
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_equals_trl_distillation_trainer_divergence(beta):
     """The per-token divergence of TRL's DistillationTrainer (its chunked function, PyTorch tiles)."""
+    require("trl")
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
     student, teacher, _ = make_inputs(torch.float32, ignore_every=0)
@@ -158,6 +160,7 @@ def test_equals_trl_distillation_trainer_divergence(beta):
 def test_student_entropy_equals_trl_distillation_trainers(backend, beta, reduction):
     """``return_entropy``: TRL's DistillationTrainer ``entropy`` (its chunked function's second output,
     of the student at the temperature) at counted tokens, 0 at ignored ones; the loss is unchanged."""
+    require("trl")
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
     student, teacher, labels = make_inputs(torch.float32)

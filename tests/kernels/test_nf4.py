@@ -11,9 +11,9 @@ import torch
 from fastalign.ops import FourBitState, dequantize_4bit, linear_4bit, quantize_4bit, state_from_bitsandbytes
 from fastalign.ops.nf4 import code_table
 from tests.conftest import DEVICE
-from tests.helpers import assert_close_to_reference
+from tests.helpers import assert_close_to_reference, require
 
-bnb = pytest.importorskip("bitsandbytes.functional")
+bnb = require("bitsandbytes.functional")
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 

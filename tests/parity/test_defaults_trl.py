@@ -13,8 +13,9 @@ import torch
 from fastalign.train.config import TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import OBJECTIVES, with_objective_defaults
+from tests.helpers import require
 
-trl = pytest.importorskip("trl")
+trl = require("trl")
 from trl.experimental.cpo import CPOConfig  # noqa: E402
 from trl.experimental.orpo import ORPOConfig  # noqa: E402
 

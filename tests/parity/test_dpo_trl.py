@@ -17,6 +17,7 @@ from fastalign.ops.preference import DPO_LOSS_TYPES
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
+from tests.helpers import require
 from tests.parity.steps import fastalign_step, trl_step
 
 pytestmark = pytest.mark.slow
@@ -42,6 +43,7 @@ def assert_equal(ours: dict, theirs: dict, keys) -> None:
 
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
 def test_one_step_equals_trl(models, tmp_path, loss_type):
+    require("trl")
     from trl import DPOConfig, DPOTrainer
 
     options = dict(beta=0.1, loss_type=[loss_type], label_smoothing=SMOOTHED.get(loss_type, 0.0))
@@ -82,6 +84,7 @@ OPTION_CASES = {
 
 @pytest.mark.parametrize("case", list(OPTION_CASES))
 def test_dpo_option_step_equals_trl(models, tmp_path, case):
+    require("trl")
     from trl import DPOConfig, DPOTrainer
 
     options = dict(beta=0.1, **OPTION_CASES[case])
@@ -108,6 +111,7 @@ def test_dpo_option_step_equals_trl(models, tmp_path, case):
 def test_ld_alpha_with_precomputed_reference_equals_trl_and_the_live_reference(models, tmp_path):
     """LD-DPO weights the reference's tokens past the pair's shorter completion by ``ld_alpha``, as the
     policy's: precomputed reference log-probs are those weighted sums (TRL's too), not plain sums."""
+    require("trl")
     from trl import DPOConfig, DPOTrainer
 
     options = dict(beta=0.1, ld_alpha=0.3, loss_type=["sigmoid"], ref_model_name_or_path=models[1])
@@ -130,6 +134,7 @@ def test_ld_alpha_with_precomputed_reference_equals_trl_and_the_live_reference(m
 def test_keep_end_truncation_step_equals_trl(models, tmp_path):
     """``truncation_mode: keep_end`` keeps each prompt + completion's last max_length tokens, as TRL's
     collator cuts them: rows of a pair can then start at different prompt tokens, or past the prompt."""
+    require("trl")
     from trl import DPOConfig, DPOTrainer
 
     options = dict(beta=0.1, loss_type=["sigmoid"], max_length=12, truncation_mode="keep_end")
@@ -174,6 +179,7 @@ def test_dpo_options_are_refused_for_other_objectives(name, options):
 
 def test_trl_refuses_what_fastalign_refuses(models, tmp_path):
     """The refusals above that are TRL's own: its DPOTrainer raises for them too."""
+    require("trl")
     from trl import DPOConfig, DPOTrainer
 
     for options in (
@@ -195,9 +201,11 @@ def test_trl_refuses_what_fastalign_refuses(models, tmp_path):
 )
 def test_reference_free_step_equals_trl(models, tmp_path, name, loss_type):
     if name == "orpo":
+        require("trl")
         from trl.experimental.orpo import ORPOConfig as Config
         from trl.experimental.orpo import ORPOTrainer as Trainer
     else:
+        require("trl")
         from trl.experimental.cpo import CPOConfig as Config
         from trl.experimental.cpo import CPOTrainer as Trainer
 

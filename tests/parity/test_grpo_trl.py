@@ -19,6 +19,7 @@ import fastalign
 from fastalign.builtin import tiny_prompt_rows, tiny_tokenizer
 from fastalign.losses import GRPOLoss
 from fastalign.losses.grpo import LOSS_TYPES
+from tests.helpers import require
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +83,8 @@ def trl_args(tmp_path) -> dict:
 
 def trl_loss_and_grads(models, tmp_path, data, options) -> tuple[float, dict]:
     import datasets
+
+    require("trl")
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(**trl_args(tmp_path), **options)

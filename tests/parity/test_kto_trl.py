@@ -11,6 +11,7 @@ from fastalign.builtin import tiny_kto_rows
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
+from tests.helpers import require
 from tests.parity.steps import fastalign_step, trl_step
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,7 @@ METRICS = (
     ("loss_type", "weights"), [("kto", (1.0, 1.0)), ("kto", (1.0, 1.33)), ("apo_zero_unpaired", (1.0, 1.33))]
 )
 def test_one_step_equals_trl(models, tmp_path, loss_type, weights):
+    require("trl")
     from trl import KTOConfig, KTOTrainer
 
     options = dict(beta=0.1, desirable_weight=weights[0], undesirable_weight=weights[1])

@@ -12,6 +12,7 @@ import pytest
 from fastalign.builtin import tiny_preference_rows, tiny_sft_rows, tiny_tokenizer
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.objectives.sft import SFTObjective
+from tests.helpers import require
 from tests.parity.steps import fastalign_step, trl_step
 from tests.patching.test_moe import BY_ID
 from tests.patching.test_published_configs import build, read_config
@@ -49,6 +50,7 @@ def assert_same(ours: dict, theirs: dict, keys: tuple[str, ...]) -> None:
     ("family_id", "coef"), [("mixtral", None), ("mixtral", 0.5), ("mixtral", 0.0), ("qwen3-moe", None)]
 )
 def test_sft_step_with_the_aux_loss_equals_trl(moe_models, tmp_path, family_id, coef):
+    require("trl")
     from trl import SFTConfig, SFTTrainer
 
     model = moe_models(family_id)
@@ -65,6 +67,7 @@ def test_sft_step_with_the_aux_loss_equals_trl(moe_models, tmp_path, family_id, 
 
 
 def test_dpo_step_with_the_aux_loss_equals_trl(moe_models, tmp_path):
+    require("trl")
     from trl import DPOConfig, DPOTrainer
 
     model = moe_models("mixtral")

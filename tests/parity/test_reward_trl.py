@@ -15,6 +15,7 @@ import torch
 from fastalign.builtin import tiny_model, tiny_preference_rows, tiny_tokenizer
 from fastalign.train.config import TrainConfig
 from fastalign.train.run import run_training
+from tests.helpers import require
 from tests.parity.steps import SHARED, first_logged
 
 pytestmark = pytest.mark.slow
@@ -92,6 +93,8 @@ def fastalign_reward_step(rows: list[dict], tmp_path: Path, model: str, batch_si
 
 def trl_reward_step(rows: list[dict], tmp_path: Path, model: str, batch_size: int, **options) -> dict:
     import datasets
+
+    require("trl")
     from trl import RewardConfig, RewardTrainer
 
     args = RewardConfig(

@@ -28,6 +28,7 @@ from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.rloo import RLOOObjective
 from fastalign.train.reference import Reference
 from fastalign.train.rollout import Completions, Rewards
+from tests.helpers import require
 from tests.parity.test_grpo_trl import COMPLETION, GROUP, PROMPT, trl_args
 
 pytestmark = pytest.mark.slow
@@ -68,6 +69,8 @@ def load(path: str):
 
 def trl_trainer(models, tmp_path, reward_funcs=None, **options):
     import datasets
+
+    require("trl")
     from trl import RLOOConfig, RLOOTrainer
 
     args = RLOOConfig(**trl_args(tmp_path), **options)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fastalign.builtin import tiny_sft_rows
+from tests.helpers import require
 from tests.parity.steps import fastalign_step, trl_step
 
 pytestmark = pytest.mark.slow
@@ -18,6 +19,7 @@ ROWS = tiny_sft_rows(8, seed=7)
     ("completion_only_loss", "loss_type"), [(None, "nll"), (False, "nll"), (None, "dft"), (False, "dft")]
 )
 def test_one_step_equals_trl(models, tmp_path, completion_only_loss, loss_type):
+    require("trl")
     from trl import SFTConfig, SFTTrainer
 
     ours = fastalign_step(

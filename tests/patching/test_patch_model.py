@@ -10,7 +10,7 @@ import torch
 import fastalign
 from fastalign.builtin import TINY_MODEL_TYPES, tiny_model, tiny_tokenizer
 from fastalign.patching import SUPPORTED_MODEL_TYPES, patched_pieces, shift_labels, unpatch_model
-from tests.helpers import relative_error
+from tests.helpers import relative_error, require
 
 #: (loss, gradients) relative tolerances of patched vs original, by dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -146,7 +146,7 @@ def test_mini_training_curves_match():
 
 
 def test_peft_lora_model():
-    peft = pytest.importorskip("peft")
+    peft = require("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
     original = peft.get_peft_model(tiny_model("qwen2"), config)
     for name, param in original.named_parameters():

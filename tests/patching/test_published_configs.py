@@ -35,7 +35,7 @@ from fastalign.patching import patched_pieces, shift_labels
 from fastalign.patching.families import PIECES, family_of
 from fastalign.quant import QuantOptions, load_4bit_model, quantize_model
 from fastalign.train.loading import load_model_and_tokenizer, materialize_model
-from tests.helpers import relative_error
+from tests.helpers import relative_error, require, to_device
 
 VOCAB = 512  # len(tiny_tokenizer()): the saved tokenizer's ids must all be rows of the embedding
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # tiny_tokenizer's
@@ -813,6 +813,7 @@ def test_skeleton_filled_from_checkpoint_equals_from_pretrained(checkpoints, fam
 @pytest.mark.parametrize("family_id", IDS)
 def test_4bit_layer_by_layer_load_equals_quantizing_from_pretrained(checkpoints, family_id):
     """The QLoRA path (``load_4bit_model``: quantized layer by layer as the tensors arrive)."""
+    require("bitsandbytes")  # quantizes
     _, directory = checkpoints(family_id)
     loaded = load_4bit_model(directory, QuantOptions()).eval()  # as from_pretrained: no dropout
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -853,13 +854,14 @@ def test_patched_matches_original_on_a_packed_row_past_the_window(checkpoints, f
 
 
 @pytest.mark.parametrize("family_id", IDS)
-def test_triton_kernels_on_the_published_shapes(checkpoints, family_id):
-    """The Triton kernels (interpreted on CPU: a short packed row) on these head dims (64, 96, 128, 256),
-    GQA ratios, norms, activations, q/k/v biases and the final softcap."""
+def test_triton_kernels_on_the_published_shapes(checkpoints, family_id, device):
+    """The Triton kernels (on CUDA, or interpreted on CPU: a short packed row) on these head dims (64,
+    96, 128, 256), GQA ratios, norms, activations, q/k/v biases and the final softcap."""
     original, _ = checkpoints(family_id)
-    original.train()
+    original = copy.deepcopy(original).to(device).train()  # the shared fixture's model stays on CPU
+    batch = {key: to_device(value, device) for key, value in packed_row([5, 3]).items()}
     tolerance = BY_ID[family_id].tolerance
-    assert_patched_matches(original, packed_row([5, 3]), backend="triton", tolerance=tolerance)
+    assert_patched_matches(original, batch, backend="triton", tolerance=tolerance)
 
 
 @torch.no_grad()
@@ -943,7 +945,7 @@ def test_fused_head_outputs_and_greedy_generation_match(checkpoints, family_id):
 
 @pytest.mark.parametrize("family_id", ["granite3.3", "cohere", "smollm3"])
 def test_peft_lora_on_scaled_logits_and_nope_layers(checkpoints, family_id):
-    peft = pytest.importorskip("peft")
+    peft = require("peft")
     model, _ = checkpoints(family_id)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
     original = peft.get_peft_model(model, lora)

@@ -10,12 +10,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import peft
 import pytest
 import torch
-
-pytest.importorskip("bitsandbytes")
-
-import peft
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -32,7 +29,10 @@ from fastalign.quant import (
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.engine import Callback
 from fastalign.train.run import run_training
+from tests.helpers import require
 from tests.torchrun import run_two_processes
+
+require("bitsandbytes")  # quantizes every model here
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

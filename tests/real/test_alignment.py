@@ -12,6 +12,7 @@ import pytest
 
 from fastalign.train.config import TrainConfig
 from fastalign.train.run import run_training
+from tests.helpers import require
 from tests.parity.steps import fastalign_step, trl_step
 from tests.real.data import real_preference_rows, real_prompt_rows
 
@@ -31,6 +32,8 @@ def write_rows(path: Path, rows: list[dict]) -> str:
 
 def test_dpo_first_step_equals_trl(smollm2, tmp_path):
     from transformers import AutoTokenizer
+
+    require("trl")
     from trl import DPOConfig, DPOTrainer
 
     options = dict(learning_rate=1e-6, beta=0.1)

@@ -23,6 +23,7 @@ from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
 from fastalign.train.run import run_training
 from tests import torchrun
+from tests.helpers import require
 from tests.parity.conftest import models  # noqa: F401 (the student and a perturbed teacher)
 from tests.train.runs import logged, short_config, train
 
@@ -32,6 +33,7 @@ CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
 
 
 def trl_loss_and_grads(model_dirs, batch, beta, temperature) -> tuple[float, float, dict]:
+    require("trl")
     from trl.experimental.gkd import GKDTrainer
 
     student = AutoModelForCausalLM.from_pretrained(model_dirs[0], dtype=torch.float32).train()
@@ -264,6 +266,8 @@ def test_on_policy_evaluation_equals_trls_distillation_trainer(models, tmp_path)
     evaluation loss and entropy before the first step are TRL's ``evaluate()``'s."""
     import datasets
     from torch.utils.data import SequentialSampler
+
+    require("trl")
     from trl import DistillationConfig, DistillationTrainer
 
     rows = tiny_sft_rows(8)

@@ -11,6 +11,7 @@ import torch
 from fastalign.train.config import ConfigError, TrainConfig, check_config
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
+from tests.helpers import require
 from tests.torchrun import run_two_processes
 from tests.train.test_rollout_options import DIGITS, run
 
@@ -38,6 +39,7 @@ def test_top_entropy_quantile_outside_0_1_is_refused(value):
 
 
 def test_the_threshold_is_over_every_process_tokens_as_trl():
+    require("trl")  # the worker's oracle
     run_two_processes(Path(__file__).with_name("grpo_entropy_worker.py"), timeout=300)
 
 

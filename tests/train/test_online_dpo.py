@@ -27,6 +27,7 @@ from fastalign.train.objectives import make_objective
 from fastalign.train.objectives import online_dpo as online_dpo_module
 from fastalign.train.reference import FrozenReference
 from fastalign.train.rollout import Completions
+from tests.helpers import require
 from tests.parity.conftest import models  # noqa: F401 (the policy and reference fixture)
 from tests.train.runs import short_config, train
 
@@ -70,6 +71,8 @@ OPTIONS = {"beta": 0.2, "loss_type": "sigmoid", "missing_eos_penalty": 0.5, "max
 def trl_step(model_dirs, tmp_path, padded: bool, options: dict) -> tuple[float, dict, dict]:
     """TRL's training step on the fixed completions: the loss, the gradients and its logged stats."""
     import datasets
+
+    require("trl")
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     prompts, ids, mask, _ = fixed_completions(padded)

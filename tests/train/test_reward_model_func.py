@@ -15,6 +15,7 @@ from fastalign.builtin import tiny_model, tiny_prompt_rows, tiny_tokenizer
 from fastalign.train.config import TrainConfig
 from fastalign.train.rewards import compute_rewards, resolve_reward_funcs
 from fastalign.train.run import run_training
+from tests.helpers import require
 from tests.train.test_hub_ids import cache_tiny_model, hub  # noqa: F401  (hub: a fixture)
 
 #: A chat template with a variable, to show that ``chat_template_kwargs`` reach the reward tokenizer.
@@ -65,6 +66,8 @@ def test_rewards_equal_trl_grpo_trainers_for_standard_and_conversational_samples
     message prompts (the reward tokenizer's chat template, with ``chat_template_kwargs``); a tokenizer
     without a pad token pads with EOS, which both set as the model's pad id."""
     import datasets
+
+    require("trl")
     from trl import GRPOConfig, GRPOTrainer
 
     policy = tmp_path / "policy"
