@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fastalign.errors import one_line
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
@@ -34,9 +36,8 @@ def run(args: argparse.Namespace) -> int:
         from fastalign.train.run import run_training  # imported only when used: it pulls in the models
 
         output = run_training(config, args.objective)
-    except ValueError as error:  # ConfigError and bad data: one line, no traceback
-        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        print(f"error: {message}", file=sys.stderr)
+    except (ValueError, OSError) as error:  # ConfigError, bad data, an unwritable output_dir: one line
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     print(f"saved to {output}")
     return 0
