@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -138,8 +139,9 @@ class TrainConfig:
     # pushing rewards towards zero mean (Eisenstein et al. 2023; TRL recommends 0.01); None: no such term
 
     # grpo / rloo (TRL's GRPOConfig / RLOOConfig)
-    reward_funcs: list[str] = field(default_factory=list)  # built-ins, or import paths "module:function" /
-    # "path/file.py:function": the module or file is imported (its code runs) when the run starts, so name
+    reward_funcs: list[str] = field(default_factory=list)  # built-ins, or import paths "module:function",
+    # TRL's "module.function" (a module of the current directory too) or "path/file.py:function": the
+    # module or file is imported (its code runs) when the run starts, so name
     # only code you trust; nothing else is imported, and a missing function is an error naming the file;
     # or a reward model (a one-label sequence classifier, e.g. from `fastalign train reward`): a local
     # directory or a Hub id "org/name", scoring prompt + completion (metric name: its last path part)
@@ -224,8 +226,24 @@ class TrainConfig:
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir
     overwrite_output_dir: bool = False  # a non-empty output_dir is refused unless resuming; true: one that
     # holds a fastalign run (fastalign_config.yaml) is emptied, all of it, once the new run has loaded
-    report_to: list[str] = field(default_factory=list)  # "tensorboard", "wandb"
+    report_to: list[str] = field(default_factory=list)  # tensorboard and/or wandb, as transformers takes
+    # it: one name or a list; "none" (or []): none; "all": those of the two that are installed
     loss_curve_png: bool = True  # write <output_dir>/loss_curve.png at the end (needs matplotlib)
+
+    def __post_init__(self) -> None:
+        self.report_to = _report_to(self.report_to)
+
+
+def _report_to(value: str | Sequence[str]) -> list[str]:
+    """``report_to`` as transformers' ``TrainingArguments`` reads it: a name or a list of names, "none"
+    for none and "all" for every integration installed (of fastalign's: ``REPORT_TO``). Anything else is
+    left for the value check to name."""
+    names = [value] if isinstance(value, str) else list(value)
+    if names == ["none"]:
+        return []
+    if names == ["all"]:
+        return [name for name in REPORT_TO if importlib.util.find_spec(name) is not None]
+    return names
 
 
 class ConfigError(ValueError):
@@ -407,7 +425,11 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         f"{_STEPS_OR_RATIO}, or null for logging_steps (0 is not 'never': set eval_strategy no)",
     ),
     ("save_steps", _steps_or_ratio, f"{_STEPS_OR_RATIO} (0 is not 'never': set save_strategy no)"),
-    ("report_to", lambda value: set(value) <= set(REPORT_TO), f"a list of {', '.join(REPORT_TO)}"),
+    (
+        "report_to",
+        lambda value: set(value) <= set(REPORT_TO),
+        f"{', '.join(REPORT_TO)}, a list of them, none or all",
+    ),
     ("dataset_text_field", lambda value: value.strip() != "", "a non-empty column name"),
     *(
         (key, lambda value: value is None or value != "", "a token (non-empty) or null")
