@@ -35,6 +35,7 @@ print(json.dumps({"by_import": imported_by_fastalign, "after": "bitsandbytes" in
 """
 
 
+@pytest.mark.slow  # about 25 s on a 2-core CPU: a fresh process's imports, a LoRA step and a merge
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes installed")
 def test_import_and_a_tiny_lora_train_and_merge_import_no_bitsandbytes_and_warn_nothing(tmp_path):
     """Before: peft imported bitsandbytes with every train and merge, and each LoRA run warned that
