@@ -7,13 +7,14 @@ sizes, random inputs: nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 from rich.table import Table
 
 from fastalign.bench import measure
+from fastalign.cli.console import console as make_console
 from fastalign.ops import linear_cross_entropy
 
 #: (tokens, hidden, vocab, dtype) per device: a Llama-3-8B head on CUDA, a small head on a CPU.
@@ -22,13 +23,31 @@ DEFAULT_SIZES = {"cuda": (16384, 4096, 128256, "bfloat16"), "cpu": (4096, 256, 3
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("demo", help="fused linear cross-entropy vs plain PyTorch (no downloads)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--tokens", type=int, help="N, tokens in the batch")
-    parser.add_argument("--hidden", type=int, help="D, hidden size")
-    parser.add_argument("--vocab", type=int, help="V, vocabulary size")
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA where present, else CPU"
+    )
+    parser.add_argument("--tokens", type=_positive, help="N, tokens in the batch")
+    parser.add_argument("--hidden", type=_positive, help="D, hidden size")
+    parser.add_argument("--vocab", type=_positive, help="V, vocabulary size")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
+    parser.add_argument("--repeats", type=_positive, default=3, help="timed repeats (median)")
     parser.set_defaults(run=run)
+
+
+def _positive(text: str) -> int:
+    value = int(text)  # argparse turns a ValueError into "invalid _positive value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device``: auto is CUDA where present, else CPU; cuda without a CUDA device is a ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (--device cpu, or leave it out)")
+    return torch.device(name)
 
 
 def _plain_pytorch(hidden, weight, targets):
@@ -36,12 +55,12 @@ def _plain_pytorch(hidden, weight, targets):
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)  # logs and pipes: no wrapping of the table
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device)
-    if device.type == "auto":
-        device = torch.device("cpu")
+    console = make_console(width=120)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     n, d, v, dtype_name = DEFAULT_SIZES[device.type]
     n, d, v = args.tokens or n, args.hidden or d, args.vocab or v
     dtype = getattr(torch, args.dtype or dtype_name)

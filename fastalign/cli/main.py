@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fastalign.cli import bench, demo, merge, plan, train
+from fastalign.cli.usage import one_line_usage_errors
+
+#: Exit status of a command whose reader closed the pipe: 128 + SIGPIPE, what the shell reports for a
+#: process that SIGPIPE ended (``yes | head``).
+BROKEN_PIPE_STATUS = 141
+#: Exit status after Ctrl-C: 128 + SIGINT, as the shell reports it.
+INTERRUPTED_STATUS = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,13 +26,36 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(commands)
     merge.add_parser(commands)
     bench.add_parser(commands)
+    one_line_usage_errors(parser, None)  # e.g. no command: one line, not the usage text
+    for name, command in commands.choices.items():
+        one_line_usage_errors(command, name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = build_parser().parse_known_args(argv)
+    """Run one command; its exit status. Every way it can end is one line at most: a usage or input
+    error (each command's own), Ctrl-C, or a reader that stopped reading (``fastalign plan --json |
+    head``), which ends quietly as a process that SIGPIPE stops would."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # here (after --help too), so that a closed pipe is caught below, not at exit
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and report the same error there: point it at devnull.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_STATUS
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
+
+
+def _run(argv: list[str] | None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "allow_extra", False):
-        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     return args.run(args)
 

@@ -137,14 +137,12 @@ def run(args: argparse.Namespace) -> int:
 
 def print_plan(plan) -> None:
     """The plan as a table, then totals, fit, suggestions and notes."""
-    from rich.console import Console
     from rich.table import Table
 
+    from fastalign.cli.console import console as make_console
     from fastalign.plan import format_bytes
 
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console = Console(width=160, highlight=False)  # logs and pipes: no wrapping of the table
+    console = make_console(width=160, highlight=False)
     flags = [
         flag
         for flag, on in (("checkpointing", plan.checkpointing), ("offloading", plan.offload_activations))

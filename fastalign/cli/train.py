@@ -9,24 +9,36 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fastalign.errors import one_line
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "train",
         help="train a model (YAML config + --key value overrides, TRL option names)",
-        description="Keys are TrainConfig fields (TRL / TrainingArguments names); flags override the file.",
+        description="Keys are TrainConfig fields (TRL / TrainingArguments names); flags override the file. "
+        "fastalign train OBJECTIVE --help lists the objective's keys.",
         epilog="examples: fastalign train sft --config examples/sft_tiny.yaml --max_steps 20; "
         "fastalign train dpo --config examples/dpo_tiny.yaml",
         allow_abbrev=False,  # else an override such as --c would be taken for --config
+        add_help=False,  # --help after an objective lists its keys (run)
     )
     from fastalign.train.objectives import OBJECTIVES
 
-    parser.add_argument("objective", choices=OBJECTIVES)
+    parser.add_argument("-h", "--help", action="store_true", help="this help, or with OBJECTIVE its keys")
+    parser.add_argument("objective", nargs="?", choices=OBJECTIVES)
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: the built-in tiny run)")
-    parser.set_defaults(run=run, allow_extra=True)  # the extra --key value pairs are the overrides
+    parser.set_defaults(run=run, allow_extra=True, parser=parser)  # extra --key value pairs: overrides
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.help:
+        from fastalign.cli.usage import objective_help
+
+        print(objective_help(args.objective) if args.objective else args.parser.format_help(), end="")
+        return 0
+    if args.objective is None:
+        args.parser.error("the following arguments are required: objective")
     from fastalign.train.config import load_config
 
     try:
@@ -34,9 +46,8 @@ def run(args: argparse.Namespace) -> int:
         from fastalign.train.run import run_training  # imported only when used: it pulls in the models
 
         output = run_training(config, args.objective)
-    except ValueError as error:  # ConfigError and bad data: one line, no traceback
-        message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        print(f"error: {message}", file=sys.stderr)
+    except (ValueError, OSError) as error:  # ConfigError, bad data, an unwritable output_dir: one line
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     print(f"saved to {output}")
     return 0

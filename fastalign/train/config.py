@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -43,16 +44,16 @@ class TrainConfig:
     dataset_train_split: str = "train"  # the split of a Hub dataset_name that trains
     dataset_test_split: str = "test"  # the split of a Hub eval_dataset_name (which may be dataset_name)
     dataset_revision: str | None = None  # branch, tag or commit of a Hub dataset; None: main
-    eval_dataset_name: str | None = None
+    eval_dataset_name: str | None = None  # held-out data (a file, built-in or Hub id); None: none
     eval_split_ratio: float = 0.0  # held-out fraction of dataset_name when no eval_dataset_name
-    output_dir: str = "outputs/run"
+    output_dir: str = "outputs/run"  # where checkpoints, metrics and the final model go
     max_length: int = 1024  # TRL's default for every objective
     truncation: bool = False  # without it, an over-long example is an error naming its row
     truncation_mode: str = "keep_start"  # sft, dpo: which end of an over-long row truncation keeps
     # (keep_start or keep_end; TRL's SFTConfig / DPOConfig)
-    packing: bool = False
+    packing: bool = False  # sft: pack examples into rows of max_length tokens
     completion_only_loss: bool | None = None  # None: on for prompt-completion data
-    assistant_only_loss: bool = False
+    assistant_only_loss: bool = False  # sft: loss on the assistant turns of conversations only
 
     # data: columns, tokens, chat templates, packing, embedding noise (TRL's SFTConfig / GRPOConfig and
     # transformers' TrainingArguments names)
@@ -70,36 +71,37 @@ class TrainConfig:
     # schedule
     max_steps: int = -1  # > 0 overrides num_train_epochs; -1: train num_train_epochs (0 is an error)
     num_train_epochs: float = 3.0  # transformers' default
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
+    per_device_train_batch_size: int = 8  # examples per micro-batch and process
+    per_device_eval_batch_size: int = 8  # examples per evaluation batch and process
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     learning_rate: float | None = None  # None: the objective's TRL default (sft 2e-5, the others 1e-6)
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
+    weight_decay: float = 0.0  # decoupled weight decay (not of biases and norm weights)
+    adam_beta1: float = 0.9  # Adam's β1
+    adam_beta2: float = 0.999  # Adam's β2
+    adam_epsilon: float = 1e-8  # Adam's ε
     max_grad_norm: float = 1.0  # > 0 (clip_grad_norm_ with 0 would zero every gradient)
     optim: str = "adamw_torch_fused"  # one of OPTIMIZERS (transformers' names)
     lr_scheduler_type: str = "linear"  # one of LR_SCHEDULERS (transformers' names and default), after warmup
     lr_scheduler_kwargs: dict[str, Any] | None = None  # the schedule's own options, e.g. {min_lr_rate: 0.1}
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.0  # warmup as a share of the run's steps, when warmup_steps is 0
     warmup_steps: float = 0  # >= 1: steps; in (0, 1): a ratio of the run's steps; 0: warmup_ratio decides
     seed: int = 42  # in [0, 2**32), as numpy and transformers' set_seed take
 
     # precision and memory
-    bf16: bool = False
+    bf16: bool = False  # bf16 autocast (mixed precision)
     fp16: bool = False  # fp16 autocast with a gradient scaler (one process; not with bf16), as transformers
-    gradient_checkpointing: bool = False
-    activation_offloading: bool = False
+    gradient_checkpointing: bool = False  # recompute each layer's activations in the backward pass
+    activation_offloading: bool = False  # keep saved activations in host memory between passes
     use_liger_kernel: bool = True  # patch_model the model (named as in transformers' TrainingArguments)
     tf32: bool | None = None  # TF32 matmuls on Ampere+ CUDA GPUs (true needs one); None: torch's default
 
     # LoRA
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    use_peft: bool = False  # train LoRA adapters over frozen base weights
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA scaling numerator (scaling lora_alpha/r)
+    lora_dropout: float = 0.05  # dropout on LoRA's input
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # modules LoRA adapts
+    # (all-linear: every linear layer but the output head)
     use_rslora: bool = False  # rank-stabilized LoRA: scaling lora_alpha/√r instead of lora_alpha/r
     use_dora: bool = False  # DoRA: a trained magnitude per output row over LoRA's direction (not with
     # quantization: peft's DoRA cannot read fastalign's 4-bit weights)
@@ -114,7 +116,7 @@ class TrainConfig:
     beta: float | None = None  # None: the objective's TRL default (0.1; grpo 0.0, rloo 0.05)
     loss_type: list[str] | None = None  # None: sigmoid (dpo, cpo), kto (kto), dapo (grpo); dpo takes several
     loss_weights: list[float] | None = None  # one per dpo loss_type (a weighted sum)
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # dpo: the share of preference labels assumed flipped (robust DPO)
     max_prompt_length: int | None = None  # a prompt limit of its own (TRL 1.16 has none); longer prompts
     # fail unless truncation
     disable_dropout: bool | None = None  # None: the objective's TRL default (true for the preference
@@ -122,8 +124,8 @@ class TrainConfig:
     ref_model_name_or_path: str | None = None  # None: the policy's initial weights (or LoRA disabled)
     precompute_ref_log_probs: bool = False  # reference log-probs once before training, then no reference
     sync_ref_model: bool = False  # TR-DPO: the reference follows the policy every ref_model_sync_steps
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512
+    ref_model_mixup_alpha: float = 0.6  # TR-DPO: the reference's update weight at each sync
+    ref_model_sync_steps: int = 512  # TR-DPO: steps between reference syncs
     cpo_alpha: float = 1.0  # cpo, simpo: weight of the chosen NLL (as TRL's CPOConfig)
     simpo_gamma: float = 0.5  # simpo: target reward margin
     desirable_weight: float = 1.0  # kto
@@ -138,27 +140,28 @@ class TrainConfig:
     # pushing rewards towards zero mean (Eisenstein et al. 2023; TRL recommends 0.01); None: no such term
 
     # grpo / rloo (TRL's GRPOConfig / RLOOConfig)
-    reward_funcs: list[str] = field(default_factory=list)  # built-ins, or import paths "module:function" /
-    # "path/file.py:function": the module or file is imported (its code runs) when the run starts, so name
+    reward_funcs: list[str] = field(default_factory=list)  # built-ins, or import paths "module:function",
+    # TRL's "module.function" (a module of the current directory too) or "path/file.py:function": the
+    # module or file is imported (its code runs) when the run starts, so name
     # only code you trust; nothing else is imported, and a missing function is an error naming the file;
     # or a reward model (a one-label sequence classifier, e.g. from `fastalign train reward`): a local
     # directory or a Hub id "org/name", scoring prompt + completion (metric name: its last path part)
-    reward_weights: list[float] | None = None
+    reward_weights: list[float] | None = None  # one weight per reward_funcs entry; None: all 1
     num_generations: int | None = None  # completions per prompt (None: TRL's, grpo 8, rloo 2);
     # per_device_train_batch_size counts completions
     num_generations_eval: int | None = None  # completions per evaluation prompt; None: num_generations
-    max_completion_length: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_completion_length: int = 512  # tokens sampled per completion at most
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling (1: none)
     top_k: int = 0  # 0: no top-k filtering
     min_p: float | None = None  # None: no min-p filtering
     repetition_penalty: float = 1.0  # 1: none
     generation_kwargs: dict[str, Any] | None = None  # more GenerationConfig options, over the ones above
     log_completions: bool = False  # write each generation's prompts, completions, rewards and advantages
     # to <output_dir>/completions.jsonl at the logging steps
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
+    epsilon: float = 0.2  # the policy ratio's lower clip (1 − ε)
+    epsilon_high: float | None = None  # the ratio's upper clip (1 + ε_high); None: epsilon
+    delta: float | None = None  # cap of the ratio above the clipping range (two-sided GRPO); None: none
     scale_rewards: str = "group"  # group, batch, none
     advantage_estimator: str = "grpo"  # grpo, rloo
     num_iterations: int = 1  # optimizer steps on each generation batch
@@ -166,7 +169,7 @@ class TrainConfig:
     importance_sampling_level: str = "token"  # token, sequence
     use_bias_correction_kl: bool = True  # the KL term times the importance ratio (TRL's default; token level)
     top_entropy_quantile: float = 1.0  # grpo: the policy term of the top-ρ entropy tokens only (1: all)
-    mask_truncated_completions: bool = False
+    mask_truncated_completions: bool = False  # no loss on completions that reached the length limit
     normalize_advantages: bool = False  # rloo: advantages standardised over the generation batch
     reward_clip_range: list[float] | None = None  # rloo: [low, high] the rewards are clamped to
     use_vllm: bool = False  # generate with vLLM (colocated) instead of model.generate; needs vllm
@@ -204,19 +207,19 @@ class TrainConfig:
     # mixture-of-experts router (TRL's SFT/DPO/KTO/GRPO/RLOO configs): the load-balancing loss of a MoE
     # model (one whose config has output_router_logits) is added with this weight; None: the model
     # config's router_aux_loss_coef; 0 turns it off. An error for a model without a router.
-    router_aux_loss_coef: float | None = None
+    router_aux_loss_coef: float | None = None  # MoE load-balancing loss weight; None: the model's
 
     # logging, evaluation, checkpoints
     # When to log, evaluate and save, as transformers' TrainingArguments: a strategy ("no", "steps" every
     # <x>_steps, "epoch" at each epoch's end); "steps" and "epoch" also act at the run's last step. A
     # <x>_steps >= 1 is a number of steps, one in (0, 1) a ratio of the run's steps (rounded up).
-    logging_strategy: str = "steps"
-    logging_steps: float = 10
+    logging_strategy: str = "steps"  # when to log: no, steps or epoch
+    logging_steps: float = 10  # log every N steps (or a ratio of the run)
     eval_strategy: str = "no"  # steps/epoch need eval_dataset_name or eval_split_ratio
     eval_steps: float | None = None  # None: logging_steps
     eval_on_start: bool = False  # evaluate before the first step (a sanity check)
-    save_strategy: str = "steps"
-    save_steps: float = 500
+    save_strategy: str = "steps"  # when to save a checkpoint: no, steps or epoch
+    save_steps: float = 500  # save every N steps (or a ratio of the run)
     save_total_limit: int | None = None  # keep the newest N checkpoints (and the best); None: all
     load_best_model_at_end: bool = False  # the exported model is the best checkpoint's (needs evaluation)
     metric_for_best_model: str | None = None  # an evaluation metric, "eval_" prefix optional; None: "loss"
@@ -224,8 +227,24 @@ class TrainConfig:
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir
     overwrite_output_dir: bool = False  # a non-empty output_dir is refused unless resuming; true: one that
     # holds a fastalign run (fastalign_config.yaml) is emptied, all of it, once the new run has loaded
-    report_to: list[str] = field(default_factory=list)  # "tensorboard", "wandb"
+    report_to: list[str] = field(default_factory=list)  # tensorboard and/or wandb, as transformers takes
+    # it: one name or a list; "none" (or []): none; "all": those of the two that are installed
     loss_curve_png: bool = True  # write <output_dir>/loss_curve.png at the end (needs matplotlib)
+
+    def __post_init__(self) -> None:
+        self.report_to = _report_to(self.report_to)
+
+
+def _report_to(value: str | Sequence[str]) -> list[str]:
+    """``report_to`` as transformers' ``TrainingArguments`` reads it: a name or a list of names, "none"
+    for none and "all" for every integration installed (of fastalign's: ``REPORT_TO``). Anything else is
+    left for the value check to name."""
+    names = [value] if isinstance(value, str) else list(value)
+    if names == ["none"]:
+        return []
+    if names == ["all"]:
+        return [name for name in REPORT_TO if importlib.util.find_spec(name) is not None]
+    return names
 
 
 class ConfigError(ValueError):
@@ -407,7 +426,11 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         f"{_STEPS_OR_RATIO}, or null for logging_steps (0 is not 'never': set eval_strategy no)",
     ),
     ("save_steps", _steps_or_ratio, f"{_STEPS_OR_RATIO} (0 is not 'never': set save_strategy no)"),
-    ("report_to", lambda value: set(value) <= set(REPORT_TO), f"a list of {', '.join(REPORT_TO)}"),
+    (
+        "report_to",
+        lambda value: set(value) <= set(REPORT_TO),
+        f"{', '.join(REPORT_TO)}, a list of them, none or all",
+    ),
     ("dataset_text_field", lambda value: value.strip() != "", "a non-empty column name"),
     *(
         (key, lambda value: value is None or value != "", "a token (non-empty) or null")

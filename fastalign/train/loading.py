@@ -235,8 +235,9 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def checkpoint_dtype(config) -> torch.dtype:
     """The dtype a checkpoint's config declares for its weights (``dtype``, or ``torch_dtype`` as older
-    configs name it); fp32 where it declares none."""
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    configs name it); fp32 where it declares none. An older transformers keeps ``torch_dtype`` as an
+    attribute of its own; a newer one only as an alias of ``dtype`` that warns when read."""
+    declared = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
     return declared if isinstance(declared, torch.dtype) else torch.float32

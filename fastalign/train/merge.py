@@ -32,10 +32,11 @@ def merge_adapter(
     fastalign_config.yaml; an unreadable adapter; pickle weights (``adapter_model.bin``, or a base with
     only ``pytorch_model.bin``), which are never unpickled (unpickling can run code); an adapter that
     does not fit the base (another model's run). The merged model is written next to ``output_dir`` and
-    moved into place, so a failed merge leaves ``output_dir`` as it was."""
-    import peft
+    moved into place, so a failed merge leaves ``output_dir`` as it was.
 
+    bitsandbytes is hidden unless the run was QLoRA (``fastalign.quant.bitsandbytes_import``)."""
     from fastalign.quant import dequantize_model
+    from fastalign.quant.bitsandbytes_import import bitsandbytes_hidden
     from fastalign.train.config import load_config, model_option
     from fastalign.train.loading import (
         cast_parameters,
@@ -43,7 +44,7 @@ def merge_adapter(
         load_model_and_tokenizer,
         resolve_model,
     )
-    from fastalign.train.policy import model_dtype, quant_options
+    from fastalign.train.policy import model_dtype, peft_without_deprecation_warning, quant_options
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -71,59 +72,63 @@ def merge_adapter(
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"output directory {output_dir} is a file")
 
-    try:
-        base_files = resolve_model(config.model_name_or_path, config.model_revision)
-    except ValueError as error:
-        raise ValueError(f"{config_file}: {error}") from None
-    declared = adapter_config.get("base_model_name_or_path")  # what peft saw (None for a built-in model)
-    if declared and not _merge_same_model(str(declared), config.model_name_or_path, base_files):
-        raise ValueError(
-            f"{run_dir / 'adapter_config.json'} names base model {declared!r}, but model_name_or_path in "
-            f"{config_file} is {config.model_name_or_path!r}: the adapter comes from another run"
-        )
-    if isinstance(base_files, Path) and not any(
-        (base_files / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")
-    ):
-        pickles = sorted(path.name for path in base_files.glob("*.bin"))
-        found = f" (it holds {', '.join(pickles)})" if pickles else ""
-        raise ValueError(
-            f"base model {base_files} (model_name_or_path in {config_file}) has no safetensors weights"
-            f"{found}: only safetensors are loaded, never pickle .bin files (unpickling can run code)"
-        )
-    try:
-        base, tokenizer = load_model_and_tokenizer(
-            config.model_name_or_path, quant_options(config), revision=config.model_revision
-        )
-    except (OSError, RuntimeError, SafetensorError) as error:
-        raise ValueError(
-            f"cannot load base model {config.model_name_or_path!r} (model_name_or_path in {config_file}): "
-            f"{_merge_first_line(error)}"
-        ) from None
-    dtype = dtype or checkpoint_dtype(base.config)
-    if model_option(config, "dtype") is not None:  # the base weights as the run rounded them
-        cast_parameters(base, model_dtype(config, config.model_name_or_path))
-    try:
-        model = peft.PeftModel.from_pretrained(base, run_dir)
-    except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as error:
-        raise ValueError(
-            f"adapter {weights} does not fit base model {config.model_name_or_path!r} (model_name_or_path "
-            f"in {config_file}): {_merge_first_line(error)}"
-        ) from None
-    expected = {key: tuple(value.shape) for key, value in peft.get_peft_model_state_dict(model).items()}
-    if expected != adapter_shapes:  # peft loads non-strictly: a missing tensor would stay untrained
-        missing = sorted(expected.keys() - adapter_shapes.keys())
-        extra = sorted(adapter_shapes.keys() - expected.keys())
-        what = f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which the base has no place for"
-        raise ValueError(
-            f"adapter {weights} does not fit base model {config.model_name_or_path!r} (model_name_or_path "
-            f"in {config_file}): it {what}"
-            f"{f' ({len(missing) + len(extra) - 1} more)' if len(missing) + len(extra) > 1 else ''}"
-        )
-    dequantize_model(model, torch.float32).to(torch.float32)
-    merged = model.merge_and_unload().to(dtype)
-    merged.config.use_cache = True
-    _merge_save(merged, tokenizer, output_dir)
-    return output_dir
+    with bitsandbytes_hidden(config.quantization is None):  # QLoRA: rebuilt with bitsandbytes
+        import peft
+
+        try:
+            base_files = resolve_model(config.model_name_or_path, config.model_revision)
+        except ValueError as error:
+            raise ValueError(f"{config_file}: {error}") from None
+        declared = adapter_config.get("base_model_name_or_path")  # what peft saw (None for a built-in model)
+        if declared and not _merge_same_model(str(declared), config.model_name_or_path, base_files):
+            raise ValueError(
+                f"{run_dir / 'adapter_config.json'} names base model {declared!r}, but model_name_or_path in "
+                f"{config_file} is {config.model_name_or_path!r}: the adapter comes from another run"
+            )
+        if isinstance(base_files, Path) and not any(
+            (base_files / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")
+        ):
+            pickles = sorted(path.name for path in base_files.glob("*.bin"))
+            found = f" (it holds {', '.join(pickles)})" if pickles else ""
+            raise ValueError(
+                f"base model {base_files} (model_name_or_path in {config_file}) has no safetensors weights"
+                f"{found}: only safetensors are loaded, never pickle .bin files (unpickling can run code)"
+            )
+        try:
+            base, tokenizer = load_model_and_tokenizer(
+                config.model_name_or_path, quant_options(config), revision=config.model_revision
+            )
+        except (OSError, RuntimeError, SafetensorError) as error:
+            raise ValueError(
+                f"cannot load base model {config.model_name_or_path!r} (model_name_or_path in "
+                f"{config_file}): {_merge_first_line(error)}"
+            ) from None
+        dtype = dtype or checkpoint_dtype(base.config)
+        if model_option(config, "dtype") is not None:  # the base weights as the run rounded them
+            cast_parameters(base, model_dtype(config, config.model_name_or_path))
+        try:
+            with peft_without_deprecation_warning():
+                model = peft.PeftModel.from_pretrained(base, run_dir)
+        except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as error:
+            raise ValueError(
+                f"adapter {weights} does not fit base model {config.model_name_or_path!r} "
+                f"(model_name_or_path in {config_file}): {_merge_first_line(error)}"
+            ) from None
+        expected = {key: tuple(value.shape) for key, value in peft.get_peft_model_state_dict(model).items()}
+        if expected != adapter_shapes:  # peft loads non-strictly: a missing tensor would stay untrained
+            missing = sorted(expected.keys() - adapter_shapes.keys())
+            extra = sorted(adapter_shapes.keys() - expected.keys())
+            what = f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which the base has no place for"
+            raise ValueError(
+                f"adapter {weights} does not fit base model {config.model_name_or_path!r} "
+                f"(model_name_or_path in {config_file}): it {what}"
+                f"{f' ({len(missing) + len(extra) - 1} more)' if len(missing) + len(extra) > 1 else ''}"
+            )
+        dequantize_model(model, torch.float32).to(torch.float32)
+        merged = model.merge_and_unload().to(dtype)
+        merged.config.use_cache = True
+        _merge_save(merged, tokenizer, output_dir)
+        return output_dir
 
 
 def _merge_read_adapter_config(path: Path) -> dict:

@@ -6,6 +6,10 @@
 - ``warmup_steps`` below 1 is a ratio of the run's steps (as in transformers 5), else a step count; the
   older ``warmup_ratio`` is used when ``warmup_steps`` is 0;
 - ``constant`` keeps the warmup a config asks for (transformers' own ``constant`` would drop it).
+
+transformers' optimization and trainer modules import peft, and peft imports bitsandbytes: they are
+imported in the functions that use them, so inside ``run_training``
+(``fastalign.quant.bitsandbytes_import``), not with this module.
 """
 
 from __future__ import annotations
@@ -14,10 +18,6 @@ import importlib.util
 from collections.abc import Callable
 
 import torch
-from transformers import get_scheduler
-from transformers.optimization import Adafactor
-from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
-from transformers.trainer_pt_utils import get_parameter_names
 
 from fastalign.train.config import ConfigError, TrainConfig
 
@@ -51,6 +51,8 @@ def _bitsandbytes(name: str) -> Callable:
 
 
 def _adafactor(groups, config: TrainConfig):
+    from transformers.optimization import Adafactor
+
     # as transformers' Trainer makes it: the given learning rate, no relative step or parameter scaling
     return Adafactor(groups, lr=config.learning_rate, scale_parameter=False, relative_step=False)
 
@@ -68,11 +70,16 @@ MAKERS: dict[str, Callable] = {
     "adafactor": _adafactor,
     "sgd": _sgd,
 }
+#: The ``optim`` names that are bitsandbytes' optimizers.
+BITSANDBYTES_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """The ``optim`` of the config over the trainable parameters, with ``weight_decay`` on all but biases
     and norm weights."""
+    from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
+    from transformers.trainer_pt_utils import get_parameter_names
+
     decay = set(get_parameter_names(model, ALL_LAYERNORM_LAYERS, _NO_DECAY))
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     groups = [
@@ -95,6 +102,8 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """``lr_scheduler_type`` with ``lr_scheduler_kwargs`` after the warmup; a bad keyword is a
     ``ConfigError`` naming the key."""
+    from transformers import get_scheduler
+
     name = "constant_with_warmup" if config.lr_scheduler_type == "constant" else config.lr_scheduler_type
     try:
         return get_scheduler(

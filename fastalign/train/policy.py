@@ -4,6 +4,10 @@ under ``torchrun``; on the CPU the policy's layers hand freed heap memory back t
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import torch
 from transformers import AutoConfig
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_torch_tf32_available
@@ -204,6 +208,30 @@ def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool, 
         fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False, linear=False)
 
 
+@contextlib.contextmanager
+def peft_without_deprecation_warning() -> Iterator[None]:
+    """peft's wrapping of a model (``get_peft_model``, ``PeftModel.from_pretrained``) without the
+    FutureWarning it causes on every LoRA run: it reads transformers' deprecated alias
+    ``is_gradient_checkpointing`` (for ``is_activation_checkpointing``), peft's to change, nothing a user
+    can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield
+
+
+def _trains_tied_embedding(model, config: TrainConfig) -> bool:
+    """Whether the model ties its head to its input embedding and LoRA trains one of them (a module to
+    save, or a target): peft's ``ensure_weight_tying`` is asked for then only, as peft warns that it has
+    nothing to tie otherwise."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    targets = [] if config.lora_target_modules == ["all-linear"] else config.lora_target_modules
+    trained = [*(config.lora_modules_to_save or ()), *targets]  # all-linear leaves the head out
+    return any(name.split(".")[-1] in EMBEDDING_LAYER_NAMES for name in trained)
+
+
 #: peft's task type of each model task.
 _PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}
 
@@ -228,11 +256,12 @@ def _add_lora(model, config: TrainConfig, task: ModelTask):
         use_rslora=config.use_rslora,
         use_dora=config.use_dora,
         modules_to_save=list(config.lora_modules_to_save or []) or None,  # peft extends it for SEQ_CLS
-        ensure_weight_tying=bool(getattr(model.config, "tie_word_embeddings", False)),
+        ensure_weight_tying=_trains_tied_embedding(model, config),
         task_type=_PEFT_TASK_TYPES[task],
     )
     try:
-        model = peft.get_peft_model(model, lora)
+        with peft_without_deprecation_warning():
+            model = peft.get_peft_model(model, lora)
     except ValueError as error:  # e.g. target modules not found: name the config key
         raise ConfigError(f"config key 'lora_target_modules' ({', '.join(targets)}): {error}") from None
     wrapper = peft.utils.ModulesToSaveWrapper

@@ -8,14 +8,17 @@ does not apply to that sample; it becomes NaN, which ``fastalign.ops.combine_rew
 ``group_advantages`` leave out.
 
 A spec in ``reward_funcs`` is a built-in name (``exact_match``, ``regex:<pattern>``, ...), an import path
-``package.module:function``, a file ``path/to/file.py:function``, a callable, or a trained reward model
+``package.module:function`` or TRL's ``package.module.function``, a file ``path/to/file.py:function``, a
+callable, or a trained reward model
 (``fastalign.train.reward_model``, as TRL takes one): a local model directory (with a config.json), a Hub id
 ``org/name``, or programmatically a loaded ``PreTrainedModel`` or ``(model, tokenizer)`` pair. The kinds
 are told apart without guessing: a built-in name wins, then an existing directory or a colon-less string
-with a slash is a model, then a string with a colon is an import path; a bare unknown name is an error
-(never a Hub download: a mistyped built-in fails at once, offline).
+with a slash is a model, then a string with a colon, or a dotted name, is an import path; a bare unknown
+name is an error (never a Hub download: a mistyped built-in fails at once, offline).
 
-Reward files are code: resolving ``package.module:function`` imports that module, and
+Reward files are code: resolving ``package.module:function`` imports that module (looked up in the
+current directory first, as TRL's ``trl grpo`` and ``python -m`` do, so a ``rewards.py`` beside the config
+is ``rewards:f`` or ``rewards.f`` from the ``fastalign`` command too), and
 ``path/file.py:function`` runs that file (relative to the current directory), whether or not it defines
 ``function``, as TRL's ``reward_funcs`` does. Name only code you trust. The spec is checked before anything
 runs, and nothing but the named module (with its packages, as Python imports it) or file is imported: a
@@ -30,6 +33,7 @@ import importlib
 import importlib.util
 import math
 import numbers
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -256,13 +260,19 @@ def _resolve(spec: object, models: dict[str, Any], dtype: str | None) -> RewardF
         model = load_reward_model(spec, dtype=dtype, **models)
         return RewardFunction(model.__name__, model)
     if colon:
-        return _import(spec)
+        location, _, attribute = spec.rpartition(":")
+        return _import(spec, location, attribute)
+    if spec.endswith(".py"):
+        raise ValueError(f"reward_funcs: {spec!r} names a file but no function: '{spec}:function'")
+    if "." in spec and _dotted_name(spec):  # TRL's form: the last part is the function
+        location, _, attribute = spec.rpartition(".")
+        return _import(spec, location, attribute)
     close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
     hint = (
         f"; did you mean {close[0]!r}?"
         if close
-        else "; an import path needs a colon: 'module:function'; a reward model is a directory or a Hub id "
-        "'org/name'"
+        else "; an import path is 'module:function' or 'module.function'; a reward model is a directory or "
+        "a Hub id 'org/name'"
     )
     raise ValueError(
         f"reward_funcs: unknown built-in reward {spec!r} (built-ins: {', '.join(BUILTIN_REWARDS)}){hint}"
@@ -274,10 +284,9 @@ def _dotted_name(text: str) -> bool:
     return all(part.isidentifier() for part in text.split("."))
 
 
-def _import(spec: str) -> RewardFunction:
-    """The function named by ``module:function`` or ``file.py:function`` (``function`` may be dotted).
-    The spec is checked first; only then is the one module or file it names imported (run)."""
-    location, _, attribute = spec.rpartition(":")
+def _import(spec: str, location: str, attribute: str) -> RewardFunction:
+    """The function ``attribute`` (may be dotted) of module or ``.py`` file ``location``, as ``spec`` names
+    them. The spec is checked first; only then is the one module or file it names imported (run)."""
     if not location or not attribute:
         raise ValueError(f"reward_funcs: {spec!r} is not an import path 'module:function'")
     if not _dotted_name(attribute):
@@ -306,6 +315,13 @@ def _import(spec: str) -> RewardFunction:
 
 
 def _load_module(spec: str, name: str) -> object:
+    """Module ``name``, found in the current directory first (as TRL and ``python -m`` find it; the
+    ``fastalign`` script alone would not look there): put first on ``sys.path`` only while it imports,
+    so that no later import of the run finds a file of the current directory instead of a package."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as error:
@@ -316,6 +332,9 @@ def _load_module(spec: str, name: str) -> object:
         raise ValueError(
             f"reward_funcs: {spec!r}: importing {name!r} raised {type(error).__name__}: {one_line(error)}"
         ) from error
+    finally:
+        if added:
+            sys.path.remove(cwd)
 
 
 def _load_file(spec: str, location: str) -> object:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from fastalign.data.tokenizer_options import override_tokenizer
+from fastalign.quant.bitsandbytes_import import bitsandbytes_hidden
 from fastalign.train.batches import evaluation_batches
 from fastalign.train.callbacks import (
     JsonlMetrics,
@@ -36,7 +37,12 @@ from fastalign.train.metrics import peak_flops, training_flops_per_token
 from fastalign.train.neftune import enable_neftune
 from fastalign.train.objectives import make_objective, with_objective_defaults
 from fastalign.train.objectives.base import BatchPlan, Objective, RunParts
-from fastalign.train.optim import build_optimizer, build_scheduler, check_schedule
+from fastalign.train.optim import (
+    BITSANDBYTES_OPTIMIZERS,
+    build_optimizer,
+    build_scheduler,
+    check_schedule,
+)
 from fastalign.train.policy import autocast_dtype, load_frozen_model, prepare_policy, quant_options
 from fastalign.train.run_dir import check_output_dir, check_resume_length, resume, start_writing
 
@@ -44,7 +50,14 @@ from fastalign.train.run_dir import check_output_dir, check_resume_length, resum
 def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | None = None) -> Path:
     """Train objective ``name`` (a key of ``fastalign.train.objectives.OBJECTIVES``: 'sft', 'dpo', 'orpo',
     'simpo', 'cpo', 'kto', 'grpo', 'rloo', 'reward'), save the final model (or adapter) in
-    ``config.output_dir``, and return that path."""
+    ``config.output_dir``, and return that path. bitsandbytes is hidden unless the run quantizes or uses
+    an 8-bit optimizer (``fastalign.quant.bitsandbytes_import``)."""
+    uses_bitsandbytes = config.quantization is not None or config.optim in BITSANDBYTES_OPTIMIZERS
+    with bitsandbytes_hidden(not uses_bitsandbytes):
+        return _run_training(config, name, callbacks)
+
+
+def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | None) -> Path:
     ctx = init_distributed()
     try:
         check_config(config)  # a TrainConfig built in code skips load_config's checks

@@ -237,7 +237,11 @@ def test_malformed_flags_fail_in_one_line(flags, message):
             "(warmup_ratio decides), got 2.5",
         ),
         ("save_total_limit", "0", "must be at least 1, or null to keep all, got 0"),
-        ("report_to", "[wandb, mlflow]", "must be a list of tensorboard, wandb, got ['wandb', 'mlflow']"),
+        (
+            "report_to",
+            "[wandb, mlflow]",
+            "must be tensorboard, wandb, a list of them, none or all, got ['wandb', 'mlflow']",
+        ),
     ],
 )
 def test_bad_values_fail_naming_the_key_and_where(tmp_path, key, value, wanted):
@@ -265,6 +269,43 @@ def test_boundary_values_are_accepted():
     )
     assert (config.warmup_ratio, config.eval_split_ratio, config.save_total_limit) == (0.0, 0.0, 1)
     assert (config.lr_scheduler_type, config.report_to) == ("constant", ["tensorboard", "wandb"])
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "flag", "expected"),
+    [
+        ("none", "none", []),
+        ("[none]", "none", []),
+        ("wandb", "wandb", ["wandb"]),
+        ("[tensorboard, wandb]", "tensorboard,wandb", ["tensorboard", "wandb"]),
+        ("[]", "", []),
+    ],
+)
+def test_report_to_takes_transformers_forms(tmp_path, yaml_text, flag, expected):
+    """As ``TrainingArguments``: one name or a list, "none" for none (before: "none" was an error)."""
+    assert load_config(write(tmp_path, f"report_to: {yaml_text}\n")).report_to == expected
+    assert load_config(None, ["--report_to", flag]).report_to == expected
+
+
+def test_report_to_in_code_takes_the_same_forms():
+    assert TrainConfig(report_to="none").report_to == [] and TrainConfig(report_to=["none"]).report_to == []
+    assert TrainConfig(report_to="wandb").report_to == ["wandb"]
+
+
+def test_report_to_all_is_every_installed_integration(monkeypatch):
+    installed = {"wandb"}
+    monkeypatch.setattr(
+        "importlib.util.find_spec", lambda name: object() if name in installed else None, raising=True
+    )
+    assert load_config(None, ["--report_to", "all"]).report_to == ["wandb"]
+    installed.clear()
+    assert TrainConfig(report_to="all").report_to == []
+
+
+def test_report_to_none_among_names_is_an_error():
+    assert config_error(None, ["--report_to", "none,wandb"]).startswith(
+        "config key 'report_to' (on the command line) must be tensorboard, wandb, a list of them, none or all"
+    )
 
 
 def test_max_steps_or_epochs_must_be_positive(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -148,7 +149,7 @@ def test_repeated_names_get_a_suffix_so_each_has_its_own_metrics():
         ),
         (
             ["nothing_like_it"],
-            r"unknown built-in reward 'nothing_like_it' .*needs a colon: 'module:function'",
+            r"unknown built-in reward 'nothing_like_it' .*'module:function' or 'module.function'",
         ),
         (
             ["no_such_module_xyz:f"],
@@ -343,3 +344,39 @@ def test_mismatched_inputs_and_clashing_columns_are_errors():
     assert message == "compute_rewards: 'answer' has 2 values for 1 completions"
     message = value_error(compute_rewards, funcs, ["p"], ["a"], [[1]], {"completion_ids": [[1]]})
     assert "column 'completion_ids' clashes" in message
+
+
+# TRL's forms
+
+
+def test_trl_dotted_form_and_modules_of_the_current_directory(tmp_path, monkeypatch):
+    """``rewards.reward_len`` (TRL's form) and ``rewards:reward_len``, for a rewards.py in the current
+    directory, from the ``fastalign`` script too (whose sys.path lacks the current directory). Before:
+    "no module named 'rewards'"; only ``rewards.py:reward_len`` worked."""
+    module = f"cwd_rewards_{tmp_path.name}"  # a fresh module name per run: sys.modules keeps imports
+    (tmp_path / f"{module}.py").write_text(
+        "def reward_len(prompts, completions, completion_ids, **kwargs):\n"
+        "    return [float(len(ids)) for ids in completion_ids]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    path_before = list(sys.path)
+    funcs = resolve_reward_funcs([f"{module}.reward_len", f"{module}:reward_len", "os.path.join"])
+    assert [func.name for func in funcs] == ["reward_len", "reward_len_2", "join"]
+    assert funcs[0].fn is funcs[1].fn and funcs[0].fn([], ["a"], [[1, 2]]) == [2.0]
+    assert sys.path == path_before  # the current directory was on it only while importing
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "no_such_module_xyz.f",
+            "reward_funcs: 'no_such_module_xyz.f': no module named 'no_such_module_xyz'",
+        ),
+        ("os.path.nope", "reward_funcs: 'os.path.nope': module 'os.path' has no attribute 'nope'"),
+        ("rewards.py", "reward_funcs: 'rewards.py' names a file but no function: 'rewards.py:function'"),
+    ],
+)
+def test_bad_dotted_specs_are_one_line(spec, message):
+    assert value_error(resolve_reward_funcs, [spec]) == message

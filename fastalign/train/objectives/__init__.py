@@ -58,6 +58,14 @@ def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, learning_rate=OBJECTIVES[name].default_learning_rate)
 
 
+def own_keys(name: str) -> frozenset[str]:
+    """The keys objective ``name`` reads that not every objective reads: its options (some shared with
+    related objectives), as ``fastalign train <name> --help`` groups them. Every other key is read by the
+    runner or by every objective, or only by other objectives."""
+    everyone = frozenset.intersection(*(cls.config_keys(other) for other, cls in OBJECTIVES.items()))
+    return OBJECTIVES[name].config_keys(name) - everyone - _RUNNER_KEYS
+
+
 def _refuse_unread_keys(name: str, config: TrainConfig) -> None:
     """A key set (away from its default) that only other objectives read would be silently ignored."""
     defaults = TrainConfig()
@@ -86,5 +94,6 @@ __all__ = [
     "RewardObjective",
     "SFTObjective",
     "make_objective",
+    "own_keys",
     "with_objective_defaults",
 ]
