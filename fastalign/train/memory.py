@@ -5,25 +5,47 @@ largest term of training memory (layers × tokens × hidden × a dozen saved ten
 keeps only each decoder layer's input and recomputes the rest in backward (about a third more
 compute). Offloading moves the saved tensors to CPU memory during the forward and brings them back
 during the backward; it costs host↔device bandwidth (PCIe, or NVLink-C2C on Grace Hopper) and pinned
-host memory as large as what it offloads. The two compose: under non-reentrant checkpointing a layer
-saves only its inputs, so those are what gets offloaded.
+host memory as large as what it offloads.
+
+What goes to the host: with checkpointing, exactly each decoder layer's checkpointed input (its hidden
+states); without, every tensor the decoder layers save for backward (their inputs, attention and MLP
+intermediates). Parameters, tensors under ``min_bytes``, and whatever the model saves outside its
+decoder layers (the embedding's token ids, the final norm, the loss head) stay where they are.
+
+Where the hooks sit, and why not in per-layer module hooks: PyTorch consults only the innermost
+saved-tensor hooks, and torch's non-reentrant checkpoint enters its own around the checkpointed
+function, so what is saved inside it is the checkpoint's (to recompute), and only what the checkpoint
+itself saves outside them, the layer's inputs, reaches hooks entered outside it. Transformers up to 5.17
+checkpoints a layer's ``__call__``, so a layer's module hooks run inside the checkpoint: saved-tensor
+hooks entered there became the innermost and took every activation of the layer (checkpointing was in
+effect off; a 70B QLoRA step at 8,192 tokens pinned 128 GB of host memory); 5.23 checkpoints
+``forward``, and module hooks run outside. So fastalign depends on neither: one ``saved_tensors_hooks``
+context spans the forward of the module that runs the layers (``decoder_stack``), outside every
+checkpoint, and what it offloads is decided by which layer is running, which a checkpointed layer
+reports from a wrapper of its checkpoint function (transformers' ``_gradient_checkpointing_func``, called
+by the layer in both placements, outside torch's checkpoint), and other layers from their module hooks.
+The wrapper spans the whole checkpoint call: the non-reentrant checkpoint saves its inputs before it
+runs the layer, the re-entrant one after (its layer runs without gradients and saves nothing). The
+recomputation in backward runs the layer, not the wrapper, after the stack's forward has returned, and
+under the checkpoint's own recomputation hooks: nothing is offloaded then. The wrapper is (re)installed
+at each forward of the stack, so checkpointing may be enabled before or after offloading.
 
 Overlap: the device-to-host copies run on a side CUDA stream while the compute stream goes on with
 the layer, and in backward the first unpack of a layer also starts the copies back of the layer
-before it (the one backward reaches next), so those run during this layer's backward. Offloading is
-active only inside the decoder layers' forwards: the loss head, which runs after them inside the
-model's forward, keeps its tensors on the device.
+before it (the one backward reaches next), so those run during this layer's backward.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from fastalign.models.structure import base_model, decoder_layers
+from fastalign.models.structure import base_model, decoder_layers, decoder_stack
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -46,7 +68,27 @@ def enable_activation_offloading(model: nn.Module, *, min_bytes: int = 1 << 20) 
 
     Tensors under ``min_bytes`` stay on the device: their copies would cost more than they free.
     """
-    return ActivationOffloader(decoder_layers(model), min_bytes=min_bytes)
+    return ActivationOffloader(decoder_stack(model), decoder_layers(model), min_bytes=min_bytes)
+
+
+class _OffloadingCheckpoint:
+    """A decoder layer's checkpoint function, wrapped: while it runs, what is saved outside torch's
+    checkpoint (the layer's inputs) is that layer's to offload."""
+
+    def __init__(self, offloader: ActivationOffloader, index: int, checkpoint: Callable) -> None:
+        self.offloader, self.index, self.checkpoint = offloader, index, checkpoint
+
+    def __call__(self, function: Callable, *args, **kwargs):
+        self.offloader._layer = self.index
+        try:
+            return self.checkpoint(function, *args, **kwargs)
+        finally:
+            self.offloader._layer_done()
+
+
+def _checkpointed(layer: nn.Module) -> bool:
+    """Whether this call of ``layer`` runs under transformers' checkpoint (``GradientCheckpointingLayer``)."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
 
 
 class _Offloaded:
@@ -60,7 +102,8 @@ class _Offloaded:
 
 
 class ActivationOffloader:
-    """Saved-tensor hooks entered by each decoder layer's forward and exited after it (even if it raises).
+    """Saved-tensor hooks entered around the decoder stack's forward; what a decoder layer saves while it
+    runs (or, checkpointed, what its checkpoint saves) is offloaded, grouped by that layer's call.
 
     Counters: ``offloaded_tensors``/``offloaded_bytes`` went to CPU; ``restored_tensors`` came back,
     ``prefetched_tensors`` of them before their layer's backward started; ``kept_on_device`` were on
@@ -70,49 +113,78 @@ class ActivationOffloader:
 
     _force_copy: bool = False  # tests: send CPU tensors through the offload path as if on CUDA
 
-    def __init__(self, layers: list[nn.Module], *, min_bytes: int) -> None:
+    def __init__(self, stack: nn.Module, layers: list[nn.Module], *, min_bytes: int) -> None:
         self.min_bytes = min_bytes
         self.offloaded_tensors = self.offloaded_bytes = self.restored_tensors = self.prefetched_tensors = 0
         self.kept_on_device = self.skipped_small = self.skipped_parameters = 0
-        self._group = 0  # numbers the layer calls: backward meets them in reverse order
+        self._layers = layers
+        self._first_group = 0  # groups number the layer calls of all forwards: backward meets them reversed
+        self._layer: int | None = None  # the decoder layer whose saved tensors are offloaded now, if any
         self._groups: dict[int, weakref.WeakSet[_Offloaded]] = {}  # the graph owns the entries
-        self._contexts: list[saved_tensors_hooks] = []
+        self._context: saved_tensors_hooks | None = None
         self._copying: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # sources of this layer's copies
         self._copied: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # and of the previous layer's
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._handles = [
-            handle
-            for layer in layers
-            for handle in (
-                layer.register_forward_pre_hook(self._enter),
-                layer.register_forward_hook(self._exit, always_call=True),
-            )
+            stack.register_forward_pre_hook(self._enter),
+            stack.register_forward_hook(self._exit, always_call=True),
         ]
+        for index, layer in enumerate(layers):
+            self._handles.append(
+                layer.register_forward_pre_hook(functools.partial(self._layer_begins, index))
+            )
+            self._handles.append(layer.register_forward_hook(self._layer_ends, always_call=True))
 
     def remove(self) -> None:
-        """Remove the hooks; tensors offloaded already still come back in backward."""
+        """Remove the hooks and the checkpoint wrappers; tensors offloaded already still come back in
+        backward."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for layer in self._layers:
+            wrapper = getattr(layer, "_gradient_checkpointing_func", None)
+            if isinstance(wrapper, _OffloadingCheckpoint) and wrapper.offloader is self:
+                layer._gradient_checkpointing_func = wrapper.checkpoint
         self._release(self._copying)
         self._release(self._copied)
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
-        self._group += 1
+        for index, layer in enumerate(self._layers):
+            checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+            if checkpoint is not None and not isinstance(checkpoint, _OffloadingCheckpoint):
+                layer._gradient_checkpointing_func = _OffloadingCheckpoint(self, index, checkpoint)
         self._groups = {group: entries for group, entries in self._groups.items() if entries}  # freed graphs
-        context = saved_tensors_hooks(self._pack, self._unpack)
-        context.__enter__()
-        self._contexts.append(context)
+        self._first_group += len(self._layers)
+        self._context = saved_tensors_hooks(self._pack, self._unpack)
+        self._context.__enter__()
 
     def _exit(self, module: nn.Module, args: tuple, output: object) -> None:
-        self._contexts.pop().__exit__(None, None, None)
+        self._layer = None
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    def _layer_begins(self, index: int, layer: nn.Module, args: tuple) -> None:
+        if self._context is not None and not _checkpointed(layer):  # (a checkpointed one: the wrapper)
+            self._layer = index
+
+    def _layer_ends(self, layer: nn.Module, args: tuple, output: object) -> None:
+        if self._context is not None and not _checkpointed(layer):
+            self._layer_done()
+
+    def _layer_done(self) -> None:
+        self._layer = None
         self._release(self._copied)  # a layer later, those copies are done (or nearly)
         self._copied, self._copying = self._copying, []
 
     @torch.no_grad()
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Offloaded:
+        if self._layer is None:
+            return tensor
         base = tensor if tensor._base is None else tensor._base
-        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
+        # Weights stay alive anyway. Not every leaf that requires grad does: with a frozen embedding,
+        # transformers' ``enable_input_require_grads`` makes its output one, the first layer's input.
+        if isinstance(base, nn.Parameter):
             self.skipped_parameters += 1
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
@@ -126,8 +198,9 @@ class ActivationOffloader:
         else:
             self.kept_on_device += 1
             return tensor
-        entry = _Offloaded(cpu, tensor.device, self._group, event)
-        self._groups.setdefault(self._group, weakref.WeakSet()).add(entry)
+        group = self._first_group + self._layer
+        entry = _Offloaded(cpu, tensor.device, group, event)
+        self._groups.setdefault(group, weakref.WeakSet()).add(entry)
         self.offloaded_tensors += 1
         self.offloaded_bytes += nbytes
         return entry

@@ -11,10 +11,11 @@ from torch import nn
 
 import fastalign
 from fastalign.builtin import tiny_model, tiny_tokenizer
-from fastalign.models.structure import decoder_layers
+from fastalign.models.structure import decoder_layers, decoder_stack
 from fastalign.patching import patched_pieces
 from fastalign.train.memory import (
     ActivationOffloader,
+    _OffloadingCheckpoint,
     enable_activation_checkpointing,
     enable_activation_offloading,
 )
@@ -131,13 +132,55 @@ def test_checkpointing_and_offloading_together():
     enable_activation_checkpointing(model)
     offloader = offload(model)
     assert_same_step(reference, model)
-    # a checkpointed layer saves only its input hidden states, so that is all that is offloaded
-    assert offloader.offloaded_tensors == len(decoder_layers(model))
     assert offloader.restored_tensors == offloader.offloaded_tensors
     unchecked = tiny_model("llama")
     without_checkpointing = offload(unchecked)
     train_step(unchecked, padded_batch())
     assert offloader.offloaded_bytes < without_checkpointing.offloaded_bytes
+
+
+def layer_input_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Layers × tokens × hidden × dtype bytes: the checkpointed inputs of one forward."""
+    config = model.config
+    return len(decoder_layers(model)) * batch["input_ids"].numel() * config.hidden_size * model.dtype.itemsize
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_offloads_exactly_the_layer_inputs(reentrant):
+    """Whichever of the layer's methods transformers checkpoints (``__call__`` up to 5.17, ``forward``
+    since), the host gets each layer's input and nothing else, every step; the recomputation adds
+    nothing. The non-reentrant case freezes the embedding as LoRA and QLoRA do (transformers then makes
+    the first layer's input a leaf that requires grad); the re-entrant checkpoint needs a trained one."""
+    reference = tiny_model("llama")
+    batch = padded_batch()
+    if not reentrant:
+        reference.get_input_embeddings().requires_grad_(False)
+    model = copy.deepcopy(reference)
+    if reentrant:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        enable_activation_checkpointing(model)
+    offloader = offload(model)
+    for step in (1, 2):
+        assert_same_step(reference, model)
+        assert offloader.offloaded_tensors == step * len(decoder_layers(model))
+        assert offloader.offloaded_bytes == step * layer_input_bytes(model, batch)
+        assert offloader.restored_tensors == offloader.offloaded_tensors
+        reference.zero_grad(), model.zero_grad()
+
+
+def test_checkpointing_enabled_after_offloading():
+    """The checkpoint wrapper is installed at each forward, so the order of the two calls is free."""
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    offloader = offload(model)
+    enable_activation_checkpointing(model)
+    assert_same_step(reference, model)
+    assert offloader.offloaded_bytes == layer_input_bytes(model, padded_batch())
+    offloader.remove()
+    assert not any(
+        isinstance(layer._gradient_checkpointing_func, _OffloadingCheckpoint) for layer in model.model.layers
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["offload", "checkpoint+offload"])
@@ -164,18 +207,18 @@ def test_lora_model(checkpointing):
     storages = offloaded_storages(offloader)
     assert_same_step(reference, model)
     assert offloader.offloaded_tensors > 0
-    assert offloader.skipped_parameters > 0
+    assert offloader.skipped_parameters > 0 or checkpointing  # (checkpointed layers save no weights of ours)
     assert {p.untyped_storage().data_ptr() for p in model.parameters()}.isdisjoint(storages)
     assert any(p.grad is not None for name, p in model.named_parameters() if "lora_" in name)
 
 
 def test_remove_restores_the_model():
     model = tiny_model("llama")
-    layers = decoder_layers(model)
+    modules = [decoder_stack(model), *decoder_layers(model)]
     offloader = offload(model)
-    assert all(layer._forward_pre_hooks and layer._forward_hooks for layer in layers)
+    assert decoder_stack(model)._forward_pre_hooks and all(module._forward_hooks for module in modules)
     offloader.remove()
-    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+    assert not any(module._forward_pre_hooks or module._forward_hooks for module in modules)
     train_step(model, padded_batch())
     assert offloader.offloaded_tensors == offloader.skipped_parameters == 0
 
@@ -206,7 +249,7 @@ def test_a_raising_layer_leaves_no_hooks_active():
     model.model.layers[1].mlp.forward = fail
     with pytest.raises(RuntimeError, match="boom"):
         model(**padded_batch())
-    assert not offloader._contexts
+    assert offloader._context is None
     packed = offloader.offloaded_tensors
     x = torch.randn(8, requires_grad=True) * 2
     (x * x).sum().backward()  # saves x, which the offloader would take if its hooks were still active
