@@ -38,6 +38,7 @@ before it (the one backward reaches next), so those run during this layer's back
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from fastalign.errors import one_line
 from fastalign.models.structure import base_model, decoder_layers, decoder_stack
 
 
@@ -63,12 +65,59 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     inner.config.use_cache = False
 
 
-def enable_activation_offloading(model: nn.Module, *, min_bytes: int = 1 << 20) -> ActivationOffloader:
+def enable_activation_offloading(
+    model: nn.Module, *, min_bytes: int = 1 << 20, keep_on_device: int = 0, tokens: int | None = None
+) -> ActivationOffloader:
     """Offload what the decoder layers save for backward to CPU memory; ``.remove()`` undoes it.
 
-    Tensors under ``min_bytes`` stay on the device: their copies would cost more than they free.
+    Tensors under ``min_bytes`` stay on the device: their copies would cost more than they free. The last
+    ``keep_on_device`` layers keep theirs: backward reaches them first, so where the device has room for
+    them, copying them out and straight back would only cost bandwidth and host memory. ``tokens``: the
+    most tokens of one forward; with checkpointing, a run whose offloaded layer inputs would not fit in
+    the host's available memory is refused here, before training (``HostMemoryError``).
     """
-    return ActivationOffloader(decoder_stack(model), decoder_layers(model), min_bytes=min_bytes)
+    layers = decoder_layers(model)
+    if not 0 <= keep_on_device <= len(layers):
+        raise ValueError(f"keep_on_device must be in [0, {len(layers)}] layers, got {keep_on_device}")
+    if tokens is not None and any(_checkpointed(layer) for layer in layers):
+        hidden = base_model(model).config.get_text_config().hidden_size
+        per_layer = tokens * hidden * model.dtype.itemsize
+        _check_host_memory(
+            (len(layers) - keep_on_device) * per_layer,
+            f"{len(layers) - keep_on_device} layer inputs of {tokens:,} tokens",
+        )
+    return ActivationOffloader(
+        decoder_stack(model), layers, min_bytes=min_bytes, keep_on_device=keep_on_device
+    )
+
+
+class HostMemoryError(MemoryError):
+    """Offloading would need more host memory than the machine has available."""
+
+
+def _host_margin(available: int) -> int:
+    """What offloading leaves to everything else on the host (the data loader, the CPU copy of a
+    checkpoint being written, the page cache): a tenth of what is available, at least 2 GiB."""
+    return max(available // 10, 2 << 30)
+
+
+def _available_host_bytes() -> int:
+    """``MemAvailable`` of /proc/meminfo: what the host can give without swapping."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def _check_host_memory(nbytes: int, what: str) -> None:
+    available = _available_host_bytes()
+    if nbytes > available - _host_margin(available):
+        raise HostMemoryError(
+            f"activation offloading needs {nbytes / 2**30:.1f} GiB of host memory ({what}), more than the "
+            f"{available / 2**30:.1f} GiB available less a {_host_margin(available) / 2**30:.1f} GiB margin: "
+            "keep more layers on the GPU (keep_on_device), shorten the batches, or turn offloading off"
+        )
 
 
 class _OffloadingCheckpoint:
@@ -92,13 +141,134 @@ def _checkpointed(layer: nn.Module) -> bool:
 
 
 class _Offloaded:
-    """A saved activation held in CPU memory, and where its copies stand."""
+    """A saved activation held in CPU memory (a view of a pool buffer), and where its copies stand. Its
+    memory goes back to the pool when autograd drops it (the graph is freed)."""
 
-    __slots__ = ("__weakref__", "cpu", "device", "event", "group", "on_device")
+    __slots__ = ("__weakref__", "cpu", "device", "event", "give_back", "group", "on_device")
 
-    def __init__(self, cpu: torch.Tensor, device: torch.device, group: int, event: torch.cuda.Event | None):
-        self.cpu, self.device, self.group, self.event = cpu, device, group, event
+    def __init__(
+        self,
+        cpu: torch.Tensor,
+        give_back: Callable[[], None],
+        device: torch.device,
+        group: int,
+        event: torch.cuda.Event | None,
+    ):
+        self.cpu, self.give_back, self.device, self.group, self.event = cpu, give_back, device, group, event
         self.on_device: torch.Tensor | None = None  # the copy back, once started
+
+    def __del__(self) -> None:
+        self.give_back()
+
+
+_ALIGNMENT = 64  # bytes: each tensor in a buffer starts on a cache line, aligned for any dtype
+
+
+class _LayerBuffer:
+    """One decoder layer's host memory: ``buffer``, filled from ``used``; ``extra`` buffers for what did
+    not fit this round; ``taken`` bytes in all this round, by ``live`` tensors."""
+
+    __slots__ = ("buffer", "extra", "live", "taken", "used")
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.extra: list[torch.Tensor] = []
+        self.used = self.taken = self.live = 0
+
+
+class _HostPool:
+    """Host memory for offloaded tensors: one buffer per decoder layer, allocated once, reused every step.
+
+    Per layer because a layer's tensors come back together (its backward): once the last is given back,
+    the next forward fills the buffer from the start. What does not fit (the first step, a longer batch,
+    a second forward before a backward) gets a buffer of its own for that round, and once all of the
+    layer's tensors are back these are replaced by one buffer of the round's total. The pool grows to the
+    largest round and stays there: with checkpointing, layers × tokens × hidden × dtype bytes, the
+    planner's host term (``fastalign.plan``), and no allocation at all in the steps after the first.
+
+    Pinned with ``cudaHostRegister`` on exact-size pageable allocations, not ``torch.empty(...,
+    pin_memory=True)``: PyTorch's pinned-memory cache rounds each block up to a power of two (up to
+    twice the memory) and keeps all it ever pinned. Where pinning fails, pageable memory, with one
+    warning (the copies are then synchronous). Each allocation first checks the host's available memory
+    (``HostMemoryError``), so a run whose offloading outgrows the host stops with a message instead of
+    being killed.
+    """
+
+    def __init__(self, *, pin: bool, synchronize: Callable[[], None]) -> None:
+        self.pin = pin
+        self.allocations = 0  # buffers allocated, pinned or not
+        self._synchronize = synchronize  # waits for the copies in flight, before a buffer is freed
+        self._layers: dict[int, _LayerBuffer] = {}
+        self._pinned: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        """Bytes held, in use or not."""
+        return sum(buffer.numel() for buffer in self._buffers())
+
+    def take(self, layer: int, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``nbytes`` of host memory (uint8) for a tensor of ``layer``, and the call that gives them back."""
+        slot = self._layers.setdefault(layer, _LayerBuffer())
+        size = -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+        if slot.buffer is not None and slot.used + size <= slot.buffer.numel():
+            memory = slot.buffer[slot.used : slot.used + size]
+            slot.used += size
+        else:
+            memory = self._allocate(size)
+            slot.extra.append(memory)
+        slot.taken += size
+        slot.live += 1
+        return memory[:nbytes], functools.partial(self._give_back, slot)
+
+    def _give_back(self, slot: _LayerBuffer) -> None:
+        slot.live -= 1
+        if slot.live:
+            return
+        if slot.buffer is None and len(slot.extra) == 1:
+            slot.buffer = slot.extra[0]
+        elif slot.extra:  # freed before the larger one is allocated
+            self._free([*slot.extra, *([slot.buffer] if slot.buffer is not None else [])])
+            slot.buffer, slot.extra = None, []
+            slot.buffer = self._allocate(slot.taken)
+        slot.extra, slot.used, slot.taken = [], 0, 0
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        _check_host_memory(nbytes, f"{self.capacity / 2**30:.1f} GiB held already, {nbytes:,} bytes more")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.allocations += 1
+        if self.pin:
+            try:
+                _check_cuda(
+                    torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0), "cudaHostRegister"
+                )
+                self._pinned.add(buffer.data_ptr())
+            except RuntimeError as error:
+                self.pin = False
+                warnings.warn(
+                    f"activation offloading: pinning host memory failed ({one_line(error)}); it goes on "
+                    "in pageable memory, whose copies do not overlap compute",
+                    stacklevel=2,
+                )
+        return buffer
+
+    def _free(self, buffers: list[torch.Tensor]) -> None:
+        self._synchronize()  # no copy may still read or write them
+        for buffer in buffers:
+            if buffer.data_ptr() in self._pinned:
+                self._pinned.discard(buffer.data_ptr())
+                _check_cuda(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()), "cudaHostUnregister")
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for slot in self._layers.values() for b in (*slot.extra, slot.buffer) if b is not None]
+
+    def __del__(self) -> None:
+        if self._pinned:
+            self._free(self._buffers())
+
+
+def _check_cuda(error: object, call: str) -> None:
+    if int(error) != 0:
+        raise RuntimeError(f"{call} failed with cudaError {int(error)}")
 
 
 class ActivationOffloader:
@@ -107,17 +277,22 @@ class ActivationOffloader:
 
     Counters: ``offloaded_tensors``/``offloaded_bytes`` went to CPU; ``restored_tensors`` came back,
     ``prefetched_tensors`` of them before their layer's backward started; ``kept_on_device`` were on
-    CPU already; ``skipped_small`` were under ``min_bytes``; ``skipped_parameters`` were weights or
-    views of them, which stay alive anyway.
+    CPU already; ``kept_in_last_layers`` were saved by the last ``keep_on_device`` layers;
+    ``skipped_small`` were under ``min_bytes``; ``skipped_parameters`` were weights or views of them,
+    which stay alive anyway. ``pool``: the host memory (``None`` until the first tensor is offloaded).
     """
 
     _force_copy: bool = False  # tests: send CPU tensors through the offload path as if on CUDA
 
-    def __init__(self, stack: nn.Module, layers: list[nn.Module], *, min_bytes: int) -> None:
+    def __init__(
+        self, stack: nn.Module, layers: list[nn.Module], *, min_bytes: int, keep_on_device: int = 0
+    ) -> None:
         self.min_bytes = min_bytes
         self.offloaded_tensors = self.offloaded_bytes = self.restored_tensors = self.prefetched_tensors = 0
-        self.kept_on_device = self.skipped_small = self.skipped_parameters = 0
+        self.kept_on_device = self.kept_in_last_layers = self.skipped_small = self.skipped_parameters = 0
+        self.pool: _HostPool | None = None
         self._layers = layers
+        self._offloaded_layers = len(layers) - keep_on_device
         self._first_group = 0  # groups number the layer calls of all forwards: backward meets them reversed
         self._layer: int | None = None  # the decoder layer whose saved tensors are offloaded now, if any
         self._groups: dict[int, weakref.WeakSet[_Offloaded]] = {}  # the graph owns the entries
@@ -191,15 +366,24 @@ class ActivationOffloader:
         if nbytes < self.min_bytes:
             self.skipped_small += 1
             return tensor
-        if tensor.is_cuda:
-            cpu, event = self._to_host(tensor)
-        elif tensor.device.type == "cpu" and self._force_copy:
-            cpu, event = tensor.clone(), None
-        else:
+        if self._layer >= self._offloaded_layers:
+            self.kept_in_last_layers += 1
+            return tensor
+        if not (tensor.is_cuda or (tensor.device.type == "cpu" and self._force_copy)):
             self.kept_on_device += 1
             return tensor
+        if self.pool is None:
+            self.pool = _HostPool(pin=tensor.is_cuda, synchronize=self._synchronize)
+        memory, give_back = self.pool.take(self._layer, nbytes)
+        layout = torch.empty_like(tensor, device="meta")  # its strides where dense, else contiguous
+        cpu = memory.view(tensor.dtype).as_strided(layout.shape, layout.stride())
+        if tensor.is_cuda:
+            event = self._to_host(tensor, cpu)
+        else:
+            cpu.copy_(tensor)
+            event = None
         group = self._first_group + self._layer
-        entry = _Offloaded(cpu, tensor.device, group, event)
+        entry = _Offloaded(cpu, give_back, tensor.device, group, event)
         self._groups.setdefault(group, weakref.WeakSet()).add(entry)
         self.offloaded_tensors += 1
         self.offloaded_bytes += nbytes
@@ -233,16 +417,19 @@ class ActivationOffloader:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def _to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def _to_host(self, tensor: torch.Tensor, cpu: torch.Tensor) -> torch.cuda.Event:
         stream = self._side_stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # copy the finished value
         with torch.cuda.stream(stream):
-            cpu = torch.empty_like(tensor, device="cpu", pin_memory=True)
             cpu.copy_(tensor, non_blocking=True)
             event = stream.record_event()
         # The caching allocator knows only the compute stream: the source must outlive the copy.
         self._copying.append((tensor, event))
-        return cpu, event
+        return event
+
+    def _synchronize(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
 
     def _copy_back(self, entry: _Offloaded) -> torch.Tensor:
         if entry.device.type == "cpu":  # the _force_copy test path

@@ -13,8 +13,11 @@ import fastalign
 from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.models.structure import decoder_layers, decoder_stack
 from fastalign.patching import patched_pieces
+from fastalign.train import memory
 from fastalign.train.memory import (
     ActivationOffloader,
+    HostMemoryError,
+    _HostPool,
     _OffloadingCheckpoint,
     enable_activation_checkpointing,
     enable_activation_offloading,
@@ -254,3 +257,144 @@ def test_a_raising_layer_leaves_no_hooks_active():
     x = torch.randn(8, requires_grad=True) * 2
     (x * x).sum().backward()  # saves x, which the offloader would take if its hooks were still active
     assert offloader.offloaded_tensors == packed > 0
+
+
+def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_bit_identical_steps(reference: nn.Module, model: nn.Module, steps: int, after_step=None) -> None:
+    """``steps`` forward/backwards of each, with equal losses and bit-identical gradients at every one."""
+    batch = padded_batch()
+    for step in range(1, steps + 1):
+        reference.zero_grad(), model.zero_grad()
+        assert torch.equal(train_step(model, batch), train_step(reference, batch))
+        expected, got = gradients(reference), gradients(model)
+        assert expected.keys() == got.keys() and expected
+        assert all(torch.equal(got[name], expected[name]) for name in expected)
+        if after_step is not None:
+            after_step(step)
+
+
+def test_the_pool_holds_the_layer_inputs_and_allocates_in_the_first_step_only():
+    """With checkpointing, one buffer per layer, of the layer input's size (the planner's host term),
+    allocated in the first step and reused after; the gradients are bit-identical to checkpointing alone."""
+    reference = tiny_model("llama")
+    enable_activation_checkpointing(reference)
+    model = copy.deepcopy(reference)
+    offloader = offload(model)
+    expected = layer_input_bytes(model, padded_batch())
+
+    def check(step):
+        assert offloader.pool.allocations == len(decoder_layers(model))
+        assert offloader.pool.capacity == expected
+        assert offloader.offloaded_bytes == step * expected
+
+    assert_bit_identical_steps(reference, model, 3, check)
+
+
+def test_the_pool_without_checkpointing_settles_after_the_first_step():
+    """Without checkpointing a layer saves many tensors: the first step gives each its own buffer, then
+    replaces them with one per layer; no step after allocates, and the pool holds one step's tensors."""
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    offloader = offload(model)
+    layers = len(decoder_layers(model))
+    seen = {}
+
+    def check(step):
+        per_step = offloader.offloaded_tensors // step
+        if step == 1:
+            assert offloader.pool.allocations == per_step + layers
+            seen["capacity"] = offloader.pool.capacity
+        assert offloader.pool.allocations == per_step + layers
+        assert offloader.pool.capacity == seen["capacity"]
+        assert (
+            offloader.offloaded_bytes // step
+            <= offloader.pool.capacity
+            < offloader.offloaded_bytes // step + 64 * per_step
+        )
+
+    assert_bit_identical_steps(reference, model, 3, check)
+
+
+def test_the_last_layers_can_stay_on_the_device():
+    reference = tiny_model("llama", num_hidden_layers=3)
+    enable_activation_checkpointing(reference)
+    model = copy.deepcopy(reference)
+    offloader = enable_activation_offloading(model, min_bytes=0, keep_on_device=1)
+    offloader._force_copy = True
+    one_layer = layer_input_bytes(model, padded_batch()) // 3
+
+    def check(step):
+        assert offloader.offloaded_tensors == 2 * step and offloader.kept_in_last_layers == step
+        assert offloader.pool.capacity == 2 * one_layer and offloader.pool.allocations == 2
+
+    assert_bit_identical_steps(reference, model, 2, check)
+    with pytest.raises(ValueError, match="keep_on_device"):
+        enable_activation_offloading(model, keep_on_device=4)
+
+
+class FakeCudart:
+    """``torch.cuda.cudart()`` for CPU tests: records (un)registrations, fails with ``error`` if set."""
+
+    def __init__(self, error: int = 0) -> None:
+        self.error, self.registered, self.unregistered = error, [], []
+
+    def cudaHostRegister(self, pointer, size, flags):
+        if not self.error:
+            self.registered.append((pointer, size))
+        return self.error
+
+    def cudaHostUnregister(self, pointer):
+        self.unregistered.append(pointer)
+        return 0
+
+
+def test_the_pool_pins_each_buffer_once_and_unpins_what_it_replaces(monkeypatch):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    pool = _HostPool(pin=True, synchronize=lambda: None)
+    first, give_back = pool.take(0, 1000)
+    assert first.numel() == 1000 and cudart.registered == [(first.data_ptr(), 1024)]  # 64-byte aligned
+    give_back()
+    for _ in range(3):  # the same round again: the buffer is reused
+        again, give_back = pool.take(0, 1000)
+        assert again.data_ptr() == first.data_ptr()
+        give_back()
+    assert pool.allocations == 1
+    backs = [pool.take(0, 1000)[1] for _ in range(2)]  # a larger round: one more, then one of the total
+    assert pool.allocations == 2
+    for give_back in backs:
+        give_back()
+    assert pool.allocations == 3 and pool.capacity == 2048
+    (first_pointer, _), (extra_pointer, _), _ = cudart.registered
+    assert cudart.unregistered == [extra_pointer, first_pointer]
+    assert len(cudart.registered) == 3
+
+
+def test_the_pool_goes_on_in_pageable_memory_where_pinning_fails(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(error=2))
+    pool = _HostPool(pin=True, synchronize=lambda: None)
+    with pytest.warns(UserWarning, match="pinning host memory failed") as warned:
+        backs = [pool.take(layer, 4096)[1] for layer in range(3)]
+    assert len(warned) == 1 and not pool.pin and pool.allocations == 3
+    for give_back in backs:
+        give_back()
+
+
+def test_offloading_that_outgrows_the_host_is_refused_before_training(monkeypatch):
+    model = tiny_model("llama")
+    enable_activation_checkpointing(model)
+    monkeypatch.setattr(memory, "_available_host_bytes", lambda: 3 << 30)  # 3 GiB, less a 2 GiB margin
+    fits = (1 << 30) // (2 * model.config.hidden_size * 4)  # tokens whose 2 layer inputs fill 1 GiB
+    enable_activation_offloading(model, tokens=fits).remove()
+    with pytest.raises(HostMemoryError, match=r"needs 1\.0 GiB of host memory \(2 layer inputs") as error:
+        enable_activation_offloading(model, tokens=fits + 1)
+    assert "\n" not in str(error.value)
+    enable_activation_offloading(model, tokens=fits + 1, keep_on_device=1).remove()  # half of it: fits
+    monkeypatch.setattr(memory, "_available_host_bytes", lambda: 1 << 20)
+    offloader = offload(model)
+    with pytest.raises(HostMemoryError):  # the pool checks each allocation as well
+        model(**padded_batch())
+    offloader.remove()
