@@ -398,3 +398,32 @@ def test_offloading_that_outgrows_the_host_is_refused_before_training(monkeypatc
     with pytest.raises(HostMemoryError):  # the pool checks each allocation as well
         model(**padded_batch())
     offloader.remove()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned pool and the side-stream copies need CUDA"
+)
+def test_cuda_checkpointing_and_offloading_step():
+    """The real path: layer inputs copied to pinned pool buffers on the side stream and back, the bytes
+    and the allocations as on CPU, and gradients bit-identical to checkpointing alone (eager attention:
+    the same kernels in the same order on both sides)."""
+    reference = tiny_model("llama", attn_implementation="eager").cuda()
+    enable_activation_checkpointing(reference)
+    model = copy.deepcopy(reference)
+    offloader = enable_activation_offloading(model, min_bytes=0)
+    batch = {name: tensor.cuda() for name, tensor in padded_batch().items()}
+    expected = layer_input_bytes(model, batch)
+    for step in (1, 2, 3):
+        reference.zero_grad(), model.zero_grad()
+        assert torch.equal(train_step(model, batch), train_step(reference, batch))
+        torch.cuda.synchronize()
+        assert offloader.offloaded_bytes == step * expected
+        assert offloader.restored_tensors == offloader.offloaded_tensors == step * len(decoder_layers(model))
+        assert offloader.pool.pin and offloader.pool.allocations == len(decoder_layers(model))
+        assert offloader.pool.capacity == expected
+        assert all(slot.buffer.is_pinned() for slot in offloader.pool._layers.values())
+        expected_grads, grads = gradients(reference), gradients(model)
+        assert expected_grads.keys() == grads.keys()
+        assert all(torch.equal(grads[name], expected_grads[name]) for name in grads)
+    offloader.remove()
+    del model, offloader  # the pool unpins its buffers
