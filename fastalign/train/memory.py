@@ -243,6 +243,7 @@ class _HostPool:
                 )
                 self._pinned.add(buffer.data_ptr())
             except RuntimeError as error:
+                _clear_cuda_error()
                 self.pin = False
                 warnings.warn(
                     f"activation offloading: pinning host memory failed ({one_line(error)}); it goes on "
@@ -269,6 +270,17 @@ class _HostPool:
 def _check_cuda(error: object, call: str) -> None:
     if int(error) != 0:
         raise RuntimeError(f"{call} failed with cudaError {int(error)}")
+
+
+def _clear_cuda_error() -> None:
+    """Read and so clear the error a failed CUDA call left as CUDA's last error: PyTorch checks that
+    after its next kernel launch, which would fail with it. A kernel launched here takes it instead."""
+    if not torch.cuda.is_available():  # (nothing to clear)
+        return
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
 
 
 class ActivationOffloader:
@@ -363,7 +375,7 @@ class ActivationOffloader:
             self.skipped_parameters += 1
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < self.min_bytes:
+        if nbytes == 0 or nbytes < self.min_bytes:  # (torch < 2.13's checkpoint saves an empty tensor)
             self.skipped_small += 1
             return tensor
         if self._layer >= self._offloaded_layers:

@@ -427,3 +427,26 @@ def test_cuda_checkpointing_and_offloading_step():
         assert all(torch.equal(grads[name], expected_grads[name]) for name in grads)
     offloader.remove()
     del model, offloader  # the pool unpins its buffers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real cudaHostRegister failure needs CUDA")
+def test_cuda_work_goes_on_after_pinning_fails(monkeypatch):
+    """A failed registration (here: of memory registered already) leaves CUDA's last error set; the pool
+    clears it, so the next kernel does not fail with it."""
+    cudart = torch.cuda.cudart()
+
+    class Twice:
+        def cudaHostRegister(self, pointer, size, flags):
+            cudart.cudaHostRegister(pointer, size, flags)
+            return cudart.cudaHostRegister(pointer, size, flags)  # cudaErrorHostMemoryAlreadyRegistered
+
+        def cudaHostUnregister(self, pointer):
+            return cudart.cudaHostUnregister(pointer)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Twice())
+    pool = _HostPool(pin=True, synchronize=torch.cuda.synchronize)
+    with pytest.warns(UserWarning, match="pinning host memory failed"):
+        memory_, give_back = pool.take(0, 1 << 20)
+    cudart.cudaHostUnregister(memory_.data_ptr())
+    assert torch.ones(4, device="cuda").sum().item() == 4
+    give_back()
