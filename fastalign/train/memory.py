@@ -79,7 +79,7 @@ def enable_activation_offloading(
     layers = decoder_layers(model)
     if not 0 <= keep_on_device <= len(layers):
         raise ValueError(f"keep_on_device must be in [0, {len(layers)}] layers, got {keep_on_device}")
-    if tokens is not None and any(_checkpointed(layer) for layer in layers):
+    if tokens is not None and any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
         hidden = base_model(model).config.get_text_config().hidden_size
         per_layer = tokens * hidden * model.dtype.itemsize
         _check_host_memory(
