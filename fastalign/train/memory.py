@@ -30,6 +30,12 @@ recomputation in backward runs the layer, not the wrapper, after the stack's for
 under the checkpoint's own recomputation hooks: nothing is offloaded then. The wrapper is (re)installed
 at each forward of the stack, so checkpointing may be enabled before or after offloading.
 
+Host memory: one pinned buffer per offloaded layer, allocated in the first step and reused after
+(``_HostPool``), as large as that layer's share of the planner's host term (layers × tokens × hidden ×
+dtype bytes with checkpointing); the last ``keep_on_device`` layers' tensors stay on the GPU, where it has
+room for them. A run whose share would not fit in the host's available memory is refused in one line
+(``HostMemoryError``), before training where the tokens of a forward are known, else at the allocation.
+
 Overlap: the device-to-host copies run on a side CUDA stream while the compute stream goes on with
 the layer, and in backward the first unpack of a layer also starts the copies back of the layer
 before it (the one backward reaches next), so those run during this layer's backward.
