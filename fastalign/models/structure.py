@@ -1,5 +1,5 @@
 """What fastalign assumes about a causal LM's structure, in one place: its label convention, how to see
-through a peft wrapper, where its decoder layers are, and where its dropout is."""
+through a peft wrapper, where its decoder layers are and which module runs them, and where its dropout is."""
 
 from __future__ import annotations
 
@@ -17,10 +17,22 @@ def base_model(model: nn.Module) -> nn.Module:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a causal LM: the first ``nn.ModuleList`` named ``layers`` (peft-aware)."""
+    return list(_layers(model)[1])
+
+
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The module whose forward runs the decoder layers (``LlamaModel`` in a ``LlamaForCausalLM``): the
+    parent of ``decoder_layers``' list. Its forward encloses every layer's call, and the checkpoint that
+    transformers puts around each layer, whichever of the layer's methods that checkpoint wraps."""
+    inner, (name, _) = base_model(model), _layers(model)
+    return inner.get_submodule(name.rpartition(".")[0])
+
+
+def _layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     inner = base_model(model)
     for name, module in inner.named_modules():
         if name.rpartition(".")[2] == "layers" and isinstance(module, nn.ModuleList):
-            return list(module)
+            return name, module
     raise ValueError(f"found no decoder layers (an nn.ModuleList named 'layers') in {type(inner).__name__}")
 
 

@@ -59,8 +59,11 @@ def prepare_policy(
             fastalign.patching.patch_lora_layers(model)
     if config.gradient_checkpointing:
         memory.enable_activation_checkpointing(model)
+    # On a GPU, a run whose layer inputs outgrow the host stops here (a preference pair's two rows are one
+    # forward of twice the tokens: those the host pool refuses at its first allocation that does not fit).
     if config.activation_offloading:
-        memory.enable_activation_offloading(model)
+        tokens = config.max_length * config.per_device_train_batch_size if ctx.device.type == "cuda" else None
+        memory.enable_activation_offloading(model, tokens=tokens)
     model = _place(model, config.model_name_or_path, config, ctx)
     if ctx.device.type == "cpu":  # its layers hand what they free back to the OS as they train
         host_memory.release_between_layers(model)

@@ -11,10 +11,14 @@ from torch import nn
 
 import fastalign
 from fastalign.builtin import tiny_model, tiny_tokenizer
-from fastalign.models.structure import decoder_layers
+from fastalign.models.structure import decoder_layers, decoder_stack
 from fastalign.patching import patched_pieces
+from fastalign.train import memory
 from fastalign.train.memory import (
     ActivationOffloader,
+    HostMemoryError,
+    _HostPool,
+    _OffloadingCheckpoint,
     enable_activation_checkpointing,
     enable_activation_offloading,
 )
@@ -131,13 +135,55 @@ def test_checkpointing_and_offloading_together():
     enable_activation_checkpointing(model)
     offloader = offload(model)
     assert_same_step(reference, model)
-    # a checkpointed layer saves only its input hidden states, so that is all that is offloaded
-    assert offloader.offloaded_tensors == len(decoder_layers(model))
     assert offloader.restored_tensors == offloader.offloaded_tensors
     unchecked = tiny_model("llama")
     without_checkpointing = offload(unchecked)
     train_step(unchecked, padded_batch())
     assert offloader.offloaded_bytes < without_checkpointing.offloaded_bytes
+
+
+def layer_input_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Layers × tokens × hidden × dtype bytes: the checkpointed inputs of one forward."""
+    config = model.config
+    return len(decoder_layers(model)) * batch["input_ids"].numel() * config.hidden_size * model.dtype.itemsize
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_offloads_exactly_the_layer_inputs(reentrant):
+    """Whichever of the layer's methods transformers checkpoints (``__call__`` up to 5.17, ``forward``
+    since), the host gets each layer's input and nothing else, every step; the recomputation adds
+    nothing. The non-reentrant case freezes the embedding as LoRA and QLoRA do (transformers then makes
+    the first layer's input a leaf that requires grad); the re-entrant checkpoint needs a trained one."""
+    reference = tiny_model("llama")
+    batch = padded_batch()
+    if not reentrant:
+        reference.get_input_embeddings().requires_grad_(False)
+    model = copy.deepcopy(reference)
+    if reentrant:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        enable_activation_checkpointing(model)
+    offloader = offload(model)
+    for step in (1, 2):
+        assert_same_step(reference, model)
+        assert offloader.offloaded_tensors == step * len(decoder_layers(model))
+        assert offloader.offloaded_bytes == step * layer_input_bytes(model, batch)
+        assert offloader.restored_tensors == offloader.offloaded_tensors
+        reference.zero_grad(), model.zero_grad()
+
+
+def test_checkpointing_enabled_after_offloading():
+    """The checkpoint wrapper is installed at each forward, so the order of the two calls is free."""
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    offloader = offload(model)
+    enable_activation_checkpointing(model)
+    assert_same_step(reference, model)
+    assert offloader.offloaded_bytes == layer_input_bytes(model, padded_batch())
+    offloader.remove()
+    assert not any(
+        isinstance(layer._gradient_checkpointing_func, _OffloadingCheckpoint) for layer in model.model.layers
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["offload", "checkpoint+offload"])
@@ -164,18 +210,18 @@ def test_lora_model(checkpointing):
     storages = offloaded_storages(offloader)
     assert_same_step(reference, model)
     assert offloader.offloaded_tensors > 0
-    assert offloader.skipped_parameters > 0
+    assert offloader.skipped_parameters > 0 or checkpointing  # (checkpointed layers save no weights of ours)
     assert {p.untyped_storage().data_ptr() for p in model.parameters()}.isdisjoint(storages)
     assert any(p.grad is not None for name, p in model.named_parameters() if "lora_" in name)
 
 
 def test_remove_restores_the_model():
     model = tiny_model("llama")
-    layers = decoder_layers(model)
+    modules = [decoder_stack(model), *decoder_layers(model)]
     offloader = offload(model)
-    assert all(layer._forward_pre_hooks and layer._forward_hooks for layer in layers)
+    assert decoder_stack(model)._forward_pre_hooks and all(module._forward_hooks for module in modules)
     offloader.remove()
-    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers)
+    assert not any(module._forward_pre_hooks or module._forward_hooks for module in modules)
     train_step(model, padded_batch())
     assert offloader.offloaded_tensors == offloader.skipped_parameters == 0
 
@@ -206,8 +252,201 @@ def test_a_raising_layer_leaves_no_hooks_active():
     model.model.layers[1].mlp.forward = fail
     with pytest.raises(RuntimeError, match="boom"):
         model(**padded_batch())
-    assert not offloader._contexts
+    assert offloader._context is None
     packed = offloader.offloaded_tensors
     x = torch.randn(8, requires_grad=True) * 2
     (x * x).sum().backward()  # saves x, which the offloader would take if its hooks were still active
     assert offloader.offloaded_tensors == packed > 0
+
+
+def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_bit_identical_steps(reference: nn.Module, model: nn.Module, steps: int, after_step=None) -> None:
+    """``steps`` forward/backwards of each, with equal losses and bit-identical gradients at every one."""
+    batch = padded_batch()
+    for step in range(1, steps + 1):
+        reference.zero_grad(), model.zero_grad()
+        assert torch.equal(train_step(model, batch), train_step(reference, batch))
+        expected, got = gradients(reference), gradients(model)
+        assert expected.keys() == got.keys() and expected
+        assert all(torch.equal(got[name], expected[name]) for name in expected)
+        if after_step is not None:
+            after_step(step)
+
+
+def test_the_pool_holds_the_layer_inputs_and_allocates_in_the_first_step_only():
+    """With checkpointing, one buffer per layer, of the layer input's size (the planner's host term),
+    allocated in the first step and reused after; the gradients are bit-identical to checkpointing alone."""
+    reference = tiny_model("llama")
+    enable_activation_checkpointing(reference)
+    model = copy.deepcopy(reference)
+    offloader = offload(model)
+    expected = layer_input_bytes(model, padded_batch())
+
+    def check(step):
+        assert offloader.pool.allocations == len(decoder_layers(model))
+        assert offloader.pool.capacity == expected
+        assert offloader.offloaded_bytes == step * expected
+
+    assert_bit_identical_steps(reference, model, 3, check)
+
+
+def test_the_pool_without_checkpointing_settles_after_the_first_step():
+    """Without checkpointing a layer saves many tensors: the first step gives each its own buffer, then
+    replaces them with one per layer; no step after allocates, and the pool holds one step's tensors."""
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    offloader = offload(model)
+    layers = len(decoder_layers(model))
+    seen = {}
+
+    def check(step):
+        per_step = offloader.offloaded_tensors // step
+        if step == 1:
+            assert offloader.pool.allocations == per_step + layers
+            seen["capacity"] = offloader.pool.capacity
+        assert offloader.pool.allocations == per_step + layers
+        assert offloader.pool.capacity == seen["capacity"]
+        assert (
+            offloader.offloaded_bytes // step
+            <= offloader.pool.capacity
+            < offloader.offloaded_bytes // step + 64 * per_step
+        )
+
+    assert_bit_identical_steps(reference, model, 3, check)
+
+
+def test_the_last_layers_can_stay_on_the_device():
+    reference = tiny_model("llama", num_hidden_layers=3)
+    enable_activation_checkpointing(reference)
+    model = copy.deepcopy(reference)
+    offloader = enable_activation_offloading(model, min_bytes=0, keep_on_device=1)
+    offloader._force_copy = True
+    one_layer = layer_input_bytes(model, padded_batch()) // 3
+
+    def check(step):
+        assert offloader.offloaded_tensors == 2 * step and offloader.kept_in_last_layers == step
+        assert offloader.pool.capacity == 2 * one_layer and offloader.pool.allocations == 2
+
+    assert_bit_identical_steps(reference, model, 2, check)
+    with pytest.raises(ValueError, match="keep_on_device"):
+        enable_activation_offloading(model, keep_on_device=4)
+
+
+class FakeCudart:
+    """``torch.cuda.cudart()`` for CPU tests: records (un)registrations, fails with ``error`` if set."""
+
+    def __init__(self, error: int = 0) -> None:
+        self.error, self.registered, self.unregistered = error, [], []
+
+    def cudaHostRegister(self, pointer, size, flags):
+        if not self.error:
+            self.registered.append((pointer, size))
+        return self.error
+
+    def cudaHostUnregister(self, pointer):
+        self.unregistered.append(pointer)
+        return 0
+
+
+def test_the_pool_pins_each_buffer_once_and_unpins_what_it_replaces(monkeypatch):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    pool = _HostPool(pin=True, synchronize=lambda: None)
+    first, give_back = pool.take(0, 1000)
+    assert first.numel() == 1000 and cudart.registered == [(first.data_ptr(), 1024)]  # 64-byte aligned
+    give_back()
+    for _ in range(3):  # the same round again: the buffer is reused
+        again, give_back = pool.take(0, 1000)
+        assert again.data_ptr() == first.data_ptr()
+        give_back()
+    assert pool.allocations == 1
+    backs = [pool.take(0, 1000)[1] for _ in range(2)]  # a larger round: one more, then one of the total
+    assert pool.allocations == 2
+    for give_back in backs:
+        give_back()
+    assert pool.allocations == 3 and pool.capacity == 2048
+    (first_pointer, _), (extra_pointer, _), _ = cudart.registered
+    assert cudart.unregistered == [extra_pointer, first_pointer]
+    assert len(cudart.registered) == 3
+
+
+def test_the_pool_goes_on_in_pageable_memory_where_pinning_fails(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(error=2))
+    pool = _HostPool(pin=True, synchronize=lambda: None)
+    with pytest.warns(UserWarning, match="pinning host memory failed") as warned:
+        backs = [pool.take(layer, 4096)[1] for layer in range(3)]
+    assert len(warned) == 1 and not pool.pin and pool.allocations == 3
+    for give_back in backs:
+        give_back()
+
+
+def test_offloading_that_outgrows_the_host_is_refused_before_training(monkeypatch):
+    model = tiny_model("llama")
+    enable_activation_checkpointing(model)
+    monkeypatch.setattr(memory, "_available_host_bytes", lambda: 3 << 30)  # 3 GiB, less a 2 GiB margin
+    fits = (1 << 30) // (2 * model.config.hidden_size * 4)  # tokens whose 2 layer inputs fill 1 GiB
+    enable_activation_offloading(model, tokens=fits).remove()
+    with pytest.raises(HostMemoryError, match=r"needs 1\.0 GiB of host memory \(2 layer inputs") as error:
+        enable_activation_offloading(model, tokens=fits + 1)
+    assert "\n" not in str(error.value)
+    enable_activation_offloading(model, tokens=fits + 1, keep_on_device=1).remove()  # half of it: fits
+    monkeypatch.setattr(memory, "_available_host_bytes", lambda: 1 << 20)
+    offloader = offload(model)
+    with pytest.raises(HostMemoryError):  # the pool checks each allocation as well
+        model(**padded_batch())
+    offloader.remove()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned pool and the side-stream copies need CUDA"
+)
+def test_cuda_checkpointing_and_offloading_step():
+    """The real path: layer inputs copied to pinned pool buffers on the side stream and back, the bytes
+    and the allocations as on CPU, and gradients bit-identical to checkpointing alone (eager attention:
+    the same kernels in the same order on both sides)."""
+    reference = tiny_model("llama", attn_implementation="eager").cuda()
+    enable_activation_checkpointing(reference)
+    model = copy.deepcopy(reference)
+    offloader = enable_activation_offloading(model, min_bytes=0)
+    batch = {name: tensor.cuda() for name, tensor in padded_batch().items()}
+    expected = layer_input_bytes(model, batch)
+    for step in (1, 2, 3):
+        reference.zero_grad(), model.zero_grad()
+        assert torch.equal(train_step(model, batch), train_step(reference, batch))
+        torch.cuda.synchronize()
+        assert offloader.offloaded_bytes == step * expected
+        assert offloader.restored_tensors == offloader.offloaded_tensors == step * len(decoder_layers(model))
+        assert offloader.pool.pin and offloader.pool.allocations == len(decoder_layers(model))
+        assert offloader.pool.capacity == expected
+        assert all(slot.buffer.is_pinned() for slot in offloader.pool._layers.values())
+        expected_grads, grads = gradients(reference), gradients(model)
+        assert expected_grads.keys() == grads.keys()
+        assert all(torch.equal(grads[name], expected_grads[name]) for name in grads)
+    offloader.remove()
+    del model, offloader  # the pool unpins its buffers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real cudaHostRegister failure needs CUDA")
+def test_cuda_work_goes_on_after_pinning_fails(monkeypatch):
+    """A failed registration (here: of memory registered already) leaves CUDA's last error set; the pool
+    clears it, so the next kernel does not fail with it."""
+    cudart = torch.cuda.cudart()
+
+    class Twice:
+        def cudaHostRegister(self, pointer, size, flags):
+            cudart.cudaHostRegister(pointer, size, flags)
+            return cudart.cudaHostRegister(pointer, size, flags)  # cudaErrorHostMemoryAlreadyRegistered
+
+        def cudaHostUnregister(self, pointer):
+            return cudart.cudaHostUnregister(pointer)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Twice())
+    pool = _HostPool(pin=True, synchronize=torch.cuda.synchronize)
+    with pytest.warns(UserWarning, match="pinning host memory failed"):
+        memory_, give_back = pool.take(0, 1 << 20)
+    cudart.cudaHostUnregister(memory_.data_ptr())
+    assert torch.ones(4, device="cuda").sum().item() == 4
+    give_back()
