@@ -211,12 +211,21 @@ def record(
     return path
 
 
-def write_result(result: dict, out_dir: Path = RESULTS_DIR) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "-" for c in result["env"]["device"]).strip("-").lower()
-    stamp = result["env"]["date"].replace(":", "").replace("-", "")
-    path = out_dir / f"{result['kernel']}-{slug}-{stamp}.json"
+def slug(device: str) -> str:
+    """A device's name as result file names carry it (``nvidia-h100-80gb-hbm3``)."""
+    return "".join(c if c.isalnum() else "-" for c in device).strip("-").lower()
+
+
+def write_json_atomically(path: Path, result: dict) -> None:
+    """Write ``result`` to ``path`` through a temporary file: a reader never sees half of it."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(path)
+
+
+def write_result(result: dict, out_dir: Path = RESULTS_DIR) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = result["env"]["date"].replace(":", "").replace("-", "")
+    path = out_dir / f"{result['kernel']}-{slug(result['env']['device'])}-{stamp}.json"
+    write_json_atomically(path, result)
     return path

@@ -80,6 +80,17 @@ PRESETS = {
         "objectives": ["sft", "dpo"], "settings": ["fp32"], "batch": 2, "prompt_tokens": 16,
         "completion_tokens": 16, "max_length": 40, "steps": 2, "learning_rate": 1e-5,
     },
+    # The GPU check's rows (``fastalign bench gpu``): random weights of the Llama-3.2-1B shape, its
+    # 128,256-token vocabulary (the built-in byte-level tokenizer, padded to it), bf16 autocast.
+    "gpu-1b": {
+        "model": "llama-3.2-1b", "objectives": ["dpo", "grpo"], "settings": ["bf16"], "batch": 4,
+        "prompt_tokens": 128, "completion_tokens": 128, "max_length": 256, "steps": 3, "learning_rate": 1e-5,
+    },
+    # The same on a tiny random model: the check's smoke run, on any device.
+    "smoke-random": {
+        "model": "tiny-llama", "objectives": ["dpo", "grpo"], "settings": ["fp32"], "batch": 2,
+        "prompt_tokens": 16, "completion_tokens": 8, "max_length": 40, "steps": 2, "learning_rate": 1e-5,
+    },
 }  # fmt: skip
 
 
@@ -330,7 +341,8 @@ def _shape(preset: dict, setting: str) -> str:
         how = "each tool's defaults (TRL: bf16 autocast + checkpointing; fastalign: fp32, no checkpointing)"
     else:
         how = f"checkpointing {'on' if SETTINGS[setting][2] else 'off'}"
-    return f"SmolLM2-135M-Instruct, {tokens}, {how}"
+    model = f"{preset['model']} (random weights)" if "model" in preset else "SmolLM2-135M-Instruct"
+    return f"{model}, {tokens}, {how}"
 
 
 def measure_row(spec: dict, preset: dict, attempts: int, timeout: float) -> dict:
@@ -345,6 +357,26 @@ def measure_row(spec: dict, preset: dict, attempts: int, timeout: float) -> dict
     return row | measure(spec, attempts, timeout)
 
 
+def random_model_dir(shape: str, directory: Path) -> Path:
+    """A model directory of random weights of a built-in shape (``fastalign.plan.shapes``), saved with
+    the built-in byte-level tokenizer padded to the shape's vocabulary (the same weights for every tool)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastalign.builtin.tokenizer import tiny_tokenizer
+    from fastalign.plan.shapes import builtin_config
+
+    config = builtin_config(shape)
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    tokenizer = tiny_tokenizer(config.vocab_size)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def run(preset_name: str, args: argparse.Namespace) -> Path:
     from transformers import AutoTokenizer
 
@@ -354,10 +386,13 @@ def run(preset_name: str, args: argparse.Namespace) -> Path:
     preset = PRESETS[preset_name] | ({"steps": args.steps} if args.steps else {})
     providers = common.select_providers(KERNEL, PROVIDERS, args.providers)
     device = _device()
-    if preset_name == "gpu" and device.type != "cuda":
+    if preset_name.startswith("gpu") and device.type != "cuda":
         raise SystemExit("--preset gpu needs CUDA")
     attempts = 1 if preset_name == "quick" or device.type == "cuda" else args.attempts
-    model_dir = str(smollm2_dir())
+    if "model" in preset:
+        model_dir = str(random_model_dir(preset["model"], Path(tempfile.mkdtemp(prefix="bench_model_"))))
+    else:
+        model_dir = str(smollm2_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows: list[dict] = []
     skipped: dict[str, str] = {}

@@ -29,10 +29,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "suite",
         nargs="?",
-        choices=["kernels", "e2e", "all"],
+        choices=["kernels", "e2e", "all", "gpu"],
         default="all",
-        help="which suite (default: all)",
+        help="which suite (default: all); gpu: the one-call GPU check (benchmarks/gpu/check.py), phase by "
+        "phase, each capped in time, then RESULTS.md",
     )
+    parser.add_argument(
+        "--smoke", action="store_true", help="gpu: every phase on tiny shapes, on any device (a temp dir)"
+    )
+    parser.add_argument("--phases", nargs="+", metavar="PHASE", help="gpu: these phases only")
     parser.add_argument("--only", action="append", metavar="NAME[,NAME]", help="these benchmarks only")
     parser.add_argument(
         "--quick", action="store_true", help="tiny shapes, seconds each (results to a temp dir)"
@@ -77,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(root))
     from benchmarks import noise, runner, suites
 
+    if args.suite == "gpu":
+        return _gpu_check(args)
     if args.list:
         for suite in suites.select(args.suite):
             print(f"{suite.name:22} {suite.kind:8} {suite.script:50} {suite.summary}")
@@ -99,3 +106,23 @@ def run(args: argparse.Namespace) -> int:
         report=not args.no_report,
     )
     return runner.run(selected, options)
+
+
+def _gpu_check(args: argparse.Namespace) -> int:
+    """``fastalign bench gpu``: the check's phases, then RESULTS.md where its results went to
+    benchmarks/results."""
+    from benchmarks import report, runs
+    from benchmarks.gpu import check
+
+    unknown = [name for name in args.phases or [] if name not in check.BY_NAME]
+    if unknown:
+        print(f"error: no GPU check phase {', '.join(unknown)} (there are: {', '.join(check.BY_NAME)})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    argv = (["--smoke"] if args.smoke else []) + (["--out", str(args.out)] if args.out else [])
+    argv += ["--phases", *args.phases] if args.phases else []
+    status = check.main(argv)
+    out = args.out or (None if args.smoke else runs.RESULTS_DIR)
+    if status == 0 and out is not None and not args.no_report and out.resolve() == runs.RESULTS_DIR:
+        print(f"wrote {report.write(out, report.RESULTS_MD)}")
+    return status

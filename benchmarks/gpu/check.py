@@ -1,0 +1,374 @@
+"""``fastalign bench gpu``: the whole GPU truth in one call, phase by phase, each phase capped in time and
+recorded as soon as it ends (a phase that is killed loses only itself).
+
+    fastalign bench gpu                  # on one H100: under 8 minutes
+    fastalign bench gpu --smoke          # every phase on tiny shapes, on any device (the test suite runs it)
+    fastalign bench gpu --phases lora_8b qlora_70b --out /tmp/check
+
+Phases, in order (``PHASES``):
+
+- ``tests``: the CUDA test subset (kernels, ops, losses, patching, the activation-memory tests), its
+  failures listed by node id;
+- ``lora_8b``: one LoRA SFT step of the Llama-3-8B shape side by side (``benchmarks/gpu/lora_step.py``):
+  transformers + peft, the same with Liger-Kernel's patch, with ``fastalign.patch_model``; checkpointing
+  off at 4,096 tokens and on at 16,384 (fastalign also with offloading); then TRL's ``SFTTrainer``
+  alone, with ``use_liger_kernel`` and on a patched model, where the time allows;
+- ``qlora_70b``: QLoRA steps of the Llama-3-70B shape (NF4, fastalign) at 8,192 and 12,106 tokens and
+  the planner's longest for 48 GB and 80 GB, with and without offloading, each beside the planner;
+- ``loss_heads``: linear cross-entropy at two vocabularies, the DPO, GRPO and distillation heads
+  against Liger, Cut Cross-Entropy and eager (the kernel benchmark scripts);
+- ``trl_1b``: DPO and GRPO steps of the Llama-3.2-1B shape, ``fastalign train`` against TRL's trainers
+  (GRPO's generation and training apart).
+
+Results: ``gpu_check-<device>-<date>.json`` in ``--out`` (rewritten after every phase), the kernel
+scripts' own result files beside it, and ``gpu_check-tests.log``. Into ``benchmarks/results`` they
+regenerate RESULTS.md. The packages the GPU image lacks travel as wheels (``scripts/gpu_wheels.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+
+GiB = 2**30
+KERNEL = "gpu_check"
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    cap_s: float  # on a GPU; the smoke run caps every phase at SMOKE_CAP_S
+    run: Callable[[Context, float], dict]
+    summary: str
+
+
+@dataclass
+class Context:
+    out: Path
+    smoke: bool
+    device: torch.device
+    ceiling_tflops: float
+    scratch: Path
+
+
+SMOKE_CAP_S = 240.0
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _python(
+    args: list[str], timeout: float, log: Path | None = None, env: dict | None = None
+) -> tuple[int, str]:
+    """Run ``python args`` from the repository root; (exit status or 'timeout', its output's tail)."""
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, text=True,
+            env=env or os.environ.copy(),
+        )  # fmt: skip
+        try:
+            status = proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            status = "timeout"
+        output.seek(0)
+        text = output.read()
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(text)
+    return status, text[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Phases
+
+TEST_PATHS = ("tests/kernels", "tests/losses", "tests/patching", "tests/train/test_memory.py")
+_RESULT = re.compile(
+    r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+::\S+)|(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)"
+)
+
+
+def parse_test_log(text: str) -> dict:
+    """Counts and failed node ids from a ``pytest -v`` log, also of a run stopped before its summary."""
+    outcomes: dict[str, str] = {}
+    for match in _RESULT.finditer(text):
+        outcome, node = (
+            (match.group(1), match.group(2)) if match.group(1) else (match.group(4), match.group(3))
+        )
+        outcomes[node] = outcome
+    counts: dict[str, int] = {}
+    for outcome in outcomes.values():
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    failed = sorted(node for node, outcome in outcomes.items() if outcome in ("FAILED", "ERROR"))
+    return {"counts": counts, "failed": failed}
+
+
+def phase_tests(ctx: Context, cap: float) -> dict:
+    log = ctx.out / "gpu_check-tests.log"
+    log.write_text("")
+    paths = ["tests/kernels/test_rms_norm.py"] if ctx.smoke else list(TEST_PATHS)
+    args = ["-m", "pytest", *paths, "-v", "-p", "no:cacheprovider", "-rfE", "--no-header"]
+    if not ctx.smoke and _installed("xdist"):
+        args += ["-n", str(min(12, os.cpu_count() or 1))]
+    status, tail = _python(args, cap, log)
+    result = parse_test_log(log.read_text())
+    summary = [line for line in tail.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    return result | {"exit": status, "summary": summary[-1].strip("= ") if summary else None}
+
+
+def _lora_worker(ctx: Context, spec: dict, deadline: float) -> tuple[list[dict], str | None]:
+    """Run one ``lora_step.py`` process until ``deadline``; the rows it finished, and why it stopped
+    early (None when it ended normally)."""
+    rows_file = ctx.scratch / f"rows-{spec['provider']}-{spec['shape']}-{time.monotonic_ns()}.jsonl"
+    spec = spec | {"out": str(rows_file), "scratch": str(ctx.scratch), "ceiling_tflops": ctx.ceiling_tflops}
+    status, tail = _python(["benchmarks/gpu/lora_step.py", json.dumps(spec)], deadline - time.monotonic())
+    lines = rows_file.read_text().splitlines() if rows_file.exists() else []
+    rows = [json.loads(line) for line in lines if line.strip()]
+    killed = [row["killed"] for row in rows if "killed" in row]
+    rows = [row for row in rows if "killed" not in row]
+    if status == 0:
+        return rows, None
+    if killed:
+        return rows, killed[0]
+    if status == "timeout":
+        return rows, "stopped at the phase's time cap"
+    errors = [line for line in tail.splitlines() if "Error" in line.split(":")[0]]
+    return rows, (errors or tail.strip().splitlines() or [f"exit status {status}"])[-1][:300]
+
+
+def _smoke_settings(settings: list[dict]) -> list[dict]:
+    return [setting | {"tokens": 64 * (1 + i)} for i, setting in enumerate(settings)]
+
+
+def phase_lora_8b(ctx: Context, cap: float) -> dict:
+    deadline = time.monotonic() + cap
+    short = {"tokens": 4096, "checkpointing": False}
+    long = {"tokens": 16384, "checkpointing": True}
+    runs = [
+        ("peft", [short, long]),
+        ("liger", [short, long]),
+        ("fastalign", [short, long, long | {"offloading": True}]),
+        ("trl", [short]),
+        ("trl-liger", [short]),
+        ("trl-fastalign", [short]),
+    ]
+    needs = {"liger": "liger_kernel", "trl": "trl", "trl-liger": "liger_kernel", "trl-fastalign": "trl"}
+    rows, skipped = [], {}
+    for provider, settings in runs:
+        module = needs.get(provider)
+        if module and not _installed(module) or provider.startswith("trl") and not _installed("trl"):
+            skipped[provider] = f"{module if module and not _installed(module) else 'trl'} not installed"
+            continue
+        if time.monotonic() > deadline - 5:
+            skipped[provider] = "no time left in the phase"
+            continue
+        spec = {"shape": "tiny-llama" if ctx.smoke else "llama-3-8b", "provider": provider, "steps": 3,
+                "settings": _smoke_settings(settings) if ctx.smoke else settings}  # fmt: skip
+        got, why = _lora_worker(ctx, spec, deadline)
+        rows += got
+        if why:
+            skipped[provider] = why
+    return {"rows": rows, "skipped": skipped}
+
+
+def longest_tokens(shape: str, method: str, gpu_gib: float, **flags) -> int:
+    """The planner's longest sequence (a multiple of 256) whose plan fits in ``gpu_gib``."""
+    from fastalign.plan import plan_memory
+
+    def fits(tokens: int) -> bool:
+        plan = plan_memory(
+            shape, method=method, seq_len=tokens, gpu_memory_bytes=int(gpu_gib * GiB), suggest=False, **flags
+        )
+        return plan.total_per_gpu <= gpu_gib * GiB
+
+    low, high = 0, 1 << 22
+    while high - low > 256:
+        middle = (low + high) // 2 // 256 * 256
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def phase_qlora_70b(ctx: Context, cap: float) -> dict:
+    deadline = time.monotonic() + cap
+    shape = "tiny-llama" if ctx.smoke else "llama-3-70b"
+    flags = {"checkpointing": True, "lora_r": 16, "lora_dropout": 0.05}
+    longest = {
+        f"{gib}gb{'_offload' if offload else ''}": longest_tokens(
+            shape, "qlora", gib, offload_activations=offload, **flags
+        )
+        for gib in (48, 80)
+        for offload in (False, True)
+    }
+    ckpt = {"checkpointing": True}
+    settings = [
+        {"tokens": 8192} | ckpt,
+        {"tokens": 8192, "offloading": True} | ckpt,
+        {"tokens": 12106, "offloading": True} | ckpt,
+        {"tokens": longest["48gb_offload"], "offloading": True, "goal": "longest within 48 GB"} | ckpt,
+        {"tokens": longest["80gb"], "goal": "longest on 80 GB, no offloading"} | ckpt,
+        {"tokens": longest["80gb_offload"], "offloading": True, "goal": "longest on 80 GB"} | ckpt,
+    ]
+    spec = {"shape": shape, "provider": "fastalign", "quant": "nf4", "steps": 2,
+            "settings": _smoke_settings(settings) if ctx.smoke else settings}  # fmt: skip
+    rows, why = _lora_worker(ctx, spec, deadline)
+    return {"rows": rows, "planner_longest_tokens": longest, "skipped": {"rest": why} if why else {}}
+
+
+def phase_loss_heads(ctx: Context, cap: float) -> dict:
+    deadline = time.monotonic() + cap
+    scripts = [
+        (
+            "linear_cross_entropy",
+            "gpu-check",
+            ["fastalign-triton", "liger-kernel", "cut-cross-entropy", "torch-eager"],
+        ),
+        ("preference", "gpu", None),
+        ("grpo", "gpu", None),
+        ("linear_divergence", "gpu", None),
+    ]
+    files, skipped = [], {}
+    for name, preset, providers in scripts:
+        if time.monotonic() > deadline - 5:
+            skipped[name] = "no time left in the phase"
+            continue
+        args = [
+            f"benchmarks/kernels/bench_{name}.py",
+            "--preset",
+            "quick" if ctx.smoke else preset,
+            "--out",
+            str(ctx.out),
+        ]
+        if providers and not ctx.smoke:
+            args += ["--providers", *providers]
+        before = set(ctx.out.glob(f"{name}-*.json"))
+        status, tail = _python(args, deadline - time.monotonic())
+        new = sorted(set(ctx.out.glob(f"{name}-*.json")) - before)
+        files += [path.name for path in new]
+        if status != 0:
+            skipped[name] = (
+                "stopped at the phase's time cap"
+                if status == "timeout"
+                else tail.strip().splitlines()[-1][:300]
+            )
+    return {"files": files, "skipped": skipped}
+
+
+def phase_trl_1b(ctx: Context, cap: float) -> dict:
+    if not _installed("trl"):
+        return {"skipped": {"all": "trl not installed"}}
+    before = set(ctx.out.glob("e2e_real_trl-*.json"))
+    args = [
+        "benchmarks/e2e/bench_real_trl.py",
+        "--preset",
+        "smoke-random" if ctx.smoke else "gpu-1b",
+        "--out",
+        str(ctx.out),
+    ]
+    status, tail = _python(args, cap)
+    files = sorted(path.name for path in set(ctx.out.glob("e2e_real_trl-*.json")) - before)
+    result: dict = {"files": files}
+    if status != 0:
+        result["skipped"] = {
+            "rest": "stopped at the phase's time cap"
+            if status == "timeout"
+            else tail.strip().splitlines()[-1][:300]
+        }
+    return result
+
+
+PHASES = (
+    Phase("tests", 45, phase_tests, "the CUDA test subset"),
+    Phase("lora_8b", 130, phase_lora_8b, "Llama-3-8B-shape LoRA SFT steps side by side"),
+    Phase("qlora_70b", 110, phase_qlora_70b, "Llama-3-70B-shape QLoRA: long context and offloading"),
+    Phase("loss_heads", 55, phase_loss_heads, "loss heads against Liger, CCE and eager"),
+    Phase("trl_1b", 45, phase_trl_1b, "Llama-3.2-1B-shape DPO and GRPO against TRL"),
+)
+BY_NAME = {phase.name: phase for phase in PHASES}
+
+
+def run(out: Path, smoke: bool, names: list[str] | None = None) -> Path:
+    """Run the phases (all, or ``names``) and write the check's result file; returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not smoke and device.type != "cuda":
+        raise SystemExit(
+            "error: fastalign bench gpu needs a CUDA device (--smoke runs it on tiny shapes anywhere)"
+        )
+    # bf16 on a GPU; on a CPU (the smoke run) fp32, which every x86 CPU multiplies at full speed
+    ceiling = common.matmul_tflops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    env = common.environment(device)
+    result = {"suite": "gpu", "kernel": KERNEL, "preset": "smoke" if smoke else "gpu", "env": env,
+              "matmul_tflops": round(ceiling, 1), "phases": {}, "rows": []}  # fmt: skip
+    path = out / f"{KERNEL}-{common.slug(env['device'])}-{env['date'].replace(':', '').replace('-', '')}.json"
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
+        ctx = Context(out, smoke, device, ceiling, Path(scratch))
+        for phase in PHASES:
+            if names and phase.name not in names:
+                continue
+            cap = SMOKE_CAP_S if smoke else phase.cap_s
+            print(f"== {phase.name} ({phase.summary}), at most {cap:.0f} s", flush=True)
+            started = time.monotonic()
+            try:
+                outcome = phase.run(ctx, cap)
+            except Exception as error:  # the phase is lost, the others still run
+                outcome = {"error": f"{type(error).__name__}: {error}"[:400]}
+            outcome["seconds"] = round(time.monotonic() - started, 1)
+            result["phases"][phase.name] = outcome
+            result["rows"] = [
+                row | {"phase": name}
+                for name, done in result["phases"].items()
+                for row in done.get("rows", [])
+            ]
+            common.write_json_atomically(path, result)
+            print(
+                json.dumps({phase.name: {k: v for k, v in outcome.items() if k != "rows"}})[:2000], flush=True
+            )
+            for row in outcome.get("rows", []):
+                print(json.dumps(row), flush=True)
+    print(f"wrote {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="every phase on tiny shapes, on any device")
+    parser.add_argument(
+        "--out", type=Path, help="results folder (default: benchmarks/results; smoke: a temp dir)"
+    )
+    parser.add_argument("--phases", nargs="+", choices=list(BY_NAME), help="these phases only (default: all)")
+    args = parser.parse_args(argv)
+    out = args.out or (
+        Path(tempfile.mkdtemp(prefix="gpu_check_smoke_")) if args.smoke else common.RESULTS_DIR
+    )
+    run(out, args.smoke, args.phases)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
