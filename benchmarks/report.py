@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # run as a script: the repository root is where `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import goals, noise, runs, suites
+from benchmarks.gpu import report as gpu_report
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = runs.RESULTS_DIR
@@ -254,9 +255,14 @@ def _order(kernel: str) -> tuple:
     return (names.index(kernel), "") if kernel in names else (len(names), kernel)
 
 
+def _benchmark_runs(all_runs: list[dict]) -> list[dict]:
+    """The runs of the benchmark scripts: the GPU check's own files render apart (``gpu.report``)."""
+    return [run for run in all_runs if run["kernel"] != gpu_report.KERNEL]
+
+
 def render(all_runs: list[dict]) -> str:
-    latest = latest_per_device(all_runs)
-    sections = [HEADER, render_summary(latest)]
+    latest = latest_per_device(_benchmark_runs(all_runs))
+    sections = [HEADER, *gpu_report.sections(all_runs), render_summary(latest)]
     for kernel in sorted({run["kernel"] for run in latest} | set(suites.BY_NAME), key=_order):
         kernel_runs = [run for run in latest if run["kernel"] == kernel]
         sections += [render_run(run) for run in kernel_runs]
@@ -279,7 +285,7 @@ def write(results_dir: Path = RESULTS_DIR, md_path: Path = RESULTS_MD) -> Path:
 
     all_runs = load_runs(results_dir)
     md_path.write_text(render(all_runs))
-    plots.render_all(latest_per_device(all_runs), md_path.parent / "plots")
+    plots.render_all(latest_per_device(_benchmark_runs(all_runs)), md_path.parent / "plots")
     return md_path
 
 

@@ -180,7 +180,7 @@ def phase_lora_8b(ctx: Context, cap: float) -> dict:
     rows, skipped = [], {}
     for provider, settings in runs:
         module = needs.get(provider)
-        if module and not _installed(module) or provider.startswith("trl") and not _installed("trl"):
+        if (module and not _installed(module)) or (provider.startswith("trl") and not _installed("trl")):
             skipped[provider] = f"{module if module and not _installed(module) else 'trl'} not installed"
             continue
         if time.monotonic() > deadline - 5:

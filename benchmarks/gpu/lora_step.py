@@ -242,7 +242,8 @@ def trl_steps(model, config, spec: dict, setting: dict, device: torch.device) ->
     rows = datasets.Dataset.from_list([{"input_ids": ids}] * spec["steps"])
     args = trl.SFTConfig(
         output_dir=str(Path(spec["scratch"]) / spec["provider"]), max_steps=spec["steps"], learning_rate=1e-5,
-        per_device_train_batch_size=1, bf16=True, use_cpu=device.type == "cpu", gradient_checkpointing=setting["checkpointing"],
+        per_device_train_batch_size=1, bf16=True, use_cpu=device.type == "cpu",
+        gradient_checkpointing=setting["checkpointing"],
         max_length=setting["tokens"], use_liger_kernel=spec["provider"] == "trl-liger", report_to="none",
         save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, packing=False,
     )  # fmt: skip

@@ -55,7 +55,9 @@ PRESETS = {
     },
     "gpu-chunks": {"dtype": "bfloat16", "shapes": [(16384, 4096, 128256)], "repeats": 0},
     # The GPU check's two rows (``fastalign bench gpu``): Llama-3's vocabulary and a 256k one (Gemma-3's).
-    "gpu-check": {"dtype": "bfloat16", "shapes": [(16384, 4096, 128256), (16384, 4096, 256000)], "repeats": 0},
+    "gpu-check": {
+        "dtype": "bfloat16", "shapes": [(16384, 4096, 128256), (16384, 4096, 256000)], "repeats": 0
+    },
 }  # fmt: skip
 
 #: Rows per chunk that the ``fastalign-chunk<rows>`` providers run with (not run unless named).
