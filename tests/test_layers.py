@@ -1,7 +1,7 @@
-"""The layer rule of the README, checked on the source: every ``fastalign`` import (module level or inside
-a function) looks down. ``kernels`` ← ``ops`` ← ``losses`` ← (``patching``, ``train``) ← ``cli``, with the
-floors ``models`` (model structure, streaming loader), ``builtin`` (tiny offline models and data) and
-``errors`` below whatever uses them."""
+"""The layer rule of docs/architecture.md, checked on the source: every ``fastalign`` import (module level or
+inside a function) looks down. ``kernels`` ← ``ops`` ← ``losses`` ← (``patching``, ``train``) ← ``cli``,
+with the floors ``models`` (model structure, streaming loader), ``builtin`` (tiny offline models and data)
+and ``errors`` below whatever uses them."""
 
 from __future__ import annotations
 
