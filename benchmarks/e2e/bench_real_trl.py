@@ -46,6 +46,7 @@ import itertools
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -183,6 +184,7 @@ class Phases:
         self.clock = StepClock(1, _device())
         self.tokens_per_step = tokens_per_step
         self.figures: dict = {}
+        self.generation: list[float] = []  # GRPO: seconds of generation, per step
 
     def train_begin(self) -> None:
         self.figures |= {
@@ -200,8 +202,13 @@ class Phases:
         self.clock.train_end()
         self.clock.losses = losses or self.clock.losses
         figures = self.clock.figures()
-        keep = ("step_ms", "step_spread", "tokens_per_s", "tokens_per_step", "peak_rss_mib", "peak_cuda_mib",
-                "first_loss", "final_loss", "losses", "other_cpu_load")  # fmt: skip
+        if self.generation:  # GRPO: generation and the rest of the step apart (steps after the first)
+            generation_ms = statistics.median(self.generation[1:] or self.generation) * 1e3
+            figures["generation_ms"] = round(generation_ms, 1)
+            figures["training_ms"] = round(figures["step_ms"] - generation_ms, 1)
+        keep = ("step_ms", "step_spread", "generation_ms", "training_ms", "tokens_per_s",
+                "tokens_per_step", "peak_rss_mib", "peak_cuda_mib", "first_loss", "final_loss", "losses",
+                "other_cpu_load")  # fmt: skip
         return {key: figures[key] for key in keep if key in figures} | self.figures
 
 
@@ -243,6 +250,8 @@ def run_fastalign(spec: dict, phases: Phases) -> dict:
 
         def on_step_end(self, engine, metrics: dict) -> None:
             losses.append(metrics["loss"])
+            if "timing/generation_seconds" in metrics:
+                phases.generation.append(metrics["timing/generation_seconds"])
             phases.step_end(metrics["loss"])
 
     objective, options = spec["objective"], shared_options(spec)
@@ -292,8 +301,31 @@ def run_trl(spec: dict, phases: Phases) -> dict:
         model=spec["model_dir"], args=args, train_dataset=datasets.Dataset.from_list(rows),
         processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]), callbacks=[Record()], **extra,
     )  # fmt: skip
+    if objective == "grpo":
+        _time_generation(trainer.model, phases.generation)
     trainer.train()
     return phases.result([row["loss"] for row in trainer.state.log_history if "loss" in row])
+
+
+def _time_generation(model, seconds: list[float]) -> None:
+    """Time each ``generate`` call of ``model`` (TRL's GRPO generates through the model instance's own
+    ``generate``; on CUDA each call is synchronized at both ends)."""
+    import torch
+
+    generate = model.generate
+
+    def timed(*args, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+
+    model.generate = timed
 
 
 def worker(spec: dict) -> None:

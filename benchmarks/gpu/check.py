@@ -263,7 +263,8 @@ def phase_loss_heads(ctx: Context, cap: float) -> dict:
             str(ctx.out),
         ]
         if ctx.smoke:  # the PyTorch paths, no compilation: seconds on a CPU
-            providers = ["fastalign-torch", "torch-eager"] if name == "linear_cross_entropy" else ["fastalign"]
+            head = name == "linear_cross_entropy"
+            providers = ["fastalign-torch", "torch-eager"] if head else ["fastalign"]
         args += ["--providers", *providers] if providers else []
         before = set(ctx.out.glob(f"{name}-*.json"))
         status, tail = _python(args, deadline - time.monotonic())
@@ -302,11 +303,11 @@ def phase_trl_1b(ctx: Context, cap: float) -> dict:
 
 
 PHASES = (
-    Phase("tests", 45, phase_tests, "the CUDA test subset"),
-    Phase("lora_8b", 130, phase_lora_8b, "Llama-3-8B-shape LoRA SFT steps side by side"),
-    Phase("qlora_70b", 110, phase_qlora_70b, "Llama-3-70B-shape QLoRA: long context and offloading"),
-    Phase("loss_heads", 55, phase_loss_heads, "loss heads against Liger, CCE and eager"),
-    Phase("trl_1b", 45, phase_trl_1b, "Llama-3.2-1B-shape DPO and GRPO against TRL"),
+    Phase("tests", 60, phase_tests, "the CUDA test subset"),
+    Phase("lora_8b", 150, phase_lora_8b, "Llama-3-8B-shape LoRA SFT steps side by side"),
+    Phase("qlora_70b", 120, phase_qlora_70b, "Llama-3-70B-shape QLoRA: long context and offloading"),
+    Phase("loss_heads", 75, phase_loss_heads, "loss heads against Liger, CCE and eager"),
+    Phase("trl_1b", 75, phase_trl_1b, "Llama-3.2-1B-shape DPO and GRPO against TRL"),
 )
 BY_NAME = {phase.name: phase for phase in PHASES}
 

@@ -186,7 +186,9 @@ class EarlyStopping(Callback):
 
 
 class LossCurve(Callback):
-    """``loss_curve.png`` of the logged training (and eval) loss at the end (needs matplotlib)."""
+    """``loss_curve.png`` of the logged training (and eval) loss at the end (needs matplotlib); beside it
+    the mean reward where the objective logs one (GRPO, RLOO, online DPO, PPO): their loss starts at 0 by
+    construction (the policy equals its old self), so the reward is what shows learning."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -201,18 +203,25 @@ class LossCurve(Callback):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         history = engine.state.log_history
         train = [(h["step"], h["loss"]) for h in history if "loss" in h]
         evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for points, label in ((train, "train loss"), (evals, "eval loss")):
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=label)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.legend()
-        ax.grid(alpha=0.3)
+        rewards = [(h["step"], h["reward"]) for h in history if "reward" in h]
+        fig, axes = plt.subplots(1, 2 if rewards else 1, figsize=(11 if rewards else 6, 4), squeeze=False)
+        panels = [(axes[0][0], "loss", ((train, "train loss"), (evals, "eval loss")))]
+        if rewards:
+            panels.append((axes[0][1], "reward", ((rewards, "mean reward"),)))
+        for ax, ylabel, series in panels:
+            for points, label in series:
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=label)
+            ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+            ax.set_ylabel(ylabel)
+            ax.legend()
+            ax.grid(alpha=0.3)
         fig.tight_layout()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(self.path, dpi=120)
