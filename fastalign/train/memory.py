@@ -330,7 +330,9 @@ class ActivationOffloader:
 
     def remove(self) -> None:
         """Remove the hooks and the checkpoint wrappers; tensors offloaded already still come back in
-        backward."""
+        backward. The host pool is let go: its memory returns once the last tensor in it has come back
+        (the pool and this offloader refer to each other, so without this it would wait for Python's
+        cycle collector: measured on an H100, a second offloader's pool was pinned beside the first's)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -340,6 +342,7 @@ class ActivationOffloader:
                 layer._gradient_checkpointing_func = wrapper.checkpoint
         self._release(self._copying)
         self._release(self._copied)
+        self.pool = None
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         for index, layer in enumerate(self._layers):

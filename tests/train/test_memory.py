@@ -450,3 +450,22 @@ def test_cuda_work_goes_on_after_pinning_fails(monkeypatch):
     cudart.cudaHostUnregister(memory_.data_ptr())
     assert torch.ones(4, device="cuda").sum().item() == 4
     give_back()
+
+
+def test_a_removed_offloaders_pool_is_freed_without_the_cycle_collector():
+    """The pool and its offloader refer to each other: ``remove()`` lets the pool go, so its memory
+    returns as soon as no offloaded tensor uses it, not at the next cycle collection."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    enable_activation_checkpointing(model)
+    offloader = offload(model)
+    train_step(model, padded_batch())  # the graph is freed: every tensor came back
+    pool = weakref.ref(offloader.pool)
+    offloader.remove()
+    gc.disable()
+    try:
+        assert pool() is None
+    finally:
+        gc.enable()
