@@ -60,6 +60,10 @@ PRESETS = {
     },
 }  # fmt: skip
 
+#: The ``fastalign-unbounded`` provider's workspace: the 1 GiB chunks of logits fastalign used before
+#: ``fastalign.ops.head_workspace`` (1 GiB over 2 B per logit of the Triton path).
+UNBOUNDED_BYTES = 2**30
+
 #: Rows per chunk that the ``fastalign-chunk<rows>`` providers run with (not run unless named).
 CHUNK_SWEEP = (256, 1024, 2048, 4096, 8192)
 
@@ -112,6 +116,12 @@ def provider_table(device: torch.device) -> dict[str, tuple[Callable[[], Loss] |
             cuda_only,
         ),
         "fastalign-torch": (lambda: lambda h, w, t: linear_cross_entropy(h, w, t, backend="torch"), ""),
+        # the chunking before the workspace budget: 1 GiB of logits a chunk (4,096 rows of bf16 at
+        # V 128,256), to set the budget's cost in time against its saving in memory
+        "fastalign-unbounded": (
+            lambda: lambda h, w, t: linear_cross_entropy(h, w, t, workspace_bytes=UNBOUNDED_BYTES),
+            "",
+        ),
         "fastalign-lowmem": (lambda: _fastalign_low_memory, ""),
         "torch-eager": (lambda: _eager, ""),
         "torch-compile": (lambda: torch.compile(_eager), ""),

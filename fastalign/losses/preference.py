@@ -468,7 +468,7 @@ class PreferenceLoss(nn.Module):
         if {"aot", "aot_unpaired"} & set(self.loss_types):
             return False
         pairs = len(lengths) // 2  # ``lengths``: each sequence's loss tokens, chosen rows first
-        return fits_whole_units(lengths[:pairs] + lengths[pairs:], weight, self.chunk_size)
+        return fits_whole_units(lengths[:pairs] + lengths[pairs:], weight, self.chunk_size, self.backend)
 
     def _loss(self, pair: _Pairs, refs: tuple | None, wpo: torch.Tensor | None, pairs: int):
         """The loss of the pairs in ``pair`` (a mean over all ``pairs`` of the batch: a sum over these
@@ -646,7 +646,7 @@ class KTOLoss(nn.Module):
             losses = pair_loss(c, r, "kto", beta=self.beta, backend=self.backend)
             return (losses * weights[index]).sum() / count
 
-        if fits_whole_units(lengths, weight, self.chunk_size):
+        if fits_whole_units(lengths, weight, self.chunk_size, self.backend):
             # each completion's loss is its own once the KL is fixed: the gradient formed per chunk of
             # whole completions, the logits built once (``linear_sequence_objective``)
             head = linear_sequence_objective(

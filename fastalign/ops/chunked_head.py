@@ -49,15 +49,23 @@ def _cuda_mixed_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.allclose(acc, 1 + a.float() @ b.float(), atol=1e-3)
 
 
+def upcasts_for_fp32_sum(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``addmm_fp32_`` copies its ``dtype`` operands to fp32 on ``device`` (the chunk's
+    gradient, 4 bytes per element more, which the workspace budget counts)."""
+    if dtype == torch.float32:
+        return False
+    return not (device.type == "cuda" and _cuda_mixed_addmm_works(device, dtype))
+
+
 def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with an fp32 ``acc``: bf16 tensor-core math where the device can, never a
     low-precision sum across calls."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif a.is_cuda and _cuda_mixed_addmm_works(a.device, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
+    elif upcasts_for_fp32_sum(a.device, a.dtype):
         acc.addmm_(a.float(), b.float())
+    else:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
 class InputGrads:

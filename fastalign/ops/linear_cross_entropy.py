@@ -4,9 +4,10 @@ API, with its input checks.
 ``logits = hidden @ weight.T + bias`` is never materialised for all tokens: the tokens are walked in
 chunks of C rows (``fastalign.ops.linear_cross_entropy_chunks``), each chunk's [C, V] logits are built,
 reduced to per-token statistics (and, when a gradient is due, overwritten in place by the gradient w.r.t.
-those logits), and dropped. Extra memory: one logits chunk (``chunk_size``; by default 32 MiB of logits
-on CPU, 1 GiB on CUDA) plus an fp32 weight-gradient accumulator when the weight is in a low-precision
-dtype (the gradient is summed over chunks in fp32, never in bf16).
+those logits), and dropped. Extra memory: one chunk's buffers (``chunk_size`` rows; by default as many as
+fit the head workspace budget of ``fastalign.ops.head_workspace``: 256 MiB on CUDA, 32 MiB on CPU,
+``workspace_bytes=`` per call) plus an fp32 weight-gradient accumulator when the weight is in a
+low-precision dtype (the gradient is summed over chunks in fp32, never in bf16).
 
 Ignored tokens (``targets == ignore_index``) contribute exact zeros everywhere, as with
 ``F.cross_entropy``: their hidden rows are zeroed before each chunk's matmul, so NaN/inf hidden states at
@@ -27,28 +28,20 @@ import torch
 from fastalign.ops import validation
 from fastalign.ops.backend import Backend, resolve_backend
 from fastalign.ops.chunked_head import input_grads_needed
+from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 from fastalign.ops.linear_cross_entropy_chunks import (
     ChunkSpec,
     ScalarLossFunction,
     TokenObjective,
     TokenObjectiveFunction,
     TokenwiseFunction,
+    logit_bytes,
     token_entropy,
 )
 from fastalign.ops.linear_cross_entropy_torch import LogitTransform, SoftmaxRowStats
 
 Reduction = Literal["mean", "sum", "none"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
-
-#: Default size of one chunk of logits, in bytes of the logits' dtype. Each chunk adds the fp32 weight
-#: gradient's read-modify-write (8·V·D bytes) to its 6·rows·V·D FLOPs, so a chunk must have enough rows
-#: for the matmuls to hide it: rows ≳ 8·FLOP/s / (6·bytes/s) / overhead. CPU: 32 MiB. Measured on
-#: SmolLM2-135M (V 49k, 2 cores): 16 MiB took 220 MB off a KTO step's peak (996 tokens) but nothing off
-#: a DPO step's (1,992 tokens: 5,733 vs 5,736 MB), and made the DPO step 13% slower (30.5 vs 26.9 s).
-#: CUDA (H100: ~700 TFLOP/s, ~3 TB/s, so ~3000 rows for 10 %): 1 GiB; 64 MiB chunks (256 rows at
-#: V=128k) measured 2.9× the floor on an H100 (benchmarks/RESULTS.md). Pass ``chunk_size`` to trade
-#: speed for memory.
-DEFAULT_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 
 
 class LinearCrossEntropyStats(NamedTuple):
@@ -157,6 +150,7 @@ def prepare(
     chunk_size: int | None,
     backend: Backend,
     *,
+    workspace_bytes: int | None = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     checks: validation.DeferredChecks | None = None,
@@ -179,11 +173,14 @@ def prepare(
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if chunk_size is not None:
         chunk_size = validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
+    resolved = resolve_backend(backend, hidden)
+    transform = LogitTransform(softcap, 1.0 / temperature)
+    rows = budget_chunk_rows(weight, weight.dtype, resolved, transform, with_entropy, workspace_bytes)
     spec = ChunkSpec(
-        backend=resolve_backend(backend, hidden),
-        chunk_size=chunk_size or default_chunk_size(weight.shape[0], weight.dtype, weight.device),
+        backend=resolved,
+        chunk_size=chunk_size or rows,
         ignore_index=ignore_index,
-        transform=LogitTransform(softcap, 1.0 / temperature),
+        transform=transform,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         with_entropy=with_entropy,
@@ -192,11 +189,19 @@ def prepare(
     return flat_hidden, flat_targets, spec
 
 
-def default_chunk_size(vocab_size: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Tokens per chunk so that one chunk of logits takes at most ``DEFAULT_CHUNK_BYTES[device]``."""
-    budget = DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["cpu"])
-    rows = max(1, budget // (vocab_size * dtype.itemsize))
-    return rows - rows % 16 if rows >= 16 else rows  # tensor-core friendly multiples of 16
+def budget_chunk_rows(
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    backend: Literal["triton", "torch"],
+    transform: LogitTransform,
+    with_entropy: bool,
+    workspace_bytes: int | None = None,
+) -> int:
+    """Tokens per chunk of the head ``weight`` [V, D] run in ``dtype`` that keep one chunk's buffers
+    (``logit_bytes``) within the workspace budget (``fastalign.ops.head_workspace``)."""
+    budget = head_workspace_bytes(weight.device.type, workspace_bytes)
+    per_logit = logit_bytes(dtype, backend, transform, with_entropy, weight.device)
+    return chunk_rows(weight.shape[0], per_logit, budget)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,6 +259,7 @@ def linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     return_stats: bool = False,
     chunk_size: int | None = None,
+    workspace_bytes: int | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, LinearCrossEntropyStats]:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``targets`` without building the logits.
@@ -270,8 +276,11 @@ def linear_cross_entropy(
         num_items_in_batch: divisor of the 'mean' instead of this call's token count: the loss-token
             count of the whole accumulated batch, so gradient accumulation is exact (as in transformers).
         return_stats: also return detached per-token ``LinearCrossEntropyStats`` (lse, entropy, accuracy).
-        chunk_size: tokens per logits chunk (default: ``DEFAULT_CHUNK_BYTES`` of logits); larger chunks
-            are faster and cost memory.
+        chunk_size: tokens per logits chunk (default: as many as fit ``workspace_bytes``); larger
+            chunks are faster and cost memory.
+        workspace_bytes: the bytes one chunk's buffers may take (default: the process-wide budget of
+            ``fastalign.ops.head_workspace``: ``set_head_workspace``, ``FASTALIGN_HEAD_WORKSPACE_MIB``,
+            else 256 MiB on CUDA and 32 MiB on CPU); ignored when ``chunk_size`` is given.
         backend: 'auto' (Triton on CUDA, PyTorch elsewhere), 'triton' or 'torch'.
 
     Returns:
@@ -298,6 +307,7 @@ def linear_cross_entropy(
         return_stats,
         chunk_size,
         backend,
+        workspace_bytes=workspace_bytes,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
         checks=checks,
@@ -340,6 +350,7 @@ def token_logprobs(
     return_entropy: bool = False,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    workspace_bytes: int | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token ``log softmax(logits / temperature)[target]`` without building the logits.
@@ -352,7 +363,17 @@ def token_logprobs(
         entropy of the same distribution (0 where ignored) when ``return_entropy``.
     """
     flat_hidden, flat_targets, spec = prepare(
-        hidden, weight, targets, bias, ignore_index, softcap, temperature, return_entropy, chunk_size, backend
+        hidden,
+        weight,
+        targets,
+        bias,
+        ignore_index,
+        softcap,
+        temperature,
+        return_entropy,
+        chunk_size,
+        backend,
+        workspace_bytes=workspace_bytes,
     )
     nll, entropy, _ = TokenwiseFunction.apply(flat_hidden, weight, bias, flat_targets, spec)
     logprobs = (-nll).view(targets.shape)
@@ -374,6 +395,7 @@ def token_objective(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    workspace_bytes: int | None = None,
     backend: Backend = "auto",
 ) -> TokenObjectiveResult:
     """A loss Σ_t f_t(log p_t) of per-token log-probs, with its gradient formed in the forward pass.
@@ -386,7 +408,17 @@ def token_objective(
     objective with log-prob 0 and their gradient is dropped: the objective should weight them 0.
     """
     flat_hidden, flat_targets, spec = prepare(
-        hidden, weight, targets, bias, ignore_index, softcap, temperature, return_entropy, chunk_size, backend
+        hidden,
+        weight,
+        targets,
+        bias,
+        ignore_index,
+        softcap,
+        temperature,
+        return_entropy,
+        chunk_size,
+        backend,
+        workspace_bytes=workspace_bytes,
     )
     needs = input_grads_needed(hidden, weight, bias)
     loss, logprobs, entropy, aux = TokenObjectiveFunction.apply(

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastalign.ops import linear_cross_entropy_torch as torch_rows
-from fastalign.ops.chunked_head import GradientInForward, InputGrads, loss_row_chunks
+from fastalign.ops.chunked_head import GradientInForward, InputGrads, loss_row_chunks, upcasts_for_fp32_sum
 from fastalign.ops.linear_cross_entropy_torch import GradCoefficients, LogitTransform, SoftmaxRowStats
 
 
@@ -44,6 +44,32 @@ class ChunkSpec:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     with_entropy: bool = False  # per-token entropy wanted (costs the PyTorch path one more buffer)
+
+
+def logit_bytes(
+    dtype: torch.dtype,
+    backend: Literal["triton", "torch"],
+    transform: LogitTransform,
+    with_entropy: bool,
+    device: torch.device,
+) -> int:
+    """Bytes a chunk holds at once per element of its [C, V] logits, for the workspace budget
+    (``fastalign.ops.head_workspace``): the logits (the Triton kernels and the PyTorch path both turn
+    them into their gradient in place), plus the PyTorch path's fp32 buffers at their most: the
+    transformed logits when they are a copy (low precision, temperature or softcap), the transform's
+    temporaries (one for a temperature, two for a softcap's tanh), and with entropy the exp buffer's
+    copy and the entropy gradient's two temporaries; plus the fp32 copy of the gradient chunk where the
+    weight gradient's fp32 sum upcasts (``upcasts_for_fp32_sum``: off CUDA, low precision)."""
+    size = dtype.itemsize
+    if backend == "torch":
+        identity = transform.softcap is None and transform.inv_temperature == 1.0
+        buffers = int(dtype != torch.float32 or not identity)
+        buffers += 2 if transform.softcap is not None else int(transform.inv_temperature != 1.0)
+        buffers += 3 if with_entropy else 0
+        size += 4 * buffers
+    if upcasts_for_fp32_sum(device, dtype):
+        size += 4
+    return size
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,6 +166,7 @@ def _sweep(
         if grads is not None:
             coefs = coefficients(rows, stats)
             grad_logits = row_grad_(logits, targets_chunk, stats, coefs, spec, workspace)
+            workspace = None  # the exp buffer, once the gradient is in the logits: freed before the matmuls
             grads.add_chunk(rows, grad_logits, hidden_chunk, weight)
             del grad_logits
         # Drop this chunk's buffers before the next one is allocated: one chunk alive, not two.

@@ -37,8 +37,10 @@ from fastalign.ops.chunked_head import (
     addmm_fp32_,
     input_grads_needed,
     loss_row_chunks,
+    upcasts_for_fp32_sum,
 )
-from fastalign.ops.linear_cross_entropy import REDUCTIONS, Reduction, default_chunk_size
+from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
+from fastalign.ops.linear_cross_entropy import REDUCTIONS, Reduction
 from fastalign.ops.linear_divergence_torch import FORWARD_KL, GENERALIZED_JSD, REVERSE_KL, RowMath
 
 
@@ -61,6 +63,22 @@ class _Constants(NamedTuple):
     teacher_bias: torch.Tensor | None
     labels: torch.Tensor | None  # [N] long
     valid: torch.Tensor  # [N] bool
+
+
+#: fp32 [C, V] buffers the PyTorch row math holds at its most next to the two heads' logits (both
+#: log-softmaxes, p, and the divergence's temporaries; counted with the tracker of
+#: tests/kernels/test_head_workspace.py).
+_TORCH_ROW_BUFFERS = 7
+
+
+def logit_bytes(dtype: torch.dtype, backend: Literal["triton", "torch"], device: torch.device) -> int:
+    """Bytes a chunk holds at once per element of its [C, V] logits, for the workspace budget
+    (``fastalign.ops.head_workspace``): both heads' fp32 logits, the gradient's copy in the student's
+    dtype (low precision), its fp32 copy where the weight gradient's sum upcasts
+    (``upcasts_for_fp32_sum``), and the PyTorch row math's buffers."""
+    size = 8 + (dtype.itemsize if dtype != torch.float32 else 0)
+    size += 4 if upcasts_for_fp32_sum(device, dtype) else 0
+    return size + (4 * _TORCH_ROW_BUFFERS if backend == "torch" else 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,6 +336,7 @@ def linear_divergence(
     reduction: Reduction = "mean",
     backend: str | None = None,
     chunk_size: int | None = None,
+    workspace_bytes: int | None = None,
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TRL's generalized JSD between the student's and the teacher's next-token distributions, from
@@ -346,8 +365,10 @@ def linear_divergence(
         reduction: 'mean' over counted tokens (TRL's "batchmean" over the mask; 0 when none count),
             'sum', or 'none' (shaped like ``labels``, 0 at tokens left out).
         backend: 'auto' or None (Triton on CUDA, PyTorch elsewhere), 'triton' or 'torch'.
-        chunk_size: tokens per chunk (default: a chunk's fp32 logits of both heads and its gradient
-            within ``fastalign.ops.linear_cross_entropy.DEFAULT_CHUNK_BYTES``).
+        chunk_size: tokens per chunk (default: as many as keep a chunk's buffers, ``logit_bytes``
+            per element, within ``workspace_bytes``).
+        workspace_bytes: the bytes one chunk's buffers may take (default: the process-wide budget of
+            ``fastalign.ops.head_workspace``); ignored when ``chunk_size`` is given.
         return_entropy: also return the student's per-token entropy at ``temperature``,
             −Σ p·log p (fp32, shaped like ``labels``, 0 at tokens left out; no gradient): TRL's
             DistillationTrainer ``entropy`` metric, from the rows' first pass at no extra matmul.
@@ -381,6 +402,7 @@ def linear_divergence(
                 reduction=reduction,
                 backend=backend,
                 chunk_size=chunk_size,
+                workspace_bytes=workspace_bytes,
                 return_entropy=return_entropy,
             )
 
@@ -401,10 +423,14 @@ def linear_divergence(
     if chunk_size is not None:
         chunk_size = validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
     vocab = student_weight.shape[0]
-    if chunk_size is None:  # fp32 logits of both heads and the gradient's copy in the student's dtype
-        chunk_size = default_chunk_size(3 * vocab, torch.float32, student_hidden.device)
+    resolved = resolve_backend("auto" if backend is None else backend, student_hidden)
+    if chunk_size is None:
+        budget = head_workspace_bytes(student_hidden.device.type, workspace_bytes)
+        chunk_size = chunk_rows(
+            vocab, logit_bytes(student_weight.dtype, resolved, student_hidden.device), budget
+        )
     spec = DivergenceSpec(
-        backend=resolve_backend("auto" if backend is None else backend, student_hidden),
+        backend=resolved,
         chunk_size=chunk_size,
         row_math=row_math,
         hard_label_weight=float(hard_label_weight),

@@ -51,6 +51,7 @@ def linear_pair_objective(
     return_aligned: bool = False,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    workspace_bytes: int | None = None,
     backend: Backend = "auto",
 ) -> SequenceObjectiveResult:
     """``Σ pair_loss`` over the pairs of hidden [2P, T, D] (P chosen rows, then their P rejected ones)
@@ -60,7 +61,8 @@ def linear_pair_objective(
     ``chosen_tokens`` stays the plain sum. ``return_entropy``: the per-token entropy (from the softmax
     statistics); ``return_aligned``: WPO's per-sequence Σ (log p − log Σ_v p_v²) in ``PairSums`` and the
     result. The result's per-sequence values are [2P]: chosen rows, then rejected. A chunk holds
-    ``chunk_size`` loss tokens, or one pair when a pair has more.
+    ``chunk_size`` loss tokens (default: as many as fit ``workspace_bytes``), or one pair when a pair has
+    more.
     """
     if hidden.dim() != 3 or hidden.shape[0] % 2:
         raise ValueError(
@@ -85,5 +87,6 @@ def linear_pair_objective(
         return_aligned=return_aligned,
         ignore_index=ignore_index,
         chunk_size=chunk_size,
+        workspace_bytes=workspace_bytes,
         backend=backend,
     )

@@ -27,12 +27,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fastalign.ops.backend import Backend
+from fastalign.ops.backend import Backend, resolve_backend
 from fastalign.ops.chunked_head import GradientInForward, InputGrads, input_grads_needed
-from fastalign.ops.linear_cross_entropy import autocast_aware, default_chunk_size, prepare
+from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
+from fastalign.ops.linear_cross_entropy import autocast_aware, budget_chunk_rows, prepare
 from fastalign.ops.linear_cross_entropy_chunks import ChunkSpec, row_grad_, row_stats
-from fastalign.ops.linear_cross_entropy_torch import GradCoefficients
-from fastalign.ops.preference import log_sum_sq_probs
+from fastalign.ops.linear_cross_entropy_torch import GradCoefficients, LogitTransform
+from fastalign.ops.preference import log_sum_sq_bytes, log_sum_sq_probs
 
 #: A unit whose loss tokens exceed this many chunks is not run whole (its logits would be alive at once).
 MAX_CHUNKS_PER_UNIT = 4
@@ -79,12 +80,21 @@ def unit_chunks(units: Sequence[Sequence[int]], counts: list[int], chunk_size: i
     return [[unit[member] for member in range(len(group[0])) for unit in group] for group in groups]
 
 
-def fits_whole_units(unit_tokens: torch.Tensor, weight: torch.Tensor, chunk_size: int | None) -> bool:
+def fits_whole_units(
+    unit_tokens: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_size: int | None,
+    backend: Backend = "auto",
+    workspace_bytes: int | None = None,
+) -> bool:
     """Whether the largest unit's loss tokens (``unit_tokens`` [U]) fit ``MAX_CHUNKS_PER_UNIT`` chunks
-    of the head ``weight`` [V, D] (``chunk_size`` or the default): when not, run per-token log-probs."""
+    of the head ``weight`` [V, D] (``chunk_size``, or the workspace budget's with the entropy on): when
+    not, run per-token log-probs."""
     device = weight.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    chunk = chunk_size or default_chunk_size(weight.shape[0], dtype, weight.device)
+    identity = LogitTransform(None, 1.0)
+    resolved = resolve_backend(backend, weight)
+    chunk = chunk_size or budget_chunk_rows(weight, dtype, resolved, identity, True, workspace_bytes)
     return unit_tokens.numel() == 0 or int(unit_tokens.max()) <= MAX_CHUNKS_PER_UNIT * chunk
 
 
@@ -160,6 +170,7 @@ class _SequenceObjectiveFunction(GradientInForward):
                 upstream = grad_weighted[local] * (1.0 if weights is None else weights) + grad_plain[local]
                 coefs = GradCoefficients(p=-upstream, target=upstream, uniform=None, entropy=None)
                 grad_logits = row_grad_(logits, targets_chunk, stats, coefs, spec, workspace)
+                workspace = None  # the exp buffer, once the gradient is in the logits (``logit_bytes``)
                 grads.add_chunk(rows, grad_logits, hidden_chunk, weight)
                 del grad_logits
             # Drop this chunk's buffers before the next one is allocated: one chunk alive, not two.
@@ -183,6 +194,7 @@ def linear_sequence_objective(
     return_aligned: bool = False,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    workspace_bytes: int | None = None,
     backend: Backend = "auto",
 ) -> SequenceObjectiveResult:
     """``Σ sequence_loss`` over the sequences of hidden [S, T, D] predicting ``targets`` [S, T], through
@@ -192,8 +204,10 @@ def linear_sequence_objective(
     default: every sequence alone). ``token_weights`` [S, T] weight ``SequenceSums.logps`` (LD-DPO);
     ``tokens`` stays the plain sum. ``return_entropy``: the per-token entropy (from the softmax
     statistics); ``return_aligned``: WPO's per-sequence Σ (log p − log Σ_v p_v²) in ``SequenceSums`` and
-    the result. A chunk holds ``chunk_size`` loss tokens, or one unit when a unit has more. Under
-    autocast the head runs in autocast's dtype, as ``F.linear`` would.
+    the result. A chunk holds ``chunk_size`` loss tokens (default: as many as fit ``workspace_bytes``,
+    see ``linear_cross_entropy``), or one unit when a unit has more: then the chunk is over the budget,
+    by at most ``MAX_CHUNKS_PER_UNIT`` times where ``fits_whole_units`` chose this op. Under autocast the
+    head runs in autocast's dtype, as ``F.linear`` would.
     """
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [S, T, D], got {tuple(hidden.shape)}")
@@ -202,8 +216,26 @@ def linear_sequence_objective(
             f"token_weights shape {tuple(token_weights.shape)} must equal targets shape "
             f"{tuple(targets.shape)}"
         )
+    if return_aligned and chunk_size is None:  # WPO's pass may hold more than the statistics
+        resolved = resolve_backend(backend, hidden)
+        budget = head_workspace_bytes(weight.device.type, workspace_bytes)
+        identity = LogitTransform(None, 1.0)
+        chunk_size = min(
+            chunk_rows(weight.shape[0], log_sum_sq_bytes(weight.dtype, resolved), budget),
+            budget_chunk_rows(weight, weight.dtype, resolved, identity, return_entropy, budget),
+        )
     flat_hidden, flat_targets, spec = prepare(
-        hidden, weight, targets, bias, ignore_index, None, 1.0, return_entropy, chunk_size, backend
+        hidden,
+        weight,
+        targets,
+        bias,
+        ignore_index,
+        None,
+        1.0,
+        return_entropy,
+        chunk_size,
+        backend,
+        workspace_bytes=workspace_bytes,
     )
     valid = targets != ignore_index
     counts = valid.sum(-1).tolist()

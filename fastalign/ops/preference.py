@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fastalign.ops.backend import Backend, resolve_backend
-from fastalign.ops.linear_cross_entropy import default_chunk_size
+from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 
 #: Loss types whose pair inputs are the chosen and rejected log-ratios π − π_ref (after the prep below).
 DPO_LOSS_TYPES: tuple[str, ...] = (
@@ -192,6 +192,15 @@ def log_sum_sq_probs(logits: torch.Tensor, backend: Literal["triton", "torch"]) 
     return torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
 
 
+def log_sum_sq_bytes(dtype: torch.dtype, backend: Literal["triton", "torch"]) -> int:
+    """Bytes ``log_sum_sq_probs`` holds at once per element of its logits chunk, for the workspace
+    budget (``fastalign.ops.head_workspace``): the logits, and on the PyTorch path their fp32 copy
+    (low precision), ``2·z`` and ``logsumexp``'s two temporaries (``z − max`` and its exp)."""
+    if backend == "triton":
+        return dtype.itemsize
+    return dtype.itemsize + 4 * (int(dtype != torch.float32) + 3)
+
+
 @torch.no_grad()
 def token_log_sum_sq_probs(
     hidden: torch.Tensor,
@@ -201,6 +210,7 @@ def token_log_sum_sq_probs(
     *,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    workspace_bytes: int | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """log Σ_v p_v² of softmax(hidden @ weight.T + bias) at each loss token (fp32, shaped like
@@ -209,13 +219,15 @@ def token_log_sum_sq_probs(
 
     The fused log-softmax's statistics have no Σ p², so this is a second, forward-only pass over the
     loss tokens in chunks of logits (one [C, V] chunk alive): 2·N·V·D FLOPs next to its 8·N·V·D, run
-    only when ``use_weighting`` is on."""
+    only when ``use_weighting`` is on. ``chunk_size`` defaults to the rows that fit ``workspace_bytes``
+    (see ``linear_cross_entropy``)."""
     dim, vocab = weight.shape[1], weight.shape[0]
     flat_hidden, flat_targets = hidden.reshape(-1, dim), targets.reshape(-1)
     rows = (flat_targets != ignore_index).nonzero().squeeze(-1)
     out = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
-    step = chunk_size or default_chunk_size(vocab, weight.dtype, weight.device)
     resolved = resolve_backend(backend, hidden)
+    budget = head_workspace_bytes(weight.device.type, workspace_bytes)
+    step = chunk_size or chunk_rows(vocab, log_sum_sq_bytes(weight.dtype, resolved), budget)
     for start in range(0, rows.numel(), step):
         index = rows[start : start + step]
         out[index] = log_sum_sq_probs(F.linear(flat_hidden[index], weight, bias), resolved)

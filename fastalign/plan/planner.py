@@ -61,8 +61,10 @@ L·x·h + S. Offloading moves what the layers save to pinned host memory; the de
 in flight, about two layers' worth (``fastalign.train.memory.ActivationOffloader``): 2·S, or 2·x·h
 with checkpointing, + S recomputed. Host: L·S or L·x·h.
 
-Loss head: fastalign's fused head walks the tokens in chunks of ``DEFAULT_CHUNK_BYTES`` of logits
-(1 GiB on CUDA, 32 MiB on CPU) and forms the gradients during the forward: one chunk + the gradient of
+Loss head: fastalign's fused head walks the tokens in chunks sized by the head workspace budget
+(``fastalign.ops.head_workspace``: 256 MiB on CUDA, 32 MiB on CPU, or ``FASTALIGN_HEAD_WORKSPACE_MIB``;
+``_loss_head_chunk`` takes its rows from the ops' own ``chunk_rows``) and forms the gradients during
+the forward: one chunk + the gradient of
 the hidden states (T·h·a) + 5 fp32 statistics per token + an fp32 accumulator of the head's weight
 gradient (4·V·h) when a trainable head runs in bf16. A materialized head (HF's own loss: SFT without
 ``use_liger_kernel``) holds at least the fp32 logits [T, V] and their gradient: 8·T·V.
@@ -89,6 +91,7 @@ from typing import Literal
 
 from transformers import PretrainedConfig
 
+from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 from fastalign.plan.shapes import ModelShape, PlanError, resolve_model, shape_from_config
 
 Method = Literal["full", "lora", "qlora", "ppo", "ppo-lora", "ppo-qlora"]
@@ -104,8 +107,6 @@ _ONE_PROCESS = ("ppo-lora", "ppo-qlora")
 GiB = 2**30
 #: CUDA context + cuBLAS workspace + kernel images, per process (0.5-1 GiB in practice).
 CUDA_CONTEXT_BYTES = 3 * GiB // 4
-#: Logits per chunk of the fused loss head (``fastalign.ops.linear_cross_entropy.DEFAULT_CHUNK_BYTES``).
-LOSS_HEAD_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": GiB}
 #: Units of ``--gpu-memory``: binary (JEDEC), as GPU memory is sold: a 24GB card has 24 GiB.
 _UNITS = {"": GiB, "b": 1, "k": 2**10, "m": 2**20, "g": GiB, "t": 2**40}
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt]?)(i?b)?)?\s*$", re.IGNORECASE)
@@ -624,11 +625,19 @@ def _activations(setup: _Setup) -> Term:
     return Term("activations", "activations", activations, host, False, how)
 
 
+def _loss_head_logit_bytes(setup: _Setup) -> int:
+    """Bytes per logit of a chunk, as the head's ``logit_bytes`` counts them with no softcap, temperature
+    or entropy: the logits (the Triton kernels turn them into the gradient in place; CUDA's fp32 sum of
+    the weight gradient takes bf16 operands) and, on CPU (the PyTorch path) in low precision, their fp32
+    copy and the gradient's fp32 copy for the weight gradient's sum."""
+    a = setup.regime.compute
+    return a + (8 if setup.device == "cpu" and a != 4 else 0)
+
+
 def _loss_head_chunk(setup: _Setup) -> int:
-    """Tokens per chunk of the fused head, as ``fastalign.ops.linear_cross_entropy.default_chunk_size``."""
-    rows = LOSS_HEAD_CHUNK_BYTES[setup.device] // (setup.shape.vocab_size * setup.regime.compute)
-    rows = max(1, rows - rows % 16 if rows >= 16 else rows)
-    return min(setup.tokens, rows)
+    """Tokens per chunk of the fused head, by the ops' own rule (``fastalign.ops.head_workspace``)."""
+    budget = head_workspace_bytes(setup.device)
+    return min(setup.tokens, chunk_rows(setup.shape.vocab_size, _loss_head_logit_bytes(setup), budget))
 
 
 def _head_grad_accumulator(setup: _Setup) -> int:
@@ -639,10 +648,9 @@ def _head_grad_accumulator(setup: _Setup) -> int:
 
 def _fused_loss_head_bytes(setup: _Setup) -> int:
     shape, tokens, a = setup.shape, setup.tokens, setup.regime.compute
-    chunk = _loss_head_chunk(setup) * shape.vocab_size
-    workspace = chunk * 4 if setup.device == "cpu" and a != 4 else 0  # PyTorch path: fp32 exp buffer
+    chunk = _loss_head_chunk(setup) * shape.vocab_size * _loss_head_logit_bytes(setup)
     hidden_grad = tokens * shape.hidden_size * a
-    return chunk * a + workspace + hidden_grad + 20 * tokens + _head_grad_accumulator(setup)
+    return chunk + hidden_grad + 20 * tokens + _head_grad_accumulator(setup)
 
 
 def _materialized_loss_head_bytes(setup: _Setup) -> int:
@@ -705,7 +713,7 @@ def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memor
             raise PlanError(name, f"must be a positive integer, got {value!r}")
     if not 0 <= lora_dropout < 1:
         raise PlanError("lora_dropout", f"must be in [0, 1), got {lora_dropout!r}")
-    if device not in LOSS_HEAD_CHUNK_BYTES:
+    if device not in ("cuda", "cpu"):
         raise PlanError("device", f"must be 'cuda' or 'cpu', got {device!r}")
 
 
