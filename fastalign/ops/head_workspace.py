@@ -18,19 +18,20 @@ gradient (4·V·D bytes: 2,004 MiB for Llama-3's 128,256 × 4,096 head), which t
 change.
 
 Cost: 256 MiB is ~1,000 rows per chunk of bf16 logits at V = 128,256 (2 B × 128,256 × 1,000 ≈ 256 MB),
-down from 4,096 rows under the earlier 1 GiB: at 16,384 tokens, 16 chunks instead of 4. Each GEMM of
-M ≈ 1,000 still runs near peak on an H100, but a trained head pays the fp32 weight gradient's
-read-modify-write (8·V·D bytes) once per chunk: the chunk sweep of benchmarks/RESULTS.md (H100, bf16,
-16,384 × 4,096 × 128,256, 2026-11-22) measured 96.2 ms fwd+bwd at 1,024 rows against 82.7 ms at 4,096,
-with the same 2,004 MiB peak (the fp32 accumulator's; the logits chunk lies below it). So the budget
-saves memory where no such accumulator exists (a frozen head: LoRA, QLoRA, a reference model) and costs
-~15% time where one does. The 256 MiB default itself is not yet measured on a GPU. On CPU (32 MiB) the
-chunks of an fp32 head keep their earlier size (SmolLM2-135M measured 13% slower at 16 MiB).
+down from 4,096 rows under the earlier 1 GiB. That saves memory where the chunk is the workspace (a
+frozen head: LoRA, QLoRA, a reference model). A trained bf16/fp16 head on CUDA holds an fp32 accumulator
+of its gradient (4·V·D bytes) anyway and re-reads and re-writes it once per chunk, so small chunks there
+cost time and save nothing: its default budget is half that accumulator (``accumulator_budget``: 4,096
+rows of Llama-3's head, as measured fastest at no extra peak in the H100 chunk sweep of
+benchmarks/RESULTS.md). The 256 MiB default on a frozen head is not yet measured on a GPU. On CPU (32 MiB)
+the chunks of an fp32 head keep their earlier size (SmolLM2-135M measured 13% slower at 16 MiB).
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
 
 MiB = 2**20
 
@@ -55,9 +56,12 @@ def set_head_workspace(mib: float | None) -> None:
     _budget_override = None if mib is None else _positive_bytes("the head workspace", mib * MiB)
 
 
-def head_workspace_bytes(device_type: str, workspace_bytes: int | None = None) -> int:
+def head_workspace_bytes(
+    device_type: str, workspace_bytes: int | None = None, weight: torch.Tensor | None = None
+) -> int:
     """The budget in bytes: ``workspace_bytes``, else ``set_head_workspace``'s, else the environment
-    variable's, else the default of ``device_type``."""
+    variable's, else the default of ``device_type`` — raised, for a trained bf16/fp16 head ``weight`` on
+    CUDA, to half its fp32 gradient accumulator (``accumulator_budget``)."""
     if workspace_bytes is not None:
         return _positive_bytes("workspace_bytes", workspace_bytes)
     if _budget_override is not None:
@@ -69,7 +73,22 @@ def head_workspace_bytes(device_type: str, workspace_bytes: int | None = None) -
         except ValueError:
             raise ValueError(f"{ENV_VAR} must be a number of MiB, got {env!r}") from None
         return _positive_bytes(ENV_VAR, mib * MiB)
-    return DEFAULT_HEAD_WORKSPACE_BYTES.get(device_type, DEFAULT_HEAD_WORKSPACE_BYTES["cpu"])
+    default = DEFAULT_HEAD_WORKSPACE_BYTES.get(device_type, DEFAULT_HEAD_WORKSPACE_BYTES["cpu"])
+    trained_low_precision = (
+        weight is not None and weight.requires_grad and weight.dtype in (torch.bfloat16, torch.float16)
+    )
+    if device_type == "cuda" and trained_low_precision:
+        return max(default, accumulator_budget(weight.numel()))
+    return default
+
+
+def accumulator_budget(head_elements: int) -> int:
+    """The default budget of a trained low-precision head on CUDA: 2 bytes per head element, half the fp32
+    accumulator of its gradient (4·V·D bytes) that it holds anyway. Chunks that size cost no peak memory
+    (the H100 chunk sweep of benchmarks/RESULTS.md: 2,004 MiB at every chunk from 256 to 4,096 rows of
+    Llama-3's head, 3,007 MiB at 8,192) and keep the speed of large chunks (82.7 ms at 4,096 rows against
+    96.2 ms at 1,024): each chunk re-reads and re-writes that accumulator."""
+    return 2 * head_elements
 
 
 def chunk_rows(vocab: int, bytes_per_logit: int, budget: int) -> int:

@@ -199,7 +199,7 @@ def budget_chunk_rows(
 ) -> int:
     """Tokens per chunk of the head ``weight`` [V, D] run in ``dtype`` that keep one chunk's buffers
     (``logit_bytes``) within the workspace budget (``fastalign.ops.head_workspace``)."""
-    budget = head_workspace_bytes(weight.device.type, workspace_bytes)
+    budget = head_workspace_bytes(weight.device.type, workspace_bytes, weight)
     per_logit = logit_bytes(dtype, backend, transform, with_entropy, weight.device)
     return chunk_rows(weight.shape[0], per_logit, budget)
 

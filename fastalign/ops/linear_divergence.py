@@ -425,7 +425,7 @@ def linear_divergence(
     vocab = student_weight.shape[0]
     resolved = resolve_backend("auto" if backend is None else backend, student_hidden)
     if chunk_size is None:
-        budget = head_workspace_bytes(student_hidden.device.type, workspace_bytes)
+        budget = head_workspace_bytes(student_hidden.device.type, workspace_bytes, student_weight)
         chunk_size = chunk_rows(
             vocab, logit_bytes(student_weight.dtype, resolved, student_hidden.device), budget
         )

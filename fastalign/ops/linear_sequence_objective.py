@@ -218,7 +218,7 @@ def linear_sequence_objective(
         )
     if return_aligned and chunk_size is None:  # WPO's pass may hold more than the statistics
         resolved = resolve_backend(backend, hidden)
-        budget = head_workspace_bytes(weight.device.type, workspace_bytes)
+        budget = head_workspace_bytes(weight.device.type, workspace_bytes, weight)
         identity = LogitTransform(None, 1.0)
         chunk_size = min(
             chunk_rows(weight.shape[0], log_sum_sq_bytes(weight.dtype, resolved), budget),

@@ -226,7 +226,7 @@ def token_log_sum_sq_probs(
     rows = (flat_targets != ignore_index).nonzero().squeeze(-1)
     out = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
     resolved = resolve_backend(backend, hidden)
-    budget = head_workspace_bytes(weight.device.type, workspace_bytes)
+    budget = head_workspace_bytes(weight.device.type, workspace_bytes, weight)
     step = chunk_size or chunk_rows(vocab, log_sum_sq_bytes(weight.dtype, resolved), budget)
     for start in range(0, rows.numel(), step):
         index = rows[start : start + step]

@@ -91,7 +91,7 @@ from typing import Literal
 
 from transformers import PretrainedConfig
 
-from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
+from fastalign.ops.head_workspace import accumulator_budget, chunk_rows, head_workspace_bytes
 from fastalign.plan.shapes import ModelShape, PlanError, resolve_model, shape_from_config
 
 Method = Literal["full", "lora", "qlora", "ppo", "ppo-lora", "ppo-qlora"]
@@ -637,6 +637,8 @@ def _loss_head_logit_bytes(setup: _Setup) -> int:
 def _loss_head_chunk(setup: _Setup) -> int:
     """Tokens per chunk of the fused head, by the ops' own rule (``fastalign.ops.head_workspace``)."""
     budget = head_workspace_bytes(setup.device)
+    if setup.device == "cuda" and _head_grad_accumulator(setup):  # a trained bf16 head: as the ops do
+        budget = max(budget, accumulator_budget(setup.shape.vocab_size * setup.shape.hidden_size))
     return min(setup.tokens, chunk_rows(setup.shape.vocab_size, _loss_head_logit_bytes(setup), budget))
 
 

@@ -207,3 +207,23 @@ def test_planner_chunk_is_the_heads(device, bf16, monkeypatch):
             set_head_workspace(None)
         a = dtype.itemsize
         assert plan.loss_head == rows * vocab * per_logit + tokens * h * a + 20 * tokens, (device, budget_mib)
+
+
+def test_a_trained_low_precision_head_on_cuda_chunks_up_to_half_its_accumulator(monkeypatch):
+    """Guards the trained-head rule: a bf16 head weight that trains on CUDA holds an fp32 accumulator of
+    4·V·D bytes anyway, so its default budget is half that (4,096 rows of Llama-3's head, the fastest
+    chunk at no extra peak on the H100); a frozen head, an fp32 one, the CPU, and any budget set by hand
+    keep the budget as it is. The planner's full fine-tuning in bf16 on CUDA agrees."""
+    monkeypatch.delenv(head_workspace.ENV_VAR, raising=False)
+    head = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")
+    trained = head.clone().requires_grad_()
+    assert head_workspace_bytes("cuda", weight=trained) == 2 * 128256 * 4096
+    assert chunk_rows(128256, 2, head_workspace_bytes("cuda", weight=trained)) == 4096
+    assert head_workspace_bytes("cuda", weight=head) == 256 * MiB  # frozen: LoRA, a reference
+    assert head_workspace_bytes("cuda", weight=trained.float()) == 256 * MiB
+    assert head_workspace_bytes("cpu", weight=trained) == 32 * MiB
+    assert head_workspace_bytes("cuda", workspace_bytes=MiB, weight=trained) == MiB
+    full = plan_memory("llama-3-8b", method="full", seq_len=16384, bf16=True, device="cuda")
+    lora = plan_memory("llama-3-8b", method="lora", seq_len=16384, bf16=True, device="cuda")
+    extra = 4 * 128256 * 4096  # the accumulator the full plan also holds
+    assert full.loss_head - lora.loss_head == extra + (4096 - 1040) * 128256 * 2
