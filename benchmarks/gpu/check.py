@@ -178,7 +178,7 @@ def phase_lora_8b(ctx: Context, cap: float) -> dict:
     ]
     needs = {"liger": "liger_kernel", "trl": "trl", "trl-liger": "liger_kernel", "trl-fastalign": "trl"}
     if ctx.smoke:  # one process per kind of provider: the model's own, fastalign's, TRL's trainer
-        runs = [(provider, settings) for provider, settings in runs if provider in ("peft", "fastalign", "trl")]
+        runs = [run for run in runs if run[0] in ("peft", "fastalign", "trl")]
     rows, skipped = [], {}
     for provider, settings in runs:
         module = needs.get(provider)
