@@ -24,6 +24,7 @@ _FLAGS = {
     "lora_dropout": "--lora-dropout",
     "gpu_memory_bytes": "--gpu-memory",
     "device": "--device",
+    "base_dtype": "--base-dtype",
 }
 
 
@@ -64,6 +65,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lora-dropout", default="0.05", help="LoRA dropout (default: 0.05, as TrainConfig)")
     parser.add_argument(
         "--fp32", action="store_true", help="no bf16 mixed precision (TrainConfig bf16=false)"
+    )
+    parser.add_argument(
+        "--base-dtype",
+        default="fp32",
+        help="dtype the model is loaded in (TrainConfig dtype): fp32, TRL's default, or bf16 (default: fp32)",
     )
     parser.add_argument(
         "--materialized-logits",
@@ -114,6 +120,7 @@ def plan_from_args(args: argparse.Namespace):
             lora_dropout=dropout,
             gpu_memory_bytes=parse_memory(args.gpu_memory),
             bf16=not args.fp32,
+            base_dtype=args.base_dtype,
             device=args.device,
             fused_loss_head=not args.materialized_logits,
         )
@@ -135,6 +142,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precision(plan) -> str:
+    """What the plan counts the weights and the compute in, e.g. 'base weights fp32, bf16 autocast'."""
+    base = (
+        f"NF4 + {'bf16' if plan.bf16 or plan.base_dtype == 'bf16' else 'fp32'}"
+        if "qlora" in plan.method
+        else plan.base_dtype
+    )
+    if plan.bf16:
+        compute = "bf16 autocast" if plan.gpus == 1 else "bf16 mixed precision (FSDP2)"
+    else:
+        compute = f"{'bf16' if plan.base_dtype == 'bf16' else 'fp32'} compute"
+    return f"base weights {base}, {compute}"
+
+
 def print_plan(plan) -> None:
     """The plan as a table, then totals, fit, suggestions and notes."""
     from rich.table import Table
@@ -151,7 +172,7 @@ def print_plan(plan) -> None:
     title = (
         f"{plan.model}: {plan.method}, {plan.gpus} GPU{'s' if plan.gpus > 1 else ''} × "
         f"{format_bytes(plan.gpu_memory_bytes)}, {plan.batch_size} × {plan.seq_len} tokens, "
-        f"{'bf16' if plan.bf16 else 'fp32'}{''.join(', ' + flag for flag in flags)}"
+        f"{_precision(plan)}{''.join(', ' + flag for flag in flags)}"
     )
     table = Table(title=title, title_justify="left")
     table.add_column("term")

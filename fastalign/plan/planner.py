@@ -7,8 +7,11 @@ tokens per GPU, N GPUs, r the LoRA rank.
 
 What the engine keeps (``fastalign.train.loading`` / ``policy`` / ``run`` / ``distributed``):
 
-* **Weights.** Models are loaded in fp32 and stay fp32 — full fine-tuning *and* the frozen base of
-  LoRA: 4·P. There is no separate fp32 master copy: the fp32 parameters are the master weights.
+* **Weights.** Models are loaded in fp32 (TRL's default, ``base_dtype='fp32'``) and stay fp32 — full
+  fine-tuning *and* the frozen base of LoRA: 4·P. There is no separate fp32 master copy: the fp32
+  parameters are the master weights. Loaded in bf16 (``TrainConfig.dtype: bfloat16``,
+  ``base_dtype='bf16'``): 2·P, a bf16 residual stream, no weight casts; full fine-tuning then keeps bf16
+  gradients and AdamW state.
   Single process + bf16: ``torch.autocast`` over the fp32 weights. FSDP2 (N > 1): fp32 *sharded*
   parameters, bf16 compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
   QLoRA: decoder-layer linear weights in NF4, 4 bits + absmax overhead (blocksize 64: fp32 absmax is
@@ -37,24 +40,31 @@ What the engine keeps (``fastalign.train.loading`` / ``policy`` / ``run`` / ``di
 Activations saved by one Llama-style decoder layer, per token (SDPA / flash attention: no [s, s]
 scores; native grouped-query attention: k and v of width kv). ``a`` is the compute dtype's bytes
 (2 in bf16), ``x`` the residual stream's (4 with fp32 weights under autocast, 2 with bf16 weights,
-i.e. FSDP2 or QLoRA), ``c`` = 1 when each linear casts its fp32 input to bf16 itself (autocast over an
-fp32 residual stream), else 0::
+i.e. FSDP2, QLoRA or a bf16 base), ``c`` = 1 when each linear casts its fp32 input to bf16 itself
+(autocast over an fp32 residual stream, the model's own code), else 0. Patched (fastalign's kernels,
+``fused_loss_head=True``, as the engine runs with ``use_liger_kernel``, its default) or the model's own
+code (``fused_loss_head=False``; a preference objective without ``use_liger_kernel`` patches only the
+head, and saves as the model's own code does)::
 
-    norm (each of 2)  4h + 4              fp32 upcast of its input + 1/rms
+    norm (each of 2)  patched: x·h + 4    its input + 1/rms (on CPU 1/rms is recomputed: x·h)
+                      own: 4h + 4         fp32 upcast of its input + 1/rms
                       + x·h               (trainable norm weight: the normalized input)
     attention         a·(2q + 2kv) + 4·heads     q, k, v after RoPE, the output; fp32 logsumexp
-    MLP               4·a·i (full)       gate output (SiLU input), SiLU output, up output, down input
-                      3·a·i (LoRA)       (the frozen down_proj does not save its input)
+    MLP               patched: 2·a·i     gate and up outputs (SiLU and the product recomputed)
+                      own, full: 4·a·i   gate output (SiLU input), SiLU output, up output, down input
+                      own, LoRA: 3·a·i   (the frozen down_proj does not save its input)
     linear inputs     full: a·h·(5 if c else 2)   q/k/v and gate/up inputs (o_proj reads the attention
-                                                  output, down_proj the MLP product: counted above)
+                                                  output, down_proj the MLP product: counted above;
+                                                  patched: q/k/v, gate/up share one cast: a·2h)
                       LoRA: per adapter, its input again as lora_A saves it — the dropout output or
                       autocast's cast: Σ_in·(a' + m) + 7·r·a', m the dropout mask (1 B bool on CUDA, the
                       input's dtype on CPU, 0 without dropout); without dropout and casts the adapters
                       share the layer's tensors: a·(2h + i) + 7·r·a
 
-e.g. bf16 full fine-tuning under FSDP2: 16h + 8 + 2·(2q + 2kv) + 4·heads + 8i bytes/token/layer.
+e.g. bf16 full fine-tuning under FSDP2, patched: 8h + 8 + 2·(2q + 2kv) + 4·heads + 4i bytes/token/layer.
 Tests check this against the tensors autograd saves in a tiny Llama layer, for full/LoRA, fp32,
-autocast and bf16 weights. Once per model: RoPE's cos/sin (2·head_dim·x) and the final norm.
+autocast and bf16 weights, patched and not, and the totals against H100 measurements. Once per model:
+RoPE's cos/sin (2·head_dim·x) and the final norm.
 
 Checkpointing keeps each layer's input (x·h per token) and recomputes one layer at a time in backward:
 L·x·h + S. Offloading moves what the layers save to pinned host memory; the device keeps the copies
@@ -109,6 +119,8 @@ LOSS_HEAD_CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": GiB}
 #: Units of ``--gpu-memory``: binary (JEDEC), as GPU memory is sold: a 24GB card has 24 GiB.
 _UNITS = {"": GiB, "b": 1, "k": 2**10, "m": 2**20, "g": GiB, "t": 2**40}
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt]?)(i?b)?)?\s*$", re.IGNORECASE)
+#: Dtypes the model can be loaded in (``TrainConfig.dtype``): fp32 is TRL's default.
+BASE_DTYPES = ("fp32", "bf16")
 #: GPU counts the suggestions try, as multiples of the current one.
 _MAX_GPUS = 1024
 
@@ -177,6 +189,7 @@ class _Request:
     lora_r: int
     lora_dropout: float
     bf16: bool
+    base_dtype: str
     device: str
     fused_loss_head: bool
     double_quant: bool
@@ -252,32 +265,45 @@ class _Regime:
     casts: bool  # each linear casts its own fp32 input (autocast over an fp32 residual stream)
     adapter: int  # bytes of the adapters' dtype during compute
     mask: int  # bytes per element of a dropout mask
+    patched: bool  # fastalign's kernels (``use_liger_kernel``): fused norms and MLP activation
+    rstd: int  # bytes per row a fused norm keeps besides its input (its 1/rms; 0 on CPU: recomputed)
 
 
-def _regime(method: str, gpus: int, bf16: bool, device: str, lora_dropout: float) -> _Regime:
+def _regime(
+    method: str, gpus: int, bf16: bool, base_dtype: str, device: str, lora_dropout: float, patched: bool
+) -> _Regime:
     sharded, autocast = gpus > 1, bf16 and gpus == 1
-    compute = 2 if bf16 else 4
-    residual = 2 if bf16 and (sharded or method == "qlora") else 4
+    bf16_base = base_dtype == "bf16"
+    compute = 2 if bf16 or bf16_base else 4
+    residual = 2 if bf16_base or (bf16 and (sharded or method == "qlora")) else 4
     adapter = 2 if sharded and bf16 else 4
     mask = 0 if lora_dropout == 0 else (1 if device == "cuda" else adapter)
-    return _Regime(sharded, autocast, residual, compute, autocast and residual == 4, adapter, mask)
+    rstd = 4 if device == "cuda" else 0
+    return _Regime(
+        sharded, autocast, residual, compute, autocast and residual == 4, adapter, mask, patched, rstd
+    )
 
 
 def _layer_activation_bytes(shape: ModelShape, method: str, regime: _Regime, lora_r: int) -> int:
     """Bytes one decoder layer saves for backward, per token (formula in the module docstring)."""
     h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     a, x, full = regime.compute, regime.residual, method == "full"
-    norms = shape.norms_per_layer * (4 * h + 4 + (x * h if full else 0))
-    if shape.qk_norm:  # per-head norms of q and k: fp32 upcast, 1/rms, (normalized when trained)
-        norms += (q + kv) * (4 + (a if full else 0)) + 4 * (shape.num_heads + shape.num_kv_heads)
+    heads = shape.num_heads + shape.num_kv_heads
+    if regime.patched:  # the fused norm keeps its input and 1/rms, nothing per weight
+        norms = shape.norms_per_layer * (x * h + regime.rstd)
+        norms += (q + kv) * a + regime.rstd * heads if shape.qk_norm else 0
+    else:
+        norms = shape.norms_per_layer * (4 * h + 4 + (x * h if full else 0))
+        if shape.qk_norm:  # per-head norms of q and k: fp32 upcast, 1/rms, (normalized when trained)
+            norms += (q + kv) * (4 + (a if full else 0)) + 4 * heads
     attention = a * (2 * q + 2 * kv) + 4 * shape.num_heads
     linears = shape.linears()
     norm_fed = [fan_in for name, fan_in, _ in linears if name not in ("o_proj", "down_proj")]
-    if full:
-        mlp = 4 * a * i
-        inputs = a * (sum(norm_fed) if regime.casts else 2 * h)
+    if full:  # fused: gate and up only (SiLU and the product recomputed); q/k/v (gate/up) share one cast
+        mlp = (2 if regime.patched else 4) * a * i
+        inputs = a * (sum(norm_fed) if regime.casts and not regime.patched else 2 * h)
     else:
-        mlp = 3 * a * i
+        mlp = (2 if regime.patched else 3) * a * i
         own_copy = 2 if regime.autocast else regime.adapter
         if regime.mask == 0 and not regime.autocast and regime.adapter == x:  # adapters share the inputs
             inputs = a * (2 * h + i) + len(linears) * lora_r * a
@@ -303,7 +329,15 @@ class _Setup(_Request):
 
     @functools.cached_property
     def regime(self) -> _Regime:
-        return _regime(self.method, self.gpus, self.bf16, self.device, self.lora_dropout)
+        return _regime(
+            self.method,
+            self.gpus,
+            self.bf16,
+            self.base_dtype,
+            self.device,
+            self.lora_dropout,
+            self.fused_loss_head,
+        )
 
     @property
     def full(self) -> bool:
@@ -325,7 +359,12 @@ class _Setup(_Request):
     @property
     def nonlinear_bytes(self) -> int:
         """Bytes per weight of what QLoRA does not quantize: embeddings, head, norms, biases."""
-        return 2 if self.bf16 else 4
+        return 2 if self.bf16 or self.base_dtype == "bf16" else 4
+
+    @property
+    def base_bytes(self) -> int:
+        """Bytes per weight of the model as loaded (``base_dtype``): 4 in fp32, 2 in bf16."""
+        return 2 if self.base_dtype == "bf16" else 4
 
     @property
     def offload(self) -> bool:
@@ -356,6 +395,7 @@ def plan_memory(
     lora_dropout: float = 0.05,
     gpu_memory_bytes: int = 80 * GiB,
     bf16: bool = True,
+    base_dtype: Literal["fp32", "bf16"] = "fp32",
     device: Literal["cuda", "cpu"] = "cuda",
     fused_loss_head: bool = True,
     double_quant: bool = True,
@@ -365,13 +405,17 @@ def plan_memory(
     local config.json path) with ``method`` on ``gpus`` GPUs of ``gpu_memory_bytes`` each.
 
     ``batch_size`` sequences of ``seq_len`` tokens per GPU and micro-batch. ``bf16``: mixed precision as
-    the engine does it (``TrainConfig.bf16``); ``device='cpu'``: no CUDA context, CPU chunk sizes,
-    offloading is a no-op. ``fused_loss_head=False``: the head builds [tokens, vocab] logits.
+    the engine does it (``TrainConfig.bf16``); ``base_dtype``: the dtype the model is loaded in
+    (``TrainConfig.dtype``): fp32 (TRL's and the engine's default) or bf16 (a frozen LoRA base at half the
+    bytes; full fine-tuning then trains bf16 weights with bf16 gradients and AdamW state; QLoRA: the
+    unquantized rest). ``device='cpu'``: no CUDA context, CPU chunk sizes, offloading is a no-op.
+    ``fused_loss_head=True``: fastalign's kernels (``use_liger_kernel``, the default: fused norms, MLP
+    activation and loss head); False: the model's own code, and the head builds [tokens, vocab] logits.
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
     shape = _model_shape(config)
-    _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device)
+    _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype)
     if method in PPO_METHODS:
         flags = dict(
             method=method,
@@ -383,6 +427,7 @@ def plan_memory(
             lora_r=lora_r,
             lora_dropout=lora_dropout,
             bf16=bf16,
+            base_dtype=base_dtype,
             device=device,
             fused_loss_head=fused_loss_head,
             double_quant=double_quant,
@@ -400,6 +445,7 @@ def plan_memory(
         lora_r,
         lora_dropout,
         bf16,
+        base_dtype,
         device,
         fused_loss_head,
         double_quant,
@@ -482,9 +528,10 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
         "critic", "critic", state + policy.weight_copies + policy.activations, 0, gpus > 1, critic_how
     )
     if separate:
-        how = f"frozen fp32 copy of the policy, 4 B × {_count(shape.params)}"
+        w = 2 if flags["base_dtype"] == "bf16" else 4
+        how = f"frozen {flags['base_dtype']} copy of the policy, {w} B × {_count(shape.params)}"
         how += f" ÷ {gpus} (FSDP2)" if gpus > 1 else ""
-        reference = Term("reference", "reference", _shard(4 * shape.params, gpus), 0, gpus > 1, how)
+        reference = Term("reference", "reference", _shard(w * shape.params, gpus), 0, gpus > 1, how)
     else:
         reference = Term("reference", "reference", 0, 0, False, "the base with the adapters off")
     total = policy.total_per_gpu + critic.gpu_bytes + reference.gpu_bytes
@@ -528,8 +575,9 @@ def _sharded(setup: _Setup, name: str, label: str, total_bytes: int, how: str) -
 def _weights(setup: _Setup) -> Term:
     shape = setup.shape
     if setup.method != "qlora":
-        how = f"fp32, 4 B × {_count(shape.params)} params" + ("" if setup.full else " (frozen base)")
-        return _sharded(setup, "weights", "weights", 4 * shape.params, how)
+        how = f"{setup.base_dtype}, {setup.base_bytes} B × {_count(shape.params)} params"
+        how += "" if setup.full else " (frozen base)"
+        return _sharded(setup, "weights", "weights", setup.base_bytes * shape.params, how)
     quantized = shape.num_layers * shape.layer_linear_params
     others = shape.params - quantized
     how = (
@@ -547,14 +595,22 @@ def _lora_params(setup: _Setup) -> Term:
     return _sharded(setup, "lora_params", "LoRA adapters", 4 * setup.lora_count, how)
 
 
+def _trained_bytes(setup: _Setup) -> int:
+    """Bytes per trained weight: the loaded dtype's in full fine-tuning, fp32 for adapters (peft's)."""
+    return setup.base_bytes if setup.full else 4
+
+
 def _gradients(setup: _Setup) -> Term:
-    how = f"fp32, 4 B × {_count(setup.trainable)}"
-    return _sharded(setup, "gradients", "gradients", 4 * setup.trainable, how)
+    w = _trained_bytes(setup)
+    how = f"{'fp32' if w == 4 else 'bf16'}, {w} B × {_count(setup.trainable)}"
+    return _sharded(setup, "gradients", "gradients", w * setup.trainable, how)
 
 
 def _optimizer(setup: _Setup) -> Term:
-    how = f"fp32 m and v, 8 B × {_count(setup.trainable)}; the fp32 params are the master copy"
-    return _sharded(setup, "optimizer", "optimizer (AdamW m, v)", 8 * setup.trainable, how)
+    w = _trained_bytes(setup)
+    how = f"{'fp32' if w == 4 else 'bf16'} m and v, {2 * w} B × {_count(setup.trainable)}; the params are "
+    how += "the master copy"
+    return _sharded(setup, "optimizer", "optimizer (AdamW m, v)", 2 * w * setup.trainable, how)
 
 
 def _weight_copies(setup: _Setup) -> Term:
@@ -588,6 +644,12 @@ def _cast_copies(setup: _Setup) -> tuple[int, str]:
     """One process: autocast's casts of the weights, or QLoRA's dequantized weight."""
     shape, autocast = setup.shape, setup.regime.autocast
     head_cast = 2 * shape.vocab_size * shape.hidden_size
+    if setup.base_dtype == "bf16" and setup.method != "qlora":  # the weights are bf16 already
+        adapters = 2 * setup.lora_count if autocast and setup.method == "lora" else 0
+        return (
+            adapters,
+            "adapters' bf16 casts (the bf16 weights need none)" if adapters else "none (bf16 weights)",
+        )
     if autocast and setup.fused_loss_head and setup.method in ("full", "lora"):
         adapters = 2 * setup.lora_count if setup.method == "lora" else 0
         how = "one linear's bf16 cast at a time (none kept for backward) + the head's bf16 cast"
@@ -670,9 +732,9 @@ def _model_load(setup: _Setup) -> Term:
     """A local checkpoint is read tensor by tensor into a model already sharded (fastalign.quant.loading):
     the host holds about one layer (and the embeddings) of the checkpoint at a time, bf16 for QLoRA and
     fp32 otherwise."""
-    shape, qlora = setup.shape, setup.method == "qlora"
-    host = (2 if qlora else 4) * (shape.layer_params + shape.root_params)
-    how = f"{'bf16' if qlora else 'fp32'} checkpoint streamed layer by layer, before training"
+    shape, bf16 = setup.shape, setup.method == "qlora" or setup.base_dtype == "bf16"
+    host = (2 if bf16 else 4) * (shape.layer_params + shape.root_params)
+    how = f"{'bf16' if bf16 else 'fp32'} checkpoint streamed layer by layer, before training"
     return Term("model_load", "model load (host)", 0, host, False, how)
 
 
@@ -689,7 +751,9 @@ def _model_shape(config: PretrainedConfig | ModelShape | str) -> ModelShape:
     return shape_from_config(config)
 
 
-def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device) -> None:
+def _validate(
+    method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype
+) -> None:
     if method not in METHODS:
         raise PlanError("method", f"must be one of {', '.join(METHODS)}, got {method!r}")
     if method in _ONE_PROCESS and gpus != 1:
@@ -705,16 +769,18 @@ def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memor
             raise PlanError(name, f"must be a positive integer, got {value!r}")
     if not 0 <= lora_dropout < 1:
         raise PlanError("lora_dropout", f"must be in [0, 1), got {lora_dropout!r}")
+    if base_dtype not in BASE_DTYPES:
+        raise PlanError("base_dtype", f"must be 'fp32' or 'bf16', got {base_dtype!r}")
     if device not in LOSS_HEAD_CHUNK_BYTES:
         raise PlanError("device", f"must be 'cuda' or 'cpu', got {device!r}")
 
 
 def _notes(plan: MemoryPlan, setup: _Setup) -> list[str]:
     notes = []
-    if plan.method == "lora":
+    if plan.method == "lora" and plan.base_dtype == "fp32":
         notes.append(
-            f"the frozen base stays fp32 as loaded (fastalign/train/loading.py): {format_bytes(plan.weights)}"
-            " per GPU; bf16 would halve it"
+            f"the frozen base stays fp32 as loaded (TRL's default): {format_bytes(plan.weights)} per GPU; "
+            "loaded in bf16 (dtype: bfloat16, --base-dtype bf16) it takes half"
         )
     if plan.method != "full" and plan.lora_dropout > 0:
         no_dropout = plan_memory(setup.shape, **{**_flags(setup), "lora_dropout": 0.0}, suggest=False)
