@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _precision(plan) -> str:
-    """What the plan counts the weights and the compute in, e.g. 'base weights fp32, bf16 autocast'."""
+    """What the plan counts the weights and the compute in, e.g. "loaded in fp32, bf16 autocast"."""
     base = (
         f"NF4 + {'bf16' if plan.bf16 or plan.base_dtype == 'bf16' else 'fp32'}"
         if "qlora" in plan.method
@@ -153,7 +153,7 @@ def _precision(plan) -> str:
         compute = "bf16 autocast" if plan.gpus == 1 else "bf16 mixed precision (FSDP2)"
     else:
         compute = f"{'bf16' if plan.base_dtype == 'bf16' else 'fp32'} compute"
-    return f"base weights {base}, {compute}"
+    return f"loaded in {base}, {compute}"
 
 
 def print_plan(plan) -> None:
@@ -207,6 +207,11 @@ def print_plan(plan) -> None:
         f"{plan.layer_activation_bytes_per_token:,} B/token/layer; loss head with materialized logits: "
         f"{format_bytes(plan.loss_head_materialized)}, fused: {format_bytes(plan.loss_head_fused)}"
     )
+    if plan.offload_activations and plan.device == "cuda":
+        console.print(
+            f"offloading: keep_on_device {plan.offload_keep_on_device} (the last layers whose saved tensors "
+            f"stay on the GPU: {'the most that fit' if plan.keep_on_device == 'auto' else 'as asked'})"
+        )
     if not plan.fits and plan.suggestions:
         console.print(
             f"to fit: {' '.join(plan.suggestions)} ({format_bytes(plan.suggested_total_per_gpu)} per GPU)",

@@ -186,6 +186,7 @@ class _Request:
     batch_size: int
     checkpointing: bool
     offload_activations: bool
+    keep_on_device: int | str
     lora_r: int
     lora_dropout: float
     bf16: bool
@@ -240,6 +241,9 @@ class MemoryPlan(_Request):
     suggestions: list[str] = field(default_factory=list)
     suggested_total_per_gpu: int | None = None
     notes: list[str] = field(default_factory=list)
+    #: With offloading: the decoder layers whose saved tensors stay on the GPU (the last ones, which
+    #: backward reaches first), the most that still fit (``enable_activation_offloading(keep_on_device=)``).
+    offload_keep_on_device: int = 0
     # PPO's other roles, per GPU (0 for the other methods)
     critic: int = 0
     reference: int = 0
@@ -326,6 +330,7 @@ class _Setup(_Request):
     terms read."""
 
     shape: ModelShape
+    keep: int = 0  # offloading: the last layers whose saved tensors stay on the GPU
 
     @functools.cached_property
     def regime(self) -> _Regime:
@@ -391,6 +396,7 @@ def plan_memory(
     batch_size: int = 1,
     checkpointing: bool = False,
     offload_activations: bool = False,
+    keep_on_device: int | Literal["auto"] = "auto",
     lora_r: int = 16,
     lora_dropout: float = 0.05,
     gpu_memory_bytes: int = 80 * GiB,
@@ -411,11 +417,21 @@ def plan_memory(
     unquantized rest). ``device='cpu'``: no CUDA context, CPU chunk sizes, offloading is a no-op.
     ``fused_loss_head=True``: fastalign's kernels (``use_liger_kernel``, the default: fused norms, MLP
     activation and loss head); False: the model's own code, and the head builds [tokens, vocab] logits.
+    ``keep_on_device``: with offloading, how many of the last decoder layers keep their saved tensors on
+    the GPU (``enable_activation_offloading``); "auto": the most that fit (``offload_keep_on_device``).
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
     shape = _model_shape(config)
     _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype)
+    if keep_on_device != "auto" and (
+        isinstance(keep_on_device, bool)
+        or not isinstance(keep_on_device, int)
+        or not 0 <= keep_on_device <= shape.num_layers
+    ):
+        raise PlanError(
+            "keep_on_device", f"must be 'auto' or 0 to {shape.num_layers} layers, got {keep_on_device!r}"
+        )
     if method in PPO_METHODS:
         flags = dict(
             method=method,
@@ -424,6 +440,7 @@ def plan_memory(
             batch_size=batch_size,
             checkpointing=checkpointing,
             offload_activations=offload_activations,
+            keep_on_device=keep_on_device,
             lora_r=lora_r,
             lora_dropout=lora_dropout,
             bf16=bf16,
@@ -442,6 +459,7 @@ def plan_memory(
         batch_size,
         checkpointing,
         offload_activations,
+        keep_on_device,
         lora_r,
         lora_dropout,
         bf16,
@@ -452,6 +470,8 @@ def plan_memory(
         gpu_memory_bytes,
         shape,
     )
+    if setup.offload:
+        setup = replace(setup, keep=_largest_keep(setup) if keep_on_device == "auto" else keep_on_device)
     terms = [
         _weights(setup),
         _lora_params(setup),
@@ -484,8 +504,30 @@ def plan_memory(
         loss_head_materialized=_materialized_loss_head_bytes(setup),
         fits=total <= gpu_memory_bytes,
         terms=terms,
+        offload_keep_on_device=setup.keep,
     )
     return _with_suggestions(shape, plan, _notes(plan, setup), suggest)
+
+
+def _largest_keep(setup: _Setup) -> int:
+    """The most layers whose saved tensors can stay on the GPU with offloading on: each kept layer adds its
+    share to the device and saves the host as much (0 where even none kept does not fit)."""
+    others = sum(
+        term(setup).gpu_bytes
+        for term in (
+            _weights,
+            _lora_params,
+            _gradients,
+            _optimizer,
+            _weight_copies,
+            _loss_head,
+            _cuda_context,
+        )
+    )
+    keep = setup.shape.num_layers
+    while keep > 0 and others + _activations(replace(setup, keep=keep)).gpu_bytes > setup.gpu_memory_bytes:
+        keep -= 1
+    return keep
 
 
 def _with_suggestions(shape: ModelShape, plan: MemoryPlan, notes: list[str], suggest: bool) -> MemoryPlan:
@@ -513,6 +555,16 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
     trained parameter), plus its forward's working copies and activations as the policy's; the reference
     is the base with the adapters off (no memory). The rollout's KV cache lives while no activations do
     (a note compares it)."""
+    if flags["keep_on_device"] == "auto" and flags["offload_activations"] and flags["device"] == "cuda":
+        # the critic's activations are as the policy's: the most kept layers that fit both (bisection)
+        low, high = 0, shape.num_layers
+        while low < high:
+            middle = (low + high + 1) // 2
+            if _ppo_plan(shape, {**flags, "keep_on_device": middle}, suggest=False).fits:
+                low = middle
+            else:
+                high = middle - 1
+        flags = {**flags, "keep_on_device": low}
     method = flags["method"]
     policy = plan_memory(shape, **{**flags, "method": PPO_METHODS[method]}, suggest=False)
     h, gpus, separate = shape.hidden_size, flags["gpus"], method == "ppo"
@@ -675,14 +727,16 @@ def _activations(setup: _Setup) -> Term:
     per_layer, checkpointing, offload = setup.layer_activations, setup.checkpointing, setup.offload
     x, h = setup.regime.residual, shape.hidden_size
     kept = setup.layer_input if checkpointing else per_layer
-    in_flight = min(layers, 2) if offload else layers
+    offloaded = layers - setup.keep if offload else 0
+    on_device = layers - offloaded + min(offloaded, 2)  # kept, and the offloaded ones in flight
     extras = 2 * shape.head_dim * x + 4 * h + 4 + (x * h if setup.full else 0)  # RoPE cos/sin, final norm
-    activations = tokens * (in_flight * kept + (per_layer if checkpointing else 0) + extras)
-    host = tokens * layers * kept if offload else 0
+    activations = tokens * (on_device * kept + (per_layer if checkpointing else 0) + extras)
+    host = tokens * offloaded * kept
     saved_what = "layer inputs" if checkpointing else f"{per_layer:,} B/token/layer"
-    how = f"{saved_what} × {layers if not offload else in_flight} layers × {tokens:,} tokens"
+    how = f"{saved_what} × {on_device} layers × {tokens:,} tokens"
     how += " + 1 layer recomputed" if checkpointing else ""
-    how += f" (offloaded: {layers} layers to host)" if offload else ""
+    if offload:
+        how += f" (offloaded: {offloaded} layers to host, 2 in flight; {setup.keep} kept on the GPU)"
     return Term("activations", "activations", activations, host, False, how)
 
 

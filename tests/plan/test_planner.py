@@ -274,8 +274,8 @@ def test_checkpointing_offloading_and_gpus_move_memory_the_right_way(method):
     base = dict(method=method, seq_len=8192, gpu_memory_bytes=80 * GiB)
     plain = plan_memory("llama-3-8b", **base)
     checkpointed = plan_memory("llama-3-8b", **base, checkpointing=True)
-    offloaded = plan_memory("llama-3-8b", **base, offload_activations=True)
-    both = plan_memory("llama-3-8b", **base, checkpointing=True, offload_activations=True)
+    offloaded = plan_memory("llama-3-8b", **base, offload_activations=True, keep_on_device=0)
+    both = plan_memory("llama-3-8b", **base, checkpointing=True, offload_activations=True, keep_on_device=0)
     assert checkpointed.activations < plain.activations / 4
     assert offloaded.activations < plain.activations / 4 and plain.activations_host == 0
     assert offloaded.activations_host == 32 * 8192 * plain.layer_activation_bytes_per_token
@@ -305,6 +305,38 @@ def test_checkpointing_offloading_and_gpus_move_memory_the_right_way(method):
         }
         previous = sharded
     assert plan_memory("llama-3-8b", **base, batch_size=2).activations > plain.activations
+
+
+def test_keep_on_device_moves_layer_inputs_from_host_to_gpu_and_auto_takes_the_most_that_fit():
+    """Offloading with checkpointing: the host holds the inputs of the layers not kept, the GPU those kept
+    and two offloaded ones in flight; "auto" keeps the most layers that fit, none where nothing fits."""
+    base = dict(method="lora", base_dtype="bf16", seq_len=16384, checkpointing=True, offload_activations=True)
+    layers, tokens = 32, 16384
+    none = plan_memory("llama-3-8b", **base, keep_on_device=0, suggest=False)
+    layer = tokens * none.layer_input_bytes_per_token  # one layer's input: 2 B × h per token
+    assert none.activations_host == layers * layer and none.offload_keep_on_device == 0
+    for keep in (1, 10, 30, 31):
+        kept = plan_memory("llama-3-8b", **base, keep_on_device=keep, suggest=False)
+        assert kept.offload_keep_on_device == keep
+        assert kept.activations_host == (layers - keep) * layer
+        in_flight = min(layers - keep, 2)  # of the offloaded layers
+        assert kept.activations - none.activations == (keep + in_flight - 2) * layer
+    everything = plan_memory("llama-3-8b", **base, keep_on_device=layers, suggest=False)
+    assert everything.activations_host == 0
+    assert (
+        everything.total_per_gpu
+        == plan_memory("llama-3-8b", **{**base, "offload_activations": False}).total_per_gpu
+    )
+
+    budget = none.total_per_gpu + 5 * layer + layer // 2  # room for five more layers
+    auto = plan_memory("llama-3-8b", **base, gpu_memory_bytes=budget, suggest=False)
+    assert auto.offload_keep_on_device == 5 and auto.fits and auto.activations_host == 27 * layer
+    tight = plan_memory("llama-3-8b", **base, gpu_memory_bytes=none.total_per_gpu - 1, suggest=False)
+    assert tight.offload_keep_on_device == 0 and not tight.fits
+    assert plan_memory("llama-3-8b", **base).offload_keep_on_device == layers  # 80 GB: nothing to offload
+    assert plan_memory("llama-3-8b", **{**base, "offload_activations": False}).offload_keep_on_device == 0
+    with pytest.raises(PlanError, match="must be 'auto' or 0 to 32 layers, got 33"):
+        plan_memory("llama-3-8b", **base, keep_on_device=33)
 
 
 def test_offloading_is_a_no_op_on_cpu():
@@ -353,7 +385,7 @@ def _cli_json(capsys, argv: list[str]) -> dict:
             "--gpu-memory",
             "40GB",
             "--seq-len",
-            "16384",
+            "32768",
         ],
     ],
 )
@@ -650,8 +682,16 @@ _H100_PEAKS = [
 @pytest.mark.parametrize(("shape", "method", "base_dtype", "tokens", "ckpt", "offload", "peak"), _H100_PEAKS)
 def test_predictions_match_the_h100_measurements(shape, method, base_dtype, tokens, ckpt, offload, peak):
     plan = plan_memory(
-        shape, method=method, base_dtype=base_dtype, seq_len=tokens, checkpointing=ckpt,
-        offload_activations=offload, lora_r=16, lora_dropout=0.05, suggest=False,
-    )  # fmt: skip
+        shape,
+        method=method,
+        base_dtype=base_dtype,
+        seq_len=tokens,
+        checkpointing=ckpt,
+        offload_activations=offload,
+        keep_on_device=0,
+        lora_r=16,
+        lora_dropout=0.05,
+        suggest=False,
+    )  # fmt: skip  (the measurements offloaded every layer)
     predicted = (plan.total_per_gpu - plan.cuda_context) / GiB
     assert predicted == pytest.approx(peak, rel=0.10)
