@@ -925,6 +925,48 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
     ], result.total_per_gpu
 
 
+#: The longest sequence ``longest_sequence`` tries: 16M tokens.
+_MAX_SEQ_LEN = 1 << 24
+
+
+def longest_sequence(
+    config: PretrainedConfig | ModelShape | str,
+    *,
+    method: Method = "full",
+    gpu_memory_bytes: int = 80 * GiB,
+    multiple: int = 256,
+    **flags,
+) -> int:
+    """The longest ``seq_len``, a multiple of ``multiple`` (1: exact), whose plan fits in
+    ``gpu_memory_bytes`` with the other ``plan_memory`` flags; 0 when not even ``multiple`` tokens fit.
+
+    Bisection: the plan grows with the sequence (activations, loss head; offloading's "auto"
+    keep_on_device trades device for host memory, but never past what fits)."""
+    if "seq_len" in flags or "suggest" in flags:
+        raise PlanError("seq_len", "longest_sequence chooses seq_len itself")
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise PlanError("multiple", f"must be a positive integer, got {multiple!r}")
+    shape = _model_shape(config)
+
+    def fits(units: int) -> bool:
+        plan = plan_memory(
+            shape, method=method, gpu_memory_bytes=gpu_memory_bytes, seq_len=units * multiple, suggest=False,
+            **flags,
+        )  # fmt: skip
+        return plan.fits
+
+    low, high = 0, _MAX_SEQ_LEN // multiple  # fits(low) (or low = 0), high: the most tried
+    step = 1
+    while low + step <= high and fits(low + step):  # doubling: a plan is cheap, a long bisection is not
+        low += step
+        step *= 2
+    high = min(high, low + step - 1)
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low * multiple
+
+
 def bits_per_param(double_quant: bool = True) -> float:
     """Bits per quantized weight of NF4 with blocksize 64 (4.127 with double quantization, else 4.5)."""
     return 4 + (8 / 64 + 32 / (64 * 256) if double_quant else 32 / 64)
@@ -939,6 +981,7 @@ __all__ = [
     "Term",
     "bits_per_param",
     "format_bytes",
+    "longest_sequence",
     "parse_memory",
     "plan_memory",
 ]

@@ -27,6 +27,7 @@ from fastalign.plan import (
     bits_per_param,
     builtin_config,
     format_bytes,
+    longest_sequence,
     parse_memory,
     plan_memory,
     shape_from_config,
@@ -695,3 +696,29 @@ def test_predictions_match_the_h100_measurements(shape, method, base_dtype, toke
     )  # fmt: skip  (the measurements offloaded every layer)
     predicted = (plan.total_per_gpu - plan.cuda_context) / GiB
     assert predicted == pytest.approx(peak, rel=0.10)
+
+
+def test_longest_sequence_is_the_last_length_that_fits():
+    flags = dict(method="qlora", checkpointing=True, gpu_memory_bytes=48 * GiB)
+    for offload in (False, True):
+        longest = longest_sequence("llama-3-70b", **flags, offload_activations=offload)
+        exact = longest_sequence("llama-3-70b", **flags, offload_activations=offload, multiple=1)
+        assert longest % 256 == 0 and longest <= exact < longest + 256
+        assert plan_memory("llama-3-70b", **flags, offload_activations=offload, seq_len=exact).fits
+        assert not plan_memory("llama-3-70b", **flags, offload_activations=offload, seq_len=exact + 1).fits
+    assert longest_sequence("llama-3-70b", method="qlora", gpu_memory_bytes=24 * GiB) == 0  # weights alone
+    with pytest.raises(PlanError, match="longest_sequence chooses seq_len"):
+        longest_sequence("tiny-llama", seq_len=128)
+
+
+def test_cli_longest_prints_both_lengths(capsys):
+    argv = ["plan", "--model", "llama-3-70b", "--method", "qlora", "--checkpointing", "--gpu-memory", "48GB"]
+    assert main([*argv, "--longest", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    flags = dict(method="qlora", checkpointing=True, gpu_memory_bytes=48 * GiB)
+    assert result["longest_seq_len"] == longest_sequence("llama-3-70b", **flags)
+    offloaded = longest_sequence("llama-3-70b", **flags, offload_activations=True)
+    assert result["longest_seq_len_offloaded"] == offloaded > result["longest_seq_len"]
+    assert main([*argv, "--longest"]) == 0
+    line = capsys.readouterr().out
+    assert f"{result['longest_seq_len']:,} tokens; with --offload-activations: {offloaded:,} tokens" in line
