@@ -199,19 +199,9 @@ def phase_lora_8b(ctx: Context, cap: float) -> dict:
 
 def longest_tokens(shape: str, method: str, gpu_gib: float, **flags) -> int:
     """The planner's longest sequence (a multiple of 256) whose plan fits in ``gpu_gib``."""
-    from fastalign.plan import plan_memory
+    from fastalign.plan import longest_sequence
 
-    def fits(tokens: int) -> bool:
-        plan = plan_memory(
-            shape, method=method, seq_len=tokens, gpu_memory_bytes=int(gpu_gib * GiB), suggest=False, **flags
-        )
-        return plan.total_per_gpu <= gpu_gib * GiB
-
-    low, high = 0, 1 << 22
-    while high - low > 256:
-        middle = (low + high) // 2 // 256 * 256
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return longest_sequence(shape, method=method, gpu_memory_bytes=int(gpu_gib * GiB), **flags)
 
 
 def phase_qlora_70b(ctx: Context, cap: float) -> dict:

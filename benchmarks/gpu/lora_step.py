@@ -132,7 +132,8 @@ def planner_row(spec: dict, setting: dict) -> dict:
     from fastalign.plan import plan_memory
 
     plan = plan_memory(
-        spec["shape"], method="qlora" if spec.get("quant") else "lora", seq_len=setting["tokens"],
+        spec["shape"], method="qlora" if spec.get("quant") else "lora", base_dtype="bf16",
+        seq_len=setting["tokens"],
         checkpointing=setting["checkpointing"], offload_activations=setting.get("offloading", False),
         lora_r=LORA["r"], lora_dropout=LORA["lora_dropout"], gpu_memory_bytes=80 * GiB, suggest=False,
     )  # fmt: skip

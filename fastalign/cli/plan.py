@@ -24,6 +24,7 @@ _FLAGS = {
     "lora_dropout": "--lora-dropout",
     "gpu_memory_bytes": "--gpu-memory",
     "device": "--device",
+    "base_dtype": "--base-dtype",
 }
 
 
@@ -66,11 +67,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--fp32", action="store_true", help="no bf16 mixed precision (TrainConfig bf16=false)"
     )
     parser.add_argument(
+        "--base-dtype",
+        default="fp32",
+        help="dtype the model is loaded in (TrainConfig dtype): fp32, TRL's default, or bf16 (default: fp32)",
+    )
+    parser.add_argument(
         "--materialized-logits",
         action="store_true",
         help="the loss head builds [tokens, vocab] logits (SFT without use_liger_kernel)",
     )
     parser.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
+    parser.add_argument(
+        "--longest",
+        action="store_true",
+        help="print the longest --seq-len (a multiple of 256) that fits with these flags, without and with "
+        "--offload-activations, instead of the plan",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     # A value that starts with a minus and a digit is a (bad) value, not an option: "--gpu-memory -24GB"
     # reaches parse_memory, which names the problem, instead of argparse's "expected one argument".
@@ -91,7 +103,7 @@ def _positive_int(flag: str, text: str) -> int:
 
 def plan_from_args(args: argparse.Namespace):
     """The ``MemoryPlan`` of parsed arguments; errors as ``ValueError('--flag: message')``."""
-    from fastalign.plan import PlanError, parse_memory, plan_memory
+    from fastalign.plan import PlanError, plan_memory
 
     if not args.model:
         raise _OptionError("--model", "required: a built-in shape name or a config.json path")
@@ -104,35 +116,95 @@ def plan_from_args(args: argparse.Namespace):
     try:
         return plan_memory(
             args.model,
-            method=args.method,
-            gpus=_positive_int("--gpus", args.gpus),
             seq_len=_positive_int("--seq-len", args.seq_len),
-            batch_size=_positive_int("--batch-size", args.batch_size),
-            checkpointing=args.checkpointing,
-            offload_activations=args.offload_activations,
-            lora_r=_positive_int("--lora-r", args.lora_r),
-            lora_dropout=dropout,
-            gpu_memory_bytes=parse_memory(args.gpu_memory),
-            bf16=not args.fp32,
-            device=args.device,
-            fused_loss_head=not args.materialized_logits,
+            **_plan_flags(args, dropout),
         )
     except PlanError as error:
         raise _OptionError(_FLAGS.get(error.option, error.option), str(error)) from None
 
 
+def _plan_flags(args: argparse.Namespace, dropout: float) -> dict:
+    """The ``plan_memory`` keyword arguments of the parsed flags, but ``seq_len``."""
+    from fastalign.plan import parse_memory
+
+    return dict(
+        method=args.method,
+        gpus=_positive_int("--gpus", args.gpus),
+        batch_size=_positive_int("--batch-size", args.batch_size),
+        checkpointing=args.checkpointing,
+        offload_activations=args.offload_activations,
+        lora_r=_positive_int("--lora-r", args.lora_r),
+        lora_dropout=dropout,
+        gpu_memory_bytes=parse_memory(args.gpu_memory),
+        bf16=not args.fp32,
+        base_dtype=args.base_dtype,
+        device=args.device,
+        fused_loss_head=not args.materialized_logits,
+    )
+
+
+def longest_from_args(args: argparse.Namespace) -> dict:
+    """``--longest``: the longest sequences that fit, without and with offloading (on CUDA)."""
+    from fastalign.plan import PlanError, longest_sequence
+
+    plan = plan_from_args(args)  # checks every flag, --seq-len included, in one place
+    flags = _plan_flags(args, plan.lora_dropout)
+    flags.pop("offload_activations")
+    try:
+        result = {"longest_seq_len": longest_sequence(args.model, **flags, offload_activations=False)}
+        if plan.device == "cuda":
+            result["longest_seq_len_offloaded"] = longest_sequence(
+                args.model, **flags, offload_activations=True
+            )
+    except PlanError as error:
+        raise _OptionError(_FLAGS.get(error.option, error.option), str(error)) from None
+    return {"model": plan.model, "method": plan.method, "gpus": plan.gpus, **result}
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = plan_from_args(args)
+        if args.longest:
+            longest = longest_from_args(args)
+        else:
+            plan = plan_from_args(args)
     except ValueError as error:
         message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
         print(f"error: {message}", file=sys.stderr)
         return 2
-    if args.json:
+    if args.longest:
+        print(json.dumps(longest) if args.json else _longest_line(args, longest))
+    elif args.json:
         print(json.dumps(plan.to_dict()))
     else:
         print_plan(plan)
     return 0
+
+
+def _longest_line(args: argparse.Namespace, longest: dict) -> str:
+    """The longest sequences that fit, in one line: '... 22,528 tokens; with --offload-activations: ...'."""
+    batch = f"{args.batch_size} × " if args.batch_size != "1" else ""
+    line = (
+        f"longest sequence for {longest['model']} ({longest['method']}, {longest['gpus']} GPU × "
+        f"{args.gpu_memory}{', checkpointing' if args.checkpointing else ''}): "
+        f"{batch}{longest['longest_seq_len']:,} tokens"
+    )
+    if "longest_seq_len_offloaded" in longest:
+        line += f"; with --offload-activations: {batch}{longest['longest_seq_len_offloaded']:,} tokens"
+    return line
+
+
+def _precision(plan) -> str:
+    """What the plan counts the weights and the compute in, e.g. "loaded in fp32, bf16 autocast"."""
+    base = (
+        f"NF4 + {'bf16' if plan.bf16 or plan.base_dtype == 'bf16' else 'fp32'}"
+        if "qlora" in plan.method
+        else plan.base_dtype
+    )
+    if plan.bf16:
+        compute = "bf16 autocast" if plan.gpus == 1 else "bf16 mixed precision (FSDP2)"
+    else:
+        compute = f"{'bf16' if plan.base_dtype == 'bf16' else 'fp32'} compute"
+    return f"loaded in {base}, {compute}"
 
 
 def print_plan(plan) -> None:
@@ -151,7 +223,7 @@ def print_plan(plan) -> None:
     title = (
         f"{plan.model}: {plan.method}, {plan.gpus} GPU{'s' if plan.gpus > 1 else ''} × "
         f"{format_bytes(plan.gpu_memory_bytes)}, {plan.batch_size} × {plan.seq_len} tokens, "
-        f"{'bf16' if plan.bf16 else 'fp32'}{''.join(', ' + flag for flag in flags)}"
+        f"{_precision(plan)}{''.join(', ' + flag for flag in flags)}"
     )
     table = Table(title=title, title_justify="left")
     table.add_column("term")
@@ -186,6 +258,11 @@ def print_plan(plan) -> None:
         f"{plan.layer_activation_bytes_per_token:,} B/token/layer; loss head with materialized logits: "
         f"{format_bytes(plan.loss_head_materialized)}, fused: {format_bytes(plan.loss_head_fused)}"
     )
+    if plan.offload_activations and plan.device == "cuda":
+        console.print(
+            f"offloading: keep_on_device {plan.offload_keep_on_device} (the last layers whose saved tensors "
+            f"stay on the GPU: {'the most that fit' if plan.keep_on_device == 'auto' else 'as asked'})"
+        )
     if not plan.fits and plan.suggestions:
         console.print(
             f"to fit: {' '.join(plan.suggestions)} ({format_bytes(plan.suggested_total_per_gpu)} per GPU)",

@@ -8,6 +8,7 @@ from fastalign.plan.planner import (
     Term,
     bits_per_param,
     format_bytes,
+    longest_sequence,
     parse_memory,
     plan_memory,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "builtin_config",
     "format_bytes",
     "load_config",
+    "longest_sequence",
     "parse_memory",
     "plan_memory",
     "resolve_model",

@@ -7,8 +7,11 @@ tokens per GPU, N GPUs, r the LoRA rank.
 
 What the engine keeps (``fastalign.train.loading`` / ``policy`` / ``run`` / ``distributed``):
 
-* **Weights.** Models are loaded in fp32 and stay fp32 — full fine-tuning *and* the frozen base of
-  LoRA: 4·P. There is no separate fp32 master copy: the fp32 parameters are the master weights.
+* **Weights.** Models are loaded in fp32 (TRL's default, ``base_dtype='fp32'``) and stay fp32 — full
+  fine-tuning *and* the frozen base of LoRA: 4·P. There is no separate fp32 master copy: the fp32
+  parameters are the master weights. Loaded in bf16 (``TrainConfig.dtype: bfloat16``,
+  ``base_dtype='bf16'``): 2·P, a bf16 residual stream, no weight casts; full fine-tuning then keeps bf16
+  gradients and AdamW state.
   Single process + bf16: ``torch.autocast`` over the fp32 weights. FSDP2 (N > 1): fp32 *sharded*
   parameters, bf16 compute (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
   QLoRA: decoder-layer linear weights in NF4, 4 bits + absmax overhead (blocksize 64: fp32 absmax is
@@ -37,24 +40,31 @@ What the engine keeps (``fastalign.train.loading`` / ``policy`` / ``run`` / ``di
 Activations saved by one Llama-style decoder layer, per token (SDPA / flash attention: no [s, s]
 scores; native grouped-query attention: k and v of width kv). ``a`` is the compute dtype's bytes
 (2 in bf16), ``x`` the residual stream's (4 with fp32 weights under autocast, 2 with bf16 weights,
-i.e. FSDP2 or QLoRA), ``c`` = 1 when each linear casts its fp32 input to bf16 itself (autocast over an
-fp32 residual stream), else 0::
+i.e. FSDP2, QLoRA or a bf16 base), ``c`` = 1 when each linear casts its fp32 input to bf16 itself
+(autocast over an fp32 residual stream, the model's own code), else 0. Patched (fastalign's kernels,
+``fused_loss_head=True``, as the engine runs with ``use_liger_kernel``, its default) or the model's own
+code (``fused_loss_head=False``; a preference objective without ``use_liger_kernel`` patches only the
+head, and saves as the model's own code does)::
 
-    norm (each of 2)  4h + 4              fp32 upcast of its input + 1/rms
+    norm (each of 2)  patched: x·h + 4    its input + 1/rms (on CPU 1/rms is recomputed: x·h)
+                      own: 4h + 4         fp32 upcast of its input + 1/rms
                       + x·h               (trainable norm weight: the normalized input)
     attention         a·(2q + 2kv) + 4·heads     q, k, v after RoPE, the output; fp32 logsumexp
-    MLP               4·a·i (full)       gate output (SiLU input), SiLU output, up output, down input
-                      3·a·i (LoRA)       (the frozen down_proj does not save its input)
+    MLP               patched: 2·a·i     gate and up outputs (SiLU and the product recomputed)
+                      own, full: 4·a·i   gate output (SiLU input), SiLU output, up output, down input
+                      own, LoRA: 3·a·i   (the frozen down_proj does not save its input)
     linear inputs     full: a·h·(5 if c else 2)   q/k/v and gate/up inputs (o_proj reads the attention
-                                                  output, down_proj the MLP product: counted above)
+                                                  output, down_proj the MLP product: counted above;
+                                                  patched: q/k/v, gate/up share one cast: a·2h)
                       LoRA: per adapter, its input again as lora_A saves it — the dropout output or
                       autocast's cast: Σ_in·(a' + m) + 7·r·a', m the dropout mask (1 B bool on CUDA, the
                       input's dtype on CPU, 0 without dropout); without dropout and casts the adapters
                       share the layer's tensors: a·(2h + i) + 7·r·a
 
-e.g. bf16 full fine-tuning under FSDP2: 16h + 8 + 2·(2q + 2kv) + 4·heads + 8i bytes/token/layer.
+e.g. bf16 full fine-tuning under FSDP2, patched: 8h + 8 + 2·(2q + 2kv) + 4·heads + 4i bytes/token/layer.
 Tests check this against the tensors autograd saves in a tiny Llama layer, for full/LoRA, fp32,
-autocast and bf16 weights. Once per model: RoPE's cos/sin (2·head_dim·x) and the final norm.
+autocast and bf16 weights, patched and not, and the totals against H100 measurements. Once per model:
+RoPE's cos/sin (2·head_dim·x) and the final norm.
 
 Checkpointing keeps each layer's input (x·h per token) and recomputes one layer at a time in backward:
 L·x·h + S. Offloading moves what the layers save to pinned host memory; the device keeps the copies
@@ -110,6 +120,8 @@ CUDA_CONTEXT_BYTES = 3 * GiB // 4
 #: Units of ``--gpu-memory``: binary (JEDEC), as GPU memory is sold: a 24GB card has 24 GiB.
 _UNITS = {"": GiB, "b": 1, "k": 2**10, "m": 2**20, "g": GiB, "t": 2**40}
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt]?)(i?b)?)?\s*$", re.IGNORECASE)
+#: Dtypes the model can be loaded in (``TrainConfig.dtype``): fp32 is TRL's default.
+BASE_DTYPES = ("fp32", "bf16")
 #: GPU counts the suggestions try, as multiples of the current one.
 _MAX_GPUS = 1024
 
@@ -175,9 +187,11 @@ class _Request:
     batch_size: int
     checkpointing: bool
     offload_activations: bool
+    keep_on_device: int | str
     lora_r: int
     lora_dropout: float
     bf16: bool
+    base_dtype: str
     device: str
     fused_loss_head: bool
     double_quant: bool
@@ -228,6 +242,9 @@ class MemoryPlan(_Request):
     suggestions: list[str] = field(default_factory=list)
     suggested_total_per_gpu: int | None = None
     notes: list[str] = field(default_factory=list)
+    #: With offloading: the decoder layers whose saved tensors stay on the GPU (the last ones, which
+    #: backward reaches first), the most that still fit (``enable_activation_offloading(keep_on_device=)``).
+    offload_keep_on_device: int = 0
     # PPO's other roles, per GPU (0 for the other methods)
     critic: int = 0
     reference: int = 0
@@ -253,32 +270,45 @@ class _Regime:
     casts: bool  # each linear casts its own fp32 input (autocast over an fp32 residual stream)
     adapter: int  # bytes of the adapters' dtype during compute
     mask: int  # bytes per element of a dropout mask
+    patched: bool  # fastalign's kernels (``use_liger_kernel``): fused norms and MLP activation
+    rstd: int  # bytes per row a fused norm keeps besides its input (its 1/rms; 0 on CPU: recomputed)
 
 
-def _regime(method: str, gpus: int, bf16: bool, device: str, lora_dropout: float) -> _Regime:
+def _regime(
+    method: str, gpus: int, bf16: bool, base_dtype: str, device: str, lora_dropout: float, patched: bool
+) -> _Regime:
     sharded, autocast = gpus > 1, bf16 and gpus == 1
-    compute = 2 if bf16 else 4
-    residual = 2 if bf16 and (sharded or method == "qlora") else 4
+    bf16_base = base_dtype == "bf16"
+    compute = 2 if bf16 or bf16_base else 4
+    residual = 2 if bf16_base or (bf16 and (sharded or method == "qlora")) else 4
     adapter = 2 if sharded and bf16 else 4
     mask = 0 if lora_dropout == 0 else (1 if device == "cuda" else adapter)
-    return _Regime(sharded, autocast, residual, compute, autocast and residual == 4, adapter, mask)
+    rstd = 4 if device == "cuda" else 0
+    return _Regime(
+        sharded, autocast, residual, compute, autocast and residual == 4, adapter, mask, patched, rstd
+    )
 
 
 def _layer_activation_bytes(shape: ModelShape, method: str, regime: _Regime, lora_r: int) -> int:
     """Bytes one decoder layer saves for backward, per token (formula in the module docstring)."""
     h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     a, x, full = regime.compute, regime.residual, method == "full"
-    norms = shape.norms_per_layer * (4 * h + 4 + (x * h if full else 0))
-    if shape.qk_norm:  # per-head norms of q and k: fp32 upcast, 1/rms, (normalized when trained)
-        norms += (q + kv) * (4 + (a if full else 0)) + 4 * (shape.num_heads + shape.num_kv_heads)
+    heads = shape.num_heads + shape.num_kv_heads
+    if regime.patched:  # the fused norm keeps its input and 1/rms, nothing per weight
+        norms = shape.norms_per_layer * (x * h + regime.rstd)
+        norms += (q + kv) * a + regime.rstd * heads if shape.qk_norm else 0
+    else:
+        norms = shape.norms_per_layer * (4 * h + 4 + (x * h if full else 0))
+        if shape.qk_norm:  # per-head norms of q and k: fp32 upcast, 1/rms, (normalized when trained)
+            norms += (q + kv) * (4 + (a if full else 0)) + 4 * heads
     attention = a * (2 * q + 2 * kv) + 4 * shape.num_heads
     linears = shape.linears()
     norm_fed = [fan_in for name, fan_in, _ in linears if name not in ("o_proj", "down_proj")]
-    if full:
-        mlp = 4 * a * i
-        inputs = a * (sum(norm_fed) if regime.casts else 2 * h)
+    if full:  # fused: gate and up only (SiLU and the product recomputed); q/k/v (gate/up) share one cast
+        mlp = (2 if regime.patched else 4) * a * i
+        inputs = a * (sum(norm_fed) if regime.casts and not regime.patched else 2 * h)
     else:
-        mlp = 3 * a * i
+        mlp = (2 if regime.patched else 3) * a * i
         own_copy = 2 if regime.autocast else regime.adapter
         if regime.mask == 0 and not regime.autocast and regime.adapter == x:  # adapters share the inputs
             inputs = a * (2 * h + i) + len(linears) * lora_r * a
@@ -301,10 +331,19 @@ class _Setup(_Request):
     terms read."""
 
     shape: ModelShape
+    keep: int = 0  # offloading: the last layers whose saved tensors stay on the GPU
 
     @functools.cached_property
     def regime(self) -> _Regime:
-        return _regime(self.method, self.gpus, self.bf16, self.device, self.lora_dropout)
+        return _regime(
+            self.method,
+            self.gpus,
+            self.bf16,
+            self.base_dtype,
+            self.device,
+            self.lora_dropout,
+            self.fused_loss_head,
+        )
 
     @property
     def full(self) -> bool:
@@ -326,7 +365,12 @@ class _Setup(_Request):
     @property
     def nonlinear_bytes(self) -> int:
         """Bytes per weight of what QLoRA does not quantize: embeddings, head, norms, biases."""
-        return 2 if self.bf16 else 4
+        return 2 if self.bf16 or self.base_dtype == "bf16" else 4
+
+    @property
+    def base_bytes(self) -> int:
+        """Bytes per weight of the model as loaded (``base_dtype``): 4 in fp32, 2 in bf16."""
+        return 2 if self.base_dtype == "bf16" else 4
 
     @property
     def offload(self) -> bool:
@@ -353,10 +397,12 @@ def plan_memory(
     batch_size: int = 1,
     checkpointing: bool = False,
     offload_activations: bool = False,
+    keep_on_device: int | Literal["auto"] = "auto",
     lora_r: int = 16,
     lora_dropout: float = 0.05,
     gpu_memory_bytes: int = 80 * GiB,
     bf16: bool = True,
+    base_dtype: Literal["fp32", "bf16"] = "fp32",
     device: Literal["cuda", "cpu"] = "cuda",
     fused_loss_head: bool = True,
     double_quant: bool = True,
@@ -366,13 +412,27 @@ def plan_memory(
     local config.json path) with ``method`` on ``gpus`` GPUs of ``gpu_memory_bytes`` each.
 
     ``batch_size`` sequences of ``seq_len`` tokens per GPU and micro-batch. ``bf16``: mixed precision as
-    the engine does it (``TrainConfig.bf16``); ``device='cpu'``: no CUDA context, CPU chunk sizes,
-    offloading is a no-op. ``fused_loss_head=False``: the head builds [tokens, vocab] logits.
+    the engine does it (``TrainConfig.bf16``); ``base_dtype``: the dtype the model is loaded in
+    (``TrainConfig.dtype``): fp32 (TRL's and the engine's default) or bf16 (a frozen LoRA base at half the
+    bytes; full fine-tuning then trains bf16 weights with bf16 gradients and AdamW state; QLoRA: the
+    unquantized rest). ``device='cpu'``: no CUDA context, CPU chunk sizes, offloading is a no-op.
+    ``fused_loss_head=True``: fastalign's kernels (``use_liger_kernel``, the default: fused norms, MLP
+    activation and loss head); False: the model's own code, and the head builds [tokens, vocab] logits.
+    ``keep_on_device``: with offloading, how many of the last decoder layers keep their saved tensors on
+    the GPU (``enable_activation_offloading``); "auto": the most that fit (``offload_keep_on_device``).
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
     shape = _model_shape(config)
-    _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device)
+    _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype)
+    if keep_on_device != "auto" and (
+        isinstance(keep_on_device, bool)
+        or not isinstance(keep_on_device, int)
+        or not 0 <= keep_on_device <= shape.num_layers
+    ):
+        raise PlanError(
+            "keep_on_device", f"must be 'auto' or 0 to {shape.num_layers} layers, got {keep_on_device!r}"
+        )
     if method in PPO_METHODS:
         flags = dict(
             method=method,
@@ -381,9 +441,11 @@ def plan_memory(
             batch_size=batch_size,
             checkpointing=checkpointing,
             offload_activations=offload_activations,
+            keep_on_device=keep_on_device,
             lora_r=lora_r,
             lora_dropout=lora_dropout,
             bf16=bf16,
+            base_dtype=base_dtype,
             device=device,
             fused_loss_head=fused_loss_head,
             double_quant=double_quant,
@@ -398,15 +460,19 @@ def plan_memory(
         batch_size,
         checkpointing,
         offload_activations,
+        keep_on_device,
         lora_r,
         lora_dropout,
         bf16,
+        base_dtype,
         device,
         fused_loss_head,
         double_quant,
         gpu_memory_bytes,
         shape,
     )
+    if setup.offload:
+        setup = replace(setup, keep=_largest_keep(setup) if keep_on_device == "auto" else keep_on_device)
     terms = [
         _weights(setup),
         _lora_params(setup),
@@ -439,8 +505,30 @@ def plan_memory(
         loss_head_materialized=_materialized_loss_head_bytes(setup),
         fits=total <= gpu_memory_bytes,
         terms=terms,
+        offload_keep_on_device=setup.keep,
     )
     return _with_suggestions(shape, plan, _notes(plan, setup), suggest)
+
+
+def _largest_keep(setup: _Setup) -> int:
+    """The most layers whose saved tensors can stay on the GPU with offloading on: each kept layer adds its
+    share to the device and saves the host as much (0 where even none kept does not fit)."""
+    others = sum(
+        term(setup).gpu_bytes
+        for term in (
+            _weights,
+            _lora_params,
+            _gradients,
+            _optimizer,
+            _weight_copies,
+            _loss_head,
+            _cuda_context,
+        )
+    )
+    keep = setup.shape.num_layers
+    while keep > 0 and others + _activations(replace(setup, keep=keep)).gpu_bytes > setup.gpu_memory_bytes:
+        keep -= 1
+    return keep
 
 
 def _with_suggestions(shape: ModelShape, plan: MemoryPlan, notes: list[str], suggest: bool) -> MemoryPlan:
@@ -468,6 +556,16 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
     trained parameter), plus its forward's working copies and activations as the policy's; the reference
     is the base with the adapters off (no memory). The rollout's KV cache lives while no activations do
     (a note compares it)."""
+    if flags["keep_on_device"] == "auto" and flags["offload_activations"] and flags["device"] == "cuda":
+        # the critic's activations are as the policy's: the most kept layers that fit both (bisection)
+        low, high = 0, shape.num_layers
+        while low < high:
+            middle = (low + high + 1) // 2
+            if _ppo_plan(shape, {**flags, "keep_on_device": middle}, suggest=False).fits:
+                low = middle
+            else:
+                high = middle - 1
+        flags = {**flags, "keep_on_device": low}
     method = flags["method"]
     policy = plan_memory(shape, **{**flags, "method": PPO_METHODS[method]}, suggest=False)
     h, gpus, separate = shape.hidden_size, flags["gpus"], method == "ppo"
@@ -483,9 +581,10 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
         "critic", "critic", state + policy.weight_copies + policy.activations, 0, gpus > 1, critic_how
     )
     if separate:
-        how = f"frozen fp32 copy of the policy, 4 B × {_count(shape.params)}"
+        w = 2 if flags["base_dtype"] == "bf16" else 4
+        how = f"frozen {flags['base_dtype']} copy of the policy, {w} B × {_count(shape.params)}"
         how += f" ÷ {gpus} (FSDP2)" if gpus > 1 else ""
-        reference = Term("reference", "reference", _shard(4 * shape.params, gpus), 0, gpus > 1, how)
+        reference = Term("reference", "reference", _shard(w * shape.params, gpus), 0, gpus > 1, how)
     else:
         reference = Term("reference", "reference", 0, 0, False, "the base with the adapters off")
     total = policy.total_per_gpu + critic.gpu_bytes + reference.gpu_bytes
@@ -529,8 +628,9 @@ def _sharded(setup: _Setup, name: str, label: str, total_bytes: int, how: str) -
 def _weights(setup: _Setup) -> Term:
     shape = setup.shape
     if setup.method != "qlora":
-        how = f"fp32, 4 B × {_count(shape.params)} params" + ("" if setup.full else " (frozen base)")
-        return _sharded(setup, "weights", "weights", 4 * shape.params, how)
+        how = f"{setup.base_dtype}, {setup.base_bytes} B × {_count(shape.params)} params"
+        how += "" if setup.full else " (frozen base)"
+        return _sharded(setup, "weights", "weights", setup.base_bytes * shape.params, how)
     quantized = shape.num_layers * shape.layer_linear_params
     others = shape.params - quantized
     how = (
@@ -548,14 +648,22 @@ def _lora_params(setup: _Setup) -> Term:
     return _sharded(setup, "lora_params", "LoRA adapters", 4 * setup.lora_count, how)
 
 
+def _trained_bytes(setup: _Setup) -> int:
+    """Bytes per trained weight: the loaded dtype's in full fine-tuning, fp32 for adapters (peft's)."""
+    return setup.base_bytes if setup.full else 4
+
+
 def _gradients(setup: _Setup) -> Term:
-    how = f"fp32, 4 B × {_count(setup.trainable)}"
-    return _sharded(setup, "gradients", "gradients", 4 * setup.trainable, how)
+    w = _trained_bytes(setup)
+    how = f"{'fp32' if w == 4 else 'bf16'}, {w} B × {_count(setup.trainable)}"
+    return _sharded(setup, "gradients", "gradients", w * setup.trainable, how)
 
 
 def _optimizer(setup: _Setup) -> Term:
-    how = f"fp32 m and v, 8 B × {_count(setup.trainable)}; the fp32 params are the master copy"
-    return _sharded(setup, "optimizer", "optimizer (AdamW m, v)", 8 * setup.trainable, how)
+    w = _trained_bytes(setup)
+    how = f"{'fp32' if w == 4 else 'bf16'} m and v, {2 * w} B × {_count(setup.trainable)}; the params are "
+    how += "the master copy"
+    return _sharded(setup, "optimizer", "optimizer (AdamW m, v)", 2 * w * setup.trainable, how)
 
 
 def _weight_copies(setup: _Setup) -> Term:
@@ -589,6 +697,12 @@ def _cast_copies(setup: _Setup) -> tuple[int, str]:
     """One process: autocast's casts of the weights, or QLoRA's dequantized weight."""
     shape, autocast = setup.shape, setup.regime.autocast
     head_cast = 2 * shape.vocab_size * shape.hidden_size
+    if setup.base_dtype == "bf16" and setup.method != "qlora":  # the weights are bf16 already
+        adapters = 2 * setup.lora_count if autocast and setup.method == "lora" else 0
+        return (
+            adapters,
+            "adapters' bf16 casts (the bf16 weights need none)" if adapters else "none (bf16 weights)",
+        )
     if autocast and setup.fused_loss_head and setup.method in ("full", "lora"):
         adapters = 2 * setup.lora_count if setup.method == "lora" else 0
         how = "one linear's bf16 cast at a time (none kept for backward) + the head's bf16 cast"
@@ -614,14 +728,16 @@ def _activations(setup: _Setup) -> Term:
     per_layer, checkpointing, offload = setup.layer_activations, setup.checkpointing, setup.offload
     x, h = setup.regime.residual, shape.hidden_size
     kept = setup.layer_input if checkpointing else per_layer
-    in_flight = min(layers, 2) if offload else layers
+    offloaded = layers - setup.keep if offload else 0
+    on_device = layers - offloaded + min(offloaded, 2)  # kept, and the offloaded ones in flight
     extras = 2 * shape.head_dim * x + 4 * h + 4 + (x * h if setup.full else 0)  # RoPE cos/sin, final norm
-    activations = tokens * (in_flight * kept + (per_layer if checkpointing else 0) + extras)
-    host = tokens * layers * kept if offload else 0
+    activations = tokens * (on_device * kept + (per_layer if checkpointing else 0) + extras)
+    host = tokens * offloaded * kept
     saved_what = "layer inputs" if checkpointing else f"{per_layer:,} B/token/layer"
-    how = f"{saved_what} × {layers if not offload else in_flight} layers × {tokens:,} tokens"
+    how = f"{saved_what} × {on_device} layers × {tokens:,} tokens"
     how += " + 1 layer recomputed" if checkpointing else ""
-    how += f" (offloaded: {layers} layers to host)" if offload else ""
+    if offload:
+        how += f" (offloaded: {offloaded} layers to host, 2 in flight; {setup.keep} kept on the GPU)"
     return Term("activations", "activations", activations, host, False, how)
 
 
@@ -680,9 +796,9 @@ def _model_load(setup: _Setup) -> Term:
     """A local checkpoint is read tensor by tensor into a model already sharded (fastalign.quant.loading):
     the host holds about one layer (and the embeddings) of the checkpoint at a time, bf16 for QLoRA and
     fp32 otherwise."""
-    shape, qlora = setup.shape, setup.method == "qlora"
-    host = (2 if qlora else 4) * (shape.layer_params + shape.root_params)
-    how = f"{'bf16' if qlora else 'fp32'} checkpoint streamed layer by layer, before training"
+    shape, bf16 = setup.shape, setup.method == "qlora" or setup.base_dtype == "bf16"
+    host = (2 if bf16 else 4) * (shape.layer_params + shape.root_params)
+    how = f"{'bf16' if bf16 else 'fp32'} checkpoint streamed layer by layer, before training"
     return Term("model_load", "model load (host)", 0, host, False, how)
 
 
@@ -699,7 +815,9 @@ def _model_shape(config: PretrainedConfig | ModelShape | str) -> ModelShape:
     return shape_from_config(config)
 
 
-def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device) -> None:
+def _validate(
+    method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype
+) -> None:
     if method not in METHODS:
         raise PlanError("method", f"must be one of {', '.join(METHODS)}, got {method!r}")
     if method in _ONE_PROCESS and gpus != 1:
@@ -715,16 +833,18 @@ def _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memor
             raise PlanError(name, f"must be a positive integer, got {value!r}")
     if not 0 <= lora_dropout < 1:
         raise PlanError("lora_dropout", f"must be in [0, 1), got {lora_dropout!r}")
+    if base_dtype not in BASE_DTYPES:
+        raise PlanError("base_dtype", f"must be 'fp32' or 'bf16', got {base_dtype!r}")
     if device not in ("cuda", "cpu"):
         raise PlanError("device", f"must be 'cuda' or 'cpu', got {device!r}")
 
 
 def _notes(plan: MemoryPlan, setup: _Setup) -> list[str]:
     notes = []
-    if plan.method == "lora":
+    if plan.method == "lora" and plan.base_dtype == "fp32":
         notes.append(
-            f"the frozen base stays fp32 as loaded (fastalign/train/loading.py): {format_bytes(plan.weights)}"
-            " per GPU; bf16 would halve it"
+            f"the frozen base stays fp32 as loaded (TRL's default): {format_bytes(plan.weights)} per GPU; "
+            "loaded in bf16 (dtype: bfloat16, --base-dtype bf16) it takes half"
         )
     if plan.method != "full" and plan.lora_dropout > 0:
         no_dropout = plan_memory(setup.shape, **{**_flags(setup), "lora_dropout": 0.0}, suggest=False)
@@ -815,6 +935,48 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
     ], result.total_per_gpu
 
 
+#: The longest sequence ``longest_sequence`` tries: 16M tokens.
+_MAX_SEQ_LEN = 1 << 24
+
+
+def longest_sequence(
+    config: PretrainedConfig | ModelShape | str,
+    *,
+    method: Method = "full",
+    gpu_memory_bytes: int = 80 * GiB,
+    multiple: int = 256,
+    **flags,
+) -> int:
+    """The longest ``seq_len``, a multiple of ``multiple`` (1: exact), whose plan fits in
+    ``gpu_memory_bytes`` with the other ``plan_memory`` flags; 0 when not even ``multiple`` tokens fit.
+
+    Bisection: the plan grows with the sequence (activations, loss head; offloading's "auto"
+    keep_on_device trades device for host memory, but never past what fits)."""
+    if "seq_len" in flags or "suggest" in flags:
+        raise PlanError("seq_len", "longest_sequence chooses seq_len itself")
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise PlanError("multiple", f"must be a positive integer, got {multiple!r}")
+    shape = _model_shape(config)
+
+    def fits(units: int) -> bool:
+        plan = plan_memory(
+            shape, method=method, gpu_memory_bytes=gpu_memory_bytes, seq_len=units * multiple, suggest=False,
+            **flags,
+        )  # fmt: skip
+        return plan.fits
+
+    low, high = 0, _MAX_SEQ_LEN // multiple  # fits(low) (or low = 0), high: the most tried
+    step = 1
+    while low + step <= high and fits(low + step):  # doubling: a plan is cheap, a long bisection is not
+        low += step
+        step *= 2
+    high = min(high, low + step - 1)
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low * multiple
+
+
 def bits_per_param(double_quant: bool = True) -> float:
     """Bits per quantized weight of NF4 with blocksize 64 (4.127 with double quantization, else 4.5)."""
     return 4 + (8 / 64 + 32 / (64 * 256) if double_quant else 32 / 64)
@@ -829,6 +991,7 @@ __all__ = [
     "Term",
     "bits_per_param",
     "format_bytes",
+    "longest_sequence",
     "parse_memory",
     "plan_memory",
 ]

@@ -92,6 +92,8 @@ class TrainConfig:
     fp16: bool = False  # fp16 autocast with a gradient scaler (one process; not with bf16), as transformers
     gradient_checkpointing: bool = False  # recompute each layer's activations in the backward pass
     activation_offloading: bool = False  # keep saved activations in host memory between passes
+    activation_offloading_keep_on_device: int | str = "auto"  # the last N layers keep theirs on the GPU;
+    # "auto": on CUDA the most that fit by fastalign's memory planner (fastalign plan), 0 elsewhere
     use_liger_kernel: bool = True  # patch_model the model (named as in transformers' TrainingArguments)
     tf32: bool | None = None  # TF32 matmuls on Ampere+ CUDA GPUs (true needs one); None: torch's default
 
@@ -343,6 +345,11 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("optim", lambda value: value in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
     ("eval_split_ratio", lambda value: 0 <= value < 1, "in [0, 1)"),
+    (
+        "activation_offloading_keep_on_device",
+        lambda value: value == "auto" or (type(value) is int and value >= 0),
+        'a number of layers (0 or more) or "auto"',
+    ),
     ("weight_decay", lambda value: value >= 0, "non-negative"),
     ("adam_beta1", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("adam_beta2", lambda value: 0 <= value < 1, "in [0, 1)"),

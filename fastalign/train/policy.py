@@ -63,11 +63,46 @@ def prepare_policy(
     # forward of twice the tokens: those the host pool refuses at its first allocation that does not fit).
     if config.activation_offloading:
         tokens = config.max_length * config.per_device_train_batch_size if ctx.device.type == "cuda" else None
-        memory.enable_activation_offloading(model, tokens=tokens)
+        keep = offload_keep_on_device(model, config, ctx)
+        try:
+            memory.enable_activation_offloading(model, tokens=tokens, keep_on_device=keep)
+        except ValueError as error:  # more layers than the model has
+            raise ConfigError(f"config key 'activation_offloading_keep_on_device': {error}") from None
     model = _place(model, config.model_name_or_path, config, ctx)
     if ctx.device.type == "cpu":  # its layers hand what they free back to the OS as they train
         host_memory.release_between_layers(model)
     return model
+
+
+def offload_keep_on_device(model: torch.nn.Module, config: TrainConfig, ctx: DistributedContext) -> int:
+    """``activation_offloading_keep_on_device``: a number as given; "auto": on CUDA the most layers whose
+    saved tensors the memory planner finds room for on this GPU (``fastalign.plan``, for forwards of
+    max_length × per_device_train_batch_size tokens: a preference pair's two rows, twice that, are left
+    to the host pool's refusal), 0 on the CPU (offloading is a no-op there) and where the planner does not
+    know the model's family. Without ``use_liger_kernel`` it plans the model's own (larger) activations.
+    Bytes the planner underestimated would be an out-of-memory error: it is within a few % of H100
+    measurements."""
+    keep = config.activation_offloading_keep_on_device
+    if keep != "auto":
+        return keep
+    if ctx.device.type != "cuda":
+        return 0
+    from fastalign.plan import PlanError, plan_memory
+
+    method = "qlora" if config.quantization else "lora" if config.use_peft else "full"
+    base_dtype = "bf16" if model_dtype(config, config.model_name_or_path) == torch.bfloat16 else "fp32"
+    try:
+        plan = plan_memory(
+            model.config, method=method, gpus=ctx.world_size, seq_len=config.max_length,
+            batch_size=config.per_device_train_batch_size, checkpointing=config.gradient_checkpointing,
+            offload_activations=True, lora_r=config.lora_r, lora_dropout=config.lora_dropout,
+            gpu_memory_bytes=torch.cuda.get_device_properties(ctx.device).total_memory, bf16=config.bf16,
+            base_dtype=base_dtype, device="cuda",
+            fused_loss_head=config.use_liger_kernel, suggest=False,
+        )  # fmt: skip
+    except PlanError:
+        return 0
+    return plan.offload_keep_on_device
 
 
 def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: DistributedContext):

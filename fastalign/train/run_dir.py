@@ -46,6 +46,7 @@ RESUME_SAFE_KEYS = frozenset(
         "per_device_eval_batch_size",
         "gradient_checkpointing",
         "activation_offloading",
+        "activation_offloading_keep_on_device",
     }
 )
 #: Keys that set the run's length: they may change on resume (to extend or shorten a run) only where the

@@ -17,6 +17,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import fastalign
 from fastalign.builtin import tiny_config, tiny_model
 from fastalign.cli.main import main
 from fastalign.plan import (
@@ -26,6 +27,7 @@ from fastalign.plan import (
     bits_per_param,
     builtin_config,
     format_bytes,
+    longest_sequence,
     parse_memory,
     plan_memory,
     shape_from_config,
@@ -109,10 +111,17 @@ def test_llama3_8b_full_fine_tuning_by_formula():
     )  # autocast's cache: a bf16 copy of every linear weight
     assert unpatched.weight_copies == 2 * layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + 2 * vocab * h
     assert plan.cuda_context == CUDA_CONTEXT_BYTES
-    # Under autocast the residual stream is fp32 (x = 4) and each of q/k/v/gate/up casts its input:
-    # 2·(8h + 4) + 2·5h + 2·(2q + 2kv) + 4·heads + 8i.
-    per_layer = 2 * (8 * h + 4) + 10 * h + 2 * (2 * q + 2 * kv) + 4 * heads + 8 * i
+    # Under autocast the residual stream is fp32 (x = 4). Patched: each fused norm keeps its fp32 input and
+    # 1/rms, q/k/v (gate/up) share one bf16 cast of their input, the MLP keeps gate and up:
+    # 2·(4h + 4) + 2·2h + 2·(2q + 2kv) + 4·heads + 4i.
+    per_layer = 2 * (4 * h + 4) + 4 * h + 2 * (2 * q + 2 * kv) + 4 * heads + 4 * i
     assert plan.layer_activation_bytes_per_token == per_layer
+    # The model's own code: each norm also keeps the normalized input for its weight's gradient, each of
+    # q/k/v/gate/up casts its input, the MLP keeps four [tokens, i] tensors:
+    # 2·(8h + 4) + 2·5h + 2·(2q + 2kv) + 4·heads + 8i.
+    assert unpatched.layer_activation_bytes_per_token == (
+        2 * (8 * h + 4) + 10 * h + 2 * (2 * q + 2 * kv) + 4 * heads + 8 * i
+    )
     tokens = 4096
     extras = 2 * 128 * 4 + 4 * h + 4 + 4 * h  # RoPE cos/sin, final norm
     assert plan.activations == tokens * (layers * 4 * h + per_layer + extras)
@@ -121,8 +130,13 @@ def test_llama3_8b_full_fine_tuning_by_formula():
 
     sharded = plan_memory("llama-3-8b", method="full", gpus=8, seq_len=4096)
     assert sharded.weights == math.ceil(4 * params / 8) and sharded.optimizer == 8 * params // 8
-    # FSDP2 bf16: bf16 residual stream, one shared input per norm: 16h + 8 + 2·(2q + 2kv) + 4·heads + 8i.
-    assert sharded.layer_activation_bytes_per_token == 16 * h + 8 + 2 * (2 * q + 2 * kv) + 4 * heads + 8 * i
+    # FSDP2 bf16, patched: bf16 residual stream, one shared input per norm:
+    # 8h + 8 + 2·(2q + 2kv) + 4·heads + 4i.
+    assert sharded.layer_activation_bytes_per_token == 8 * h + 8 + 2 * (2 * q + 2 * kv) + 4 * heads + 4 * i
+
+    bf16 = plan_memory("llama-3-8b", method="full", base_dtype="bf16", seq_len=4096, checkpointing=True)
+    assert bf16.weights == bf16.gradients == 2 * params and bf16.optimizer == 4 * params  # all in bf16
+    assert bf16.weight_copies == 0  # nothing to cast
 
 
 def test_qlora_llama3_70b_weights_and_adapters():
@@ -198,26 +212,36 @@ def _saved_bytes_per_token(model: torch.nn.Module, autocast: bool) -> int:
     return sum(nbytes for ptr, nbytes in seen[1].items() if ptr not in seen[0]) // _TOKENS
 
 
-# (method, gpus, bf16, lora_dropout): how the engine runs; the tiny model reproduces its dtypes on CPU.
+# (method, gpus, bf16, lora_dropout, base_dtype): how the engine runs; the tiny model reproduces its dtypes
+# on CPU.
 _REGIMES = [
-    ("full", 1, False, 0.0),  # fp32
-    ("full", 1, True, 0.0),  # single process: autocast over fp32 weights
-    ("full", 2, True, 0.0),  # FSDP2 mixed precision: bf16 weights and activations
-    ("lora", 1, False, 0.0),
-    ("lora", 1, False, 0.05),
-    ("lora", 1, True, 0.0),
-    ("lora", 1, True, 0.05),
-    ("lora", 2, True, 0.0),
-    ("lora", 2, True, 0.05),
-    ("qlora", 1, True, 0.0),  # bf16 base (stands in for NF4: neither saves its input), fp32 adapters
-    ("qlora", 1, True, 0.05),
+    ("full", 1, False, 0.0, "fp32"),  # fp32
+    ("full", 1, True, 0.0, "fp32"),  # single process: autocast over fp32 weights
+    ("full", 2, True, 0.0, "fp32"),  # FSDP2 mixed precision: bf16 weights and activations
+    ("full", 1, True, 0.0, "bf16"),  # loaded in bf16 (dtype: bfloat16)
+    ("lora", 1, False, 0.0, "fp32"),
+    ("lora", 1, False, 0.05, "fp32"),
+    ("lora", 1, True, 0.0, "fp32"),
+    ("lora", 1, True, 0.05, "fp32"),
+    ("lora", 1, True, 0.05, "bf16"),  # a bf16 base under autocast, fp32 adapters
+    ("lora", 2, True, 0.0, "fp32"),
+    ("lora", 2, True, 0.05, "fp32"),
+    ("qlora", 1, True, 0.0, "fp32"),  # bf16 base (stands in for NF4: neither saves its input), fp32 adapters
+    ("qlora", 1, True, 0.05, "fp32"),
 ]
 
 
-@pytest.mark.parametrize(("method", "gpus", "bf16", "dropout"), _REGIMES)
-def test_layer_activation_formula_matches_saved_tensors(method, gpus, bf16, dropout):
-    bf16_weights = (gpus > 1 and bf16) or method == "qlora"
+@pytest.mark.parametrize("patched", [False, True], ids=["model's own code", "patched"])
+@pytest.mark.parametrize(("method", "gpus", "bf16", "dropout", "base_dtype"), _REGIMES)
+def test_layer_activation_formula_matches_saved_tensors(method, gpus, bf16, dropout, base_dtype, patched):
+    """Unpatched (``fused_loss_head=False``: SFT without ``use_liger_kernel``) and patched as the engine
+    patches (``fastalign.train.policy``: the model, then its new adapters). The patch leaves RoPE out
+    here: on CUDA its kernel keeps nothing per layer and returns q and k in their layout, while its CPU
+    reference returns them contiguous, which makes the attention output a copy, not a view, for o_proj."""
+    bf16_weights = (gpus > 1 and bf16) or method == "qlora" or base_dtype == "bf16"
     model = tiny_model("llama", dtype=torch.bfloat16 if bf16_weights else torch.float32, **_DIMS)
+    if patched:
+        fastalign.patch_model(model, rope=False)
     if method != "full":
         lora = peft.LoraConfig(
             r=_RANK, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM"
@@ -225,16 +249,20 @@ def test_layer_activation_formula_matches_saved_tensors(method, gpus, bf16, drop
         model = peft.get_peft_model(model, lora)  # adapters in fp32, as the engine's
         if gpus > 1:
             model = model.to(torch.bfloat16)  # FSDP2 computes the adapters in bf16 too
+        if patched:
+            fastalign.patching.patch_lora_layers(model)
     model.train()
     plan = plan_memory(
         tiny_config("llama", **_DIMS),
         method=method,
         gpus=gpus,
         bf16=bf16,
+        base_dtype=base_dtype,
         device="cpu",
         lora_r=_RANK,
         lora_dropout=dropout,
         seq_len=_TOKENS,
+        fused_loss_head=patched,
     )
     assert plan.layer_activation_bytes_per_token == _saved_bytes_per_token(model, autocast=bf16 and gpus == 1)
 
@@ -248,8 +276,8 @@ def test_checkpointing_offloading_and_gpus_move_memory_the_right_way(method):
     base = dict(method=method, seq_len=8192, gpu_memory_bytes=80 * GiB)
     plain = plan_memory("llama-3-8b", **base)
     checkpointed = plan_memory("llama-3-8b", **base, checkpointing=True)
-    offloaded = plan_memory("llama-3-8b", **base, offload_activations=True)
-    both = plan_memory("llama-3-8b", **base, checkpointing=True, offload_activations=True)
+    offloaded = plan_memory("llama-3-8b", **base, offload_activations=True, keep_on_device=0)
+    both = plan_memory("llama-3-8b", **base, checkpointing=True, offload_activations=True, keep_on_device=0)
     assert checkpointed.activations < plain.activations / 4
     assert offloaded.activations < plain.activations / 4 and plain.activations_host == 0
     assert offloaded.activations_host == 32 * 8192 * plain.layer_activation_bytes_per_token
@@ -279,6 +307,38 @@ def test_checkpointing_offloading_and_gpus_move_memory_the_right_way(method):
         }
         previous = sharded
     assert plan_memory("llama-3-8b", **base, batch_size=2).activations > plain.activations
+
+
+def test_keep_on_device_moves_layer_inputs_from_host_to_gpu_and_auto_takes_the_most_that_fit():
+    """Offloading with checkpointing: the host holds the inputs of the layers not kept, the GPU those kept
+    and two offloaded ones in flight; "auto" keeps the most layers that fit, none where nothing fits."""
+    base = dict(method="lora", base_dtype="bf16", seq_len=16384, checkpointing=True, offload_activations=True)
+    layers, tokens = 32, 16384
+    none = plan_memory("llama-3-8b", **base, keep_on_device=0, suggest=False)
+    layer = tokens * none.layer_input_bytes_per_token  # one layer's input: 2 B × h per token
+    assert none.activations_host == layers * layer and none.offload_keep_on_device == 0
+    for keep in (1, 10, 30, 31):
+        kept = plan_memory("llama-3-8b", **base, keep_on_device=keep, suggest=False)
+        assert kept.offload_keep_on_device == keep
+        assert kept.activations_host == (layers - keep) * layer
+        in_flight = min(layers - keep, 2)  # of the offloaded layers
+        assert kept.activations - none.activations == (keep + in_flight - 2) * layer
+    everything = plan_memory("llama-3-8b", **base, keep_on_device=layers, suggest=False)
+    assert everything.activations_host == 0
+    assert (
+        everything.total_per_gpu
+        == plan_memory("llama-3-8b", **{**base, "offload_activations": False}).total_per_gpu
+    )
+
+    budget = none.total_per_gpu + 5 * layer + layer // 2  # room for five more layers
+    auto = plan_memory("llama-3-8b", **base, gpu_memory_bytes=budget, suggest=False)
+    assert auto.offload_keep_on_device == 5 and auto.fits and auto.activations_host == 27 * layer
+    tight = plan_memory("llama-3-8b", **base, gpu_memory_bytes=none.total_per_gpu - 1, suggest=False)
+    assert tight.offload_keep_on_device == 0 and not tight.fits
+    assert plan_memory("llama-3-8b", **base).offload_keep_on_device == layers  # 80 GB: nothing to offload
+    assert plan_memory("llama-3-8b", **{**base, "offload_activations": False}).offload_keep_on_device == 0
+    with pytest.raises(PlanError, match="must be 'auto' or 0 to 32 layers, got 33"):
+        plan_memory("llama-3-8b", **base, keep_on_device=33)
 
 
 def test_offloading_is_a_no_op_on_cpu():
@@ -327,7 +387,7 @@ def _cli_json(capsys, argv: list[str]) -> dict:
             "--gpu-memory",
             "40GB",
             "--seq-len",
-            "16384",
+            "32768",
         ],
     ],
 )
@@ -605,3 +665,61 @@ def test_a_family_the_count_does_not_describe_is_refused():
         actual = sum(p.numel() for p in AutoModelForCausalLM.from_config(olmo2).parameters())
     assert shape_from_config(olmo2).params != actual
     assert shape_from_config(olmo2).params == pytest.approx(actual, rel=PARAMS_TOLERANCE)
+
+
+# (shape, method, base_dtype, tokens, checkpointing, offloading, measured peak GiB): H100 measurements of
+# 2026-11-26 at commit 20b375b (``fastalign bench gpu``, benchmarks/gpu/lora_step.py: random weights, bf16
+# autocast, LoRA r16 all-linear, dropout 0.05, fastalign.patch_model, transformers 5.17): peak of
+# ``torch.cuda.max_memory_allocated`` over two or three AdamW steps, which leaves out the CUDA context.
+_H100_PEAKS = [
+    ("llama-3-70b", "qlora", "fp32", 8192, True, False, 54.94),
+    ("llama-3-70b", "qlora", "fp32", 8192, True, True, 46.08),
+    ("llama-3-70b", "qlora", "fp32", 12106, True, True, 49.02),
+    ("llama-3-8b", "lora", "bf16", 4096, False, False, 42.38),
+    ("llama-3-8b", "lora", "bf16", 16384, True, False, 24.97),
+    ("llama-3-8b", "lora", "bf16", 16384, True, True, 21.49),
+]
+
+
+@pytest.mark.parametrize(("shape", "method", "base_dtype", "tokens", "ckpt", "offload", "peak"), _H100_PEAKS)
+def test_predictions_match_the_h100_measurements(shape, method, base_dtype, tokens, ckpt, offload, peak):
+    plan = plan_memory(
+        shape,
+        method=method,
+        base_dtype=base_dtype,
+        seq_len=tokens,
+        checkpointing=ckpt,
+        offload_activations=offload,
+        keep_on_device=0,
+        lora_r=16,
+        lora_dropout=0.05,
+        suggest=False,
+    )  # fmt: skip  (the measurements offloaded every layer)
+    predicted = (plan.total_per_gpu - plan.cuda_context) / GiB
+    assert predicted == pytest.approx(peak, rel=0.10)
+
+
+def test_longest_sequence_is_the_last_length_that_fits():
+    flags = dict(method="qlora", checkpointing=True, gpu_memory_bytes=48 * GiB)
+    for offload in (False, True):
+        longest = longest_sequence("llama-3-70b", **flags, offload_activations=offload)
+        exact = longest_sequence("llama-3-70b", **flags, offload_activations=offload, multiple=1)
+        assert longest % 256 == 0 and longest <= exact < longest + 256
+        assert plan_memory("llama-3-70b", **flags, offload_activations=offload, seq_len=exact).fits
+        assert not plan_memory("llama-3-70b", **flags, offload_activations=offload, seq_len=exact + 1).fits
+    assert longest_sequence("llama-3-70b", method="qlora", gpu_memory_bytes=24 * GiB) == 0  # weights alone
+    with pytest.raises(PlanError, match="longest_sequence chooses seq_len"):
+        longest_sequence("tiny-llama", seq_len=128)
+
+
+def test_cli_longest_prints_both_lengths(capsys):
+    argv = ["plan", "--model", "llama-3-70b", "--method", "qlora", "--checkpointing", "--gpu-memory", "48GB"]
+    assert main([*argv, "--longest", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    flags = dict(method="qlora", checkpointing=True, gpu_memory_bytes=48 * GiB)
+    assert result["longest_seq_len"] == longest_sequence("llama-3-70b", **flags)
+    offloaded = longest_sequence("llama-3-70b", **flags, offload_activations=True)
+    assert result["longest_seq_len_offloaded"] == offloaded > result["longest_seq_len"]
+    assert main([*argv, "--longest"]) == 0
+    line = capsys.readouterr().out
+    assert f"{result['longest_seq_len']:,} tokens; with --offload-activations: {offloaded:,} tokens" in line
