@@ -194,3 +194,33 @@ def test_tiled_mlp_without_gradients_runs_tile_by_tile():
     with torch.no_grad():
         assert torch.equal(tiled_mlp(fn, x, TILE), 2 * x)
     assert seen == [TILE] * 7 + [3]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])  # separate gate and up, one fused gate_up
+def test_patch_model_tiled_mlp_under_checkpointing_equals_untiled(model_type, monkeypatch):
+    """``patch_model(tiled_mlp=True)`` with activation checkpointing: the loss and every gradient of the
+    untiled, uncheckpointed patched model in float64 (and ``FASTALIGN_TILED_MLP=1`` turns it on)."""
+    import copy
+
+    import fastalign
+    from fastalign.builtin import tiny_model
+    from tests.patching.test_patch_model import padded_batch
+
+    batch = padded_batch()
+    untiled = fastalign.patch_model(tiny_model(model_type, dtype=torch.float64), backend="torch")
+    monkeypatch.setenv("FASTALIGN_TILED_MLP", "1")
+    tiled = fastalign.patch_model(copy.deepcopy(untiled), backend="torch", tiled_mlp_budget_mib=0.02)
+    mlp, tokens = tiled.model.layers[0].mlp, batch["input_ids"].numel()
+    assert (
+        1
+        < mlp_tile_tokens(mlp, torch.zeros(1, tiled.config.hidden_size, dtype=torch.float64), 2**20 // 50)
+        < tokens
+    )
+    tiled.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tiled.train(), untiled.train()
+    losses = [model(**batch).loss for model in (untiled, tiled)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    for (name, a), (_, b) in zip(untiled.named_parameters(), tiled.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)
