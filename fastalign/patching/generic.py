@@ -123,6 +123,7 @@ def generic_plan(
     loss: bool,
     return_logits: bool,
     backend: Backend,
+    tile_budget: int | None = None,
 ) -> GenericPlan:
     """Probe ``causal_lm`` (a transformers model with a decoder body ``.model``, and ``.lm_head`` when
     ``loss``) and plan the forwards that reproduce it; see the module docstring."""
@@ -132,7 +133,8 @@ def generic_plan(
         return GenericPlan.nothing(model_type, why)
     wanted = {"rms_norm": rms_norm, "mlp": mlp, "rope": rope}
     try:
-        return _plan(causal_lm, [piece for piece in _PROBES if wanted[piece]], loss, return_logits, backend)
+        pieces = [piece for piece in _PROBES if wanted[piece]]
+        return _plan(causal_lm, pieces, loss, return_logits, backend, tile_budget)
     except Exception as error:  # the model's own code, whatever it raises: then it stays as it is
         why = f"the probe failed ({type(error).__name__}: {one_line(error)})"
         return GenericPlan.nothing(model_type, why)
@@ -185,14 +187,16 @@ def _mlp_layout(module: nn.Module) -> str | None:
     return None
 
 
-def _probe_mlp(module: nn.Module, args: tuple, kwargs: dict, backend: Backend) -> Found:
+def _probe_mlp(
+    module: nn.Module, args: tuple, kwargs: dict, backend: Backend, tile_budget: int | None = None
+) -> Found:
     layout = _mlp_layout(module)
     if not isinstance(getattr(module, "act_fn", None), nn.Module):
         return "no act_fn module"
     probe = _fp32_copy(module)
     for dropout in (False, True) if hasattr(module, "residual_dropout") else (False,):
         for gelu, activation in ((False, "SiLU"), (True, "tanh-GeLU")):
-            function = gated_mlp_forward(layout, gelu, dropout, backend)
+            function = gated_mlp_forward(layout, gelu, dropout, backend, tile_budget)
             if _error(probe, function, args, kwargs) <= MODULE_TOLERANCE:
                 return f"down({activation}(gate)·up){' + dropout' if dropout else ''}", function
     return "not down(act(gate)·up) with SiLU or tanh-GeLU"
@@ -230,10 +234,15 @@ def _logit_scales(config: PretrainedConfig) -> list[tuple[str, Callable[[Pretrai
 
 
 def _plan(
-    causal_lm: nn.Module, pieces: list[str], loss: bool, return_logits: bool, backend: Backend
+    causal_lm: nn.Module,
+    pieces: list[str],
+    loss: bool,
+    return_logits: bool,
+    backend: Backend,
+    tile_budget: int | None,
 ) -> GenericPlan:
     """``generic_plan``'s probe, unguarded: the module ``pieces`` (names in ``_PROBES``) and, with
-    ``loss``, the head."""
+    ``loss``, the head; the MLPs found are tiled with ``tile_budget`` (``gated_mlp_forward``)."""
     config = causal_lm.config
     candidates = [
         (piece, module)
@@ -253,7 +262,8 @@ def _plan(
             refused.setdefault(key, []).append("not called by the model's forward")
             continue
         try:
-            result = _PROBES[piece][1](module, *inputs[module], backend)
+            options = {"tile_budget": tile_budget} if piece == "mlp" else {}
+            result = _PROBES[piece][1](module, *inputs[module], backend, **options)
         except Exception as error:  # e.g. a quantized layer that has no fp32 copy
             result = f"its probe failed ({type(error).__name__}: {one_line(error)})"
         if isinstance(result, str):

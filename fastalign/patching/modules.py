@@ -17,6 +17,8 @@ from torch import nn
 from fastalign.ops import apply_rotary_pos_emb, geglu, glu_linear, rms_norm, swiglu
 from fastalign.ops.autocast_linear import autocast_linear
 from fastalign.ops.backend import Backend
+from fastalign.ops.tiled import tile_tokens, tiled_mlp
+from fastalign.patching.lora import is_lora_linear
 
 
 def rms_norm_forward(gemma: bool, backend: Backend) -> Callable:
@@ -35,9 +37,14 @@ def linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return autocast_linear(x, self.weight, self.bias)
 
 
-def gated_mlp_forward(layout: str, gelu: bool, dropout: bool, backend: Backend) -> Callable:
+def gated_mlp_forward(
+    layout: str, gelu: bool, dropout: bool, backend: Backend, tile_budget: int | None = None
+) -> Callable:
     """``down(act(gate) · up)``; with ``dropout``, followed by the module's
-    ``dropout(p=self.residual_dropout)`` (the same call on the same tensor: the same mask)."""
+    ``dropout(p=self.residual_dropout)`` (the same call on the same tensor: the same mask).
+
+    With ``tile_budget`` (bytes), a sequence longer than one tile runs in token tiles of about that
+    working set each, forward and backward (``fastalign.ops.tiled``); a shorter one runs as without."""
     glu = geglu if gelu else swiglu
 
     def gate_up(self: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,20 +52,39 @@ def gated_mlp_forward(layout: str, gelu: bool, dropout: bool, backend: Backend) 
             return self.gate_up_proj(x).chunk(2, dim=-1)
         return self.gate_proj(x), self.up_proj(x)
 
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up(self, x)
         down = self.down_proj
         if _plain_linear(down) and (
             down.weight.dtype == gate.dtype or torch.is_autocast_enabled(x.device.type)
         ):
-            out = glu_linear(
-                gate, up, down.weight, down.bias, gelu=gelu, backend=backend
-            )  # keeps gate, up only
-        else:  # LoRA, 4-bit or hooked projections: the module itself
-            out = down(glu(gate, up, backend=backend))
+            # keeps gate, up only
+            return glu_linear(gate, up, down.weight, down.bias, gelu=gelu, backend=backend)
+        return down(glu(gate, up, backend=backend))  # LoRA, 4-bit or hooked projections: the module itself
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        size = None if tile_budget is None else mlp_tile_tokens(self, x, tile_budget)
+        if size is None or x.numel() // x.shape[-1] <= size:
+            out = mlp(self, x)
+        else:
+            trained = [p for p in self.parameters() if p.requires_grad]
+            out = tiled_mlp(lambda tile: mlp(self, tile), x, size, trained)
         return F.dropout(out, p=self.residual_dropout, training=self.training) if dropout else out
 
     return forward
+
+
+def mlp_tile_tokens(module: nn.Module, x: torch.Tensor, budget: int) -> int:
+    """Tokens per tile of a gated MLP within ``budget`` bytes: a token's gate and up outputs and its
+    output (``2·intermediate + hidden`` elements of the compute dtype), twice for backward (their
+    gradients beside them), and twice again with LoRA adapters (each adapted projection's dropped-out
+    input and update beside its base output)."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    intermediate = getattr(module, "intermediate_size", None) or module.down_proj.in_features
+    lora = any(is_lora_linear(child) for child in module.children())
+    per_token = (2 * intermediate + x.shape[-1]) * dtype.itemsize * 2 * (2 if lora else 1)
+    return tile_tokens(budget, per_token)
 
 
 def experts_forward(gelu: bool, backend: Backend) -> Callable:

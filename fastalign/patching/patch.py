@@ -10,6 +10,7 @@ device or dtype before or after patching keeps working.
 from __future__ import annotations
 
 import logging
+import os
 import types
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from fastalign.models.structure import base_model
 from fastalign.ops.backend import BACKENDS, Backend
+from fastalign.ops.tiled import DEFAULT_BUDGET_MIB
 from fastalign.patching.causal_lm import fused_causal_lm_forward
 from fastalign.patching.families import FAMILIES, GATED_ACTIVATIONS, Family, family_of
 from fastalign.patching.generic import generic_plan
@@ -109,6 +111,8 @@ def patch_model(
     return_logits: bool = False,
     backend: Backend = "auto",
     generic: bool = False,
+    tiled_mlp: bool | None = None,
+    tiled_mlp_budget_mib: float | None = None,
 ) -> nn.Module:
     """Make a supported Hugging Face causal LM use fastalign's kernels, in place; returns the model.
 
@@ -137,6 +141,13 @@ def patch_model(
             on random tokens proves equal to the model's own forward (``fastalign.patching.generic``: the
             model must hold its weights). What it patched and why not the rest is logged at INFO
             (``generic_report`` returns it); ``patched_pieces`` counts the patched modules.
+        tiled_mlp: with ``mlp``, a patched gated MLP given more tokens than one tile runs (with its LoRA
+            adapters) in token tiles in forward and again in backward, keeping only its input
+            (``fastalign.ops.tiled``): at long context a layer's working set is a tile's, not the
+            sequence's [tokens, intermediate]. None: the ``FASTALIGN_TILED_MLP`` environment variable
+            (``1`` turns it on).
+        tiled_mlp_budget_mib: the working set of one tile in MiB, which sizes the tiles; None:
+            ``FASTALIGN_TILED_MLP_BUDGET_MIB``, else 256.
 
     Patching again replaces the earlier patch (so options can change); ``unpatch_model`` restores the
     original.
@@ -145,10 +156,13 @@ def patch_model(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     causal_lm = _base_causal_lm(model, head=loss, generic=generic)
     config = causal_lm.config
+    tile_budget = _tile_budget(tiled_mlp, tiled_mlp_budget_mib)
     if generic and config.model_type not in FAMILIES:
         unpatch_model(model)
         pieces = dict(rms_norm=rms_norm, rope=rope, mlp=mlp, loss=loss)
-        plan = generic_plan(causal_lm, **pieces, return_logits=return_logits, backend=backend)
+        plan = generic_plan(
+            causal_lm, **pieces, return_logits=return_logits, backend=backend, tile_budget=tile_budget
+        )
         logger.info("fastalign: %s", plan.report.summary())
         for piece, module, function in plan.forwards:
             _set_forward(module, function, piece)
@@ -172,7 +186,8 @@ def patch_model(
             _set_forward(module, rms_norm_forward(family.norm == "gemma", backend), "rms_norm")
         elif mlp and family.mlp and name.endswith("MLP"):
             gelu = GATED_ACTIVATIONS[activation]
-            _set_forward(module, gated_mlp_forward(family.mlp, gelu, family.mlp_dropout, backend), "mlp")
+            forward = gated_mlp_forward(family.mlp, gelu, family.mlp_dropout, backend, tile_budget)
+            _set_forward(module, forward, "mlp")
         elif mlp and family.experts and name.endswith("Experts"):
             gelu = GATED_ACTIVATIONS[activation]
             _set_forward(module, experts_forward(gelu, backend), "experts")
@@ -188,6 +203,20 @@ def patch_model(
     if lora:
         patch_lora_layers(model)
     return model
+
+
+def _tile_budget(tiled: bool | None, budget_mib: float | None) -> int | None:
+    """``patch_model``'s tiling options (or their environment variables) as a tile budget in bytes, or
+    None for untiled MLPs."""
+    if tiled is None:
+        tiled = os.environ.get("FASTALIGN_TILED_MLP", "0") not in ("", "0")
+    if not tiled:
+        return None
+    if budget_mib is None:
+        budget_mib = float(os.environ.get("FASTALIGN_TILED_MLP_BUDGET_MIB", DEFAULT_BUDGET_MIB))
+    if budget_mib <= 0:
+        raise ValueError(f"tiled_mlp_budget_mib must be > 0, got {budget_mib}")
+    return int(budget_mib * 2**20)
 
 
 def patch_lora_layers(model: nn.Module) -> int:

@@ -94,6 +94,9 @@ class TrainConfig:
     activation_offloading: bool = False  # keep saved activations in host memory between passes
     activation_offloading_keep_on_device: int | str = "auto"  # the last N layers keep theirs on the GPU;
     # "auto": on CUDA the most that fit by fastalign's memory planner (fastalign plan), 0 elsewhere
+    tiled_mlp: bool = False  # run each gated MLP (LoRA included) in token tiles in forward and backward
+    # (needs use_liger_kernel): at long context a layer's MLP working set is a tile's, not the sequence's
+    tiled_mlp_budget_mib: float = 256  # one tile's working set in MiB, which sizes the tiles
     use_liger_kernel: bool = True  # patch_model the model (named as in transformers' TrainingArguments)
     tf32: bool | None = None  # TF32 matmuls on Ampere+ CUDA GPUs (true needs one); None: torch's default
 
@@ -354,6 +357,7 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("adam_beta1", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("adam_beta2", lambda value: 0 <= value < 1, "in [0, 1)"),
     ("adam_epsilon", lambda value: value > 0, "positive"),
+    ("tiled_mlp_budget_mib", lambda value: value > 0, "positive"),
     ("max_grad_norm", lambda value: value > 0, "positive (clipping to 0 would zero every gradient)"),
     ("seed", lambda value: 0 <= value < 2**32, "in [0, 2**32)"),
     *((key, lambda value: value is None or value.strip() != "", "a non-empty string") for key in _NOT_BLANK),
@@ -719,6 +723,8 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
             "freezes the base weights in 4 bits: it needs use_peft: true "
             "(QLoRA trains LoRA adapters on them)",
         )
+    if config.tiled_mlp and not config.use_liger_kernel:
+        _fail(where, "tiled_mlp", "tiles the patched MLPs: it needs use_liger_kernel: true")
     bound = "epsilon_high" if config.epsilon_high is not None else "epsilon"  # as GRPOLoss clips
     if config.delta is not None and config.delta <= 1 + getattr(config, bound):
         _fail(

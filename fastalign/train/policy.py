@@ -241,7 +241,8 @@ def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedCo
 def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool, *, lm_head: bool) -> None:
     """``lm_head``: whether the model has an LM head (a reward model's body is patched all the same)."""
     if config.use_liger_kernel:
-        fastalign.patch_model(model, loss=lm_head)
+        tiles = dict(tiled_mlp=config.tiled_mlp, tiled_mlp_budget_mib=config.tiled_mlp_budget_mib)
+        fastalign.patch_model(model, loss=lm_head, **tiles)
     elif needs_fused_head:
         fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False, linear=False)
 

@@ -237,6 +237,7 @@ def test_malformed_flags_fail_in_one_line(flags, message):
             "(warmup_ratio decides), got 2.5",
         ),
         ("save_total_limit", "0", "must be at least 1, or null to keep all, got 0"),
+        ("tiled_mlp_budget_mib", "0", "must be positive, got 0.0"),
         (
             "report_to",
             "[wandb, mlflow]",
@@ -249,6 +250,16 @@ def test_bad_values_fail_naming_the_key_and_where(tmp_path, key, value, wanted):
     assert config_error(path) == f"config key {key!r} (in {path}) {wanted}"
     flag = [f"--{key}", value.strip("[]").replace(" ", "")]
     assert config_error(None, flag).startswith(f"config key {key!r} (on the command line) {wanted}")
+
+
+def test_tiled_mlp_needs_the_patched_model():
+    flags = ["--tiled_mlp", "true", "--use_liger_kernel", "false"]
+    assert config_error(None, flags) == (
+        "config key 'tiled_mlp' (on the command line) tiles the patched MLPs: it needs use_liger_kernel: true"
+    )
+    assert (
+        load_config(None, ["--tiled_mlp", "true", "--tiled_mlp_budget_mib", "64"]).tiled_mlp_budget_mib == 64
+    )
 
 
 def test_boundary_values_are_accepted():
