@@ -268,9 +268,9 @@ class GRPOLoss(CompletionLoss):
         """Masked means over this micro-batch's completion tokens, as TRL logs them; at sequence level
         the clip fractions are the mean over completions of each completion's flag. ``clip``: each
         completion's low- and high-clipped shares (``completion_clip_fractions``), whose smallest and
-        largest (NaN-skipping: a completion without tokens has none) TRL logs as ``clip_ratio/low_min``
-        and ``clip_ratio/high_max``; over this micro-batch (a trainer with several ranks takes the
-        extremes over all of them: ``fastalign.train.objectives.grpo``)."""
+        largest (NaN-skipping: a completion without tokens has none; 0 when none has any) TRL logs as
+        ``clip_ratio/low_min`` and ``clip_ratio/high_max``; over this micro-batch (a trainer with
+        several ranks takes the extremes over all of them: ``fastalign.train.objectives.grpo``)."""
         tokens = mask.sum().clamp(min=1.0)
         _, kl, low, high, region = sums / tokens
         if log_weights is not None:
@@ -303,7 +303,8 @@ class GRPOLoss(CompletionLoss):
 
 
 def _nan_extreme(values: Tensor, extreme: Callable[[Tensor], Tensor]) -> Tensor:
-    """``extreme`` (torch.min or torch.max) of the values that are not NaN; NaN when all are (TRL's
-    ``nanmin``/``nanmax``)."""
+    """``extreme`` (torch.min or torch.max) of the values that are not NaN (TRL's ``nanmin``/``nanmax``);
+    0 when all are, where TRL's is NaN: a micro-batch without a completion token (all truncated and
+    masked, say) leaves every metric finite, as the others, and the step's sum of them too."""
     kept = values[~values.isnan()]
-    return extreme(kept) if kept.numel() else values.new_full((), float("nan"))
+    return extreme(kept) if kept.numel() else values.new_zeros(())

@@ -448,28 +448,30 @@ class RolloutObjective(PromptObjective):
         result = output.head_output
         share = self.batch_loss_terms(batch) / num_items_in_batch
         loss = result.loss if self.normalises else result.loss * share
-        metrics = {key: value * share for key, value in self._global_extremes(result.metrics).items()}
+        metrics = {key: value * share for key, value in self._global_extremes(result.metrics, batch).items()}
         if self.router_aux is None:
             return loss, metrics
         return self.router_aux.add(model, loss, output, metrics)
 
-    def _global_extremes(self, metrics: dict) -> dict:
+    def _global_extremes(self, metrics: dict, batch: dict) -> dict:
         """TRL gathers every rank's per-completion clip shares of a micro-batch and logs their smallest
         (``clip_ratio/low_min``) and largest (``clip_ratio/high_max``): the loss's own are this rank's,
-        so they become the extremes over all ranks (NaN-skipping, as TRL's ``nanmin``/``nanmax``; each
-        rank's micro-batches come in step, so the collective pairs them). Then, like every metric, they
+        so they become the extremes over all ranks (each rank's micro-batches come in step, so the
+        collective pairs them). A rank whose micro-batch has no completion token (its 0 stands for
+        TRL's NaN) takes no part, as TRL's ``nanmin``/``nanmax`` skip it. Then, like every metric, they
         are weighted by the micro-batch's share: over the step, the mean of its micro-batches' values,
         as TRL averages its logged list."""
         if not self.ctx.enabled or "clip_ratio/low_min" not in metrics:
             return metrics
         low, high = metrics["clip_ratio/low_min"], metrics["clip_ratio/high_max"]
-        inf = float("inf")
-        found = all_reduce_max(torch.stack([-low.nan_to_num(nan=inf), high.nan_to_num(nan=-inf)]), self.ctx)
-        low_min, high_max = (-found[0]), found[1]
+        if not bool(batch["completion_mask"].any()):
+            low, high = torch.full_like(low, float("inf")), torch.full_like(high, float("-inf"))
+        found = all_reduce_max(torch.stack([-low, high]), self.ctx)
+        low_min, high_max = -found[0], found[1]
         return {
             **metrics,
-            "clip_ratio/low_min": torch.where(low_min.isinf(), float("nan"), low_min),
-            "clip_ratio/high_max": torch.where(high_max.isinf(), float("nan"), high_max),
+            "clip_ratio/low_min": torch.where(low_min.isinf(), 0.0, low_min),
+            "clip_ratio/high_max": torch.where(high_max.isinf(), 0.0, high_max),
         }
 
     # ---------------------------------------------------------------------------------------------
