@@ -19,6 +19,7 @@ from fastalign.ops.backend import Backend
 from fastalign.ops.grpo import (
     TokenLossConfig,
     TokenLossInputs,
+    completion_clip_fractions,
     grpo_token_objective,
     high_entropy_mask,
     sequence_log_weights,
@@ -208,7 +209,8 @@ class GRPOLoss(CompletionLoss):
                 backend=self.backend,
             )
             log_weights = sequence_log_weights(logps.detach(), mask, old_per_token_logps)
-            metrics = self._metrics(sums, mask, entropy.detach(), advantages, log_weights)
+            clip = completion_clip_fractions(logps, mask, advantages, self.config, old_per_token_logps)
+            metrics = self._metrics(sums, mask, entropy.detach(), clip, advantages, log_weights)
             return GRPOLossOutput(loss, metrics, logps.detach())
         if self.top_entropy_quantile < 1.0:
             return self._entropy_masked(
@@ -220,7 +222,8 @@ class GRPOLoss(CompletionLoss):
         objective = grpo_token_objective(inputs, self.config, self.backend)
         result = token_objective(hidden, weight, targets, objective, bias, **self.fused_options())
         sums = torch.cat([result.loss.detach().reshape(1), result.aux])
-        return GRPOLossOutput(result.loss, self._metrics(sums, mask, result.entropy), result.logprobs)
+        clip = completion_clip_fractions(result.logprobs, mask, advantages, self.config, old_per_token_logps)
+        return GRPOLossOutput(result.loss, self._metrics(sums, mask, result.entropy, clip), result.logprobs)
 
     def _entropy_masked(
         self, hidden, weight, bias, targets, mask, advantages, seq_weight, old, ref
@@ -258,11 +261,16 @@ class GRPOLoss(CompletionLoss):
             loss = token_objective(
                 hidden[rows], weight, targets[rows], objective, bias, **self.fused_options(False)
             ).loss
-        return GRPOLossOutput(loss, self._metrics(sums, mask, entropy), logps)
+        clip = completion_clip_fractions(logps, mask, advantages, self.config, old)
+        return GRPOLossOutput(loss, self._metrics(sums, mask, entropy, clip), logps)
 
-    def _metrics(self, sums, mask, entropy, advantages=None, log_weights=None) -> dict:
+    def _metrics(self, sums, mask, entropy, clip, advantages=None, log_weights=None) -> dict:
         """Masked means over this micro-batch's completion tokens, as TRL logs them; at sequence level
-        the clip fractions are the mean over completions of each completion's flag."""
+        the clip fractions are the mean over completions of each completion's flag. ``clip``: each
+        completion's low- and high-clipped shares (``completion_clip_fractions``), whose smallest and
+        largest (NaN-skipping: a completion without tokens has none; 0 when none has any) TRL logs as
+        ``clip_ratio/low_min`` and ``clip_ratio/high_max``; over this micro-batch (a trainer with
+        several ranks takes the extremes over all of them: ``fastalign.train.objectives.grpo``)."""
         tokens = mask.sum().clamp(min=1.0)
         _, kl, low, high, region = sums / tokens
         if log_weights is not None:
@@ -277,6 +285,8 @@ class GRPOLoss(CompletionLoss):
                 "clip_ratio/low_mean": low,
                 "clip_ratio/high_mean": high,
                 "clip_ratio/region_mean": region,
+                "clip_ratio/low_min": _nan_extreme(clip[0], torch.min),
+                "clip_ratio/high_max": _nan_extreme(clip[1], torch.max),
             }
         return metrics
 
@@ -290,3 +300,11 @@ class GRPOLoss(CompletionLoss):
         low = (ratio < 1 - config.eps_low) & (advantages < 0)
         high = (ratio > 1 + config.eps_high) & (advantages > 0)
         return low.float().mean(), high.float().mean(), (low | high).float().mean()
+
+
+def _nan_extreme(values: Tensor, extreme: Callable[[Tensor], Tensor]) -> Tensor:
+    """``extreme`` (torch.min or torch.max) of the values that are not NaN (TRL's ``nanmin``/``nanmax``);
+    0 when all are, where TRL's is NaN: a micro-batch without a completion token (all truncated and
+    masked, say) leaves every metric finite, as the others, and the step's sum of them too."""
+    kept = values[~values.isnan()]
+    return extreme(kept) if kept.numel() else values.new_zeros(())

@@ -86,6 +86,8 @@ class _Sequences(NamedTuple):
     lengths: torch.Tensor  # [N] loss-token counts
     tokens: torch.Tensor  # [N, T] log p, 0 where ignored
     entropy: torch.Tensor | None  # [N, T] detached entropy of each position's distribution, if asked
+    logit_sums: torch.Tensor | None  # [N] Σ over loss tokens of the mean logit, detached, if asked
+    top1: torch.Tensor | None  # [N] loss tokens whose target is the argmax, if asked
 
 
 def _check_dpo_options(
@@ -144,22 +146,41 @@ def sequence_logprobs(
     *,
     token_weights: torch.Tensor | None = None,
     entropy: bool = False,
+    head_metrics: bool = False,
     chunk_size=None,
     backend: Backend = "auto",
 ) -> _Sequences:
     """Sequence log-probs of ``targets``' loss tokens, from the fused log-softmax (no logits).
 
     ``token_weights`` [N, T] make the sum a weighted one (LD-DPO); ``entropy`` also returns the
-    per-token entropy, which the fused kernel's statistics hold already (Σ p·z beside log Σ e^z).
-    Raises a ValueError naming the first sequence without a loss token."""
+    per-token entropy, which the fused kernel's statistics hold already (Σ p·z beside log Σ e^z);
+    ``head_metrics`` each sequence's Σ mean logit and argmax hits (TRL's ``logits/*``, token accuracy),
+    from those statistics too. Raises a ValueError naming the first sequence without a loss token."""
     validation.require_tensor("targets", targets)
     lengths = loss_token_counts(targets)
     out = token_logprobs(
-        hidden, weight, targets, bias, return_entropy=entropy, chunk_size=chunk_size, backend=backend
+        hidden,
+        weight,
+        targets,
+        bias,
+        return_entropy=entropy,
+        return_stats=head_metrics,
+        chunk_size=chunk_size,
+        backend=backend,
     )
-    tokens, token_entropy = out if entropy else (out, None)
+    out = list(out) if entropy or head_metrics else [out]
+    tokens = out.pop(0)
+    token_entropy = out.pop(0) if entropy else None
+    stats = out.pop(0) if head_metrics else None
     logps = (tokens if token_weights is None else tokens * token_weights).sum(-1)
-    return _Sequences(logps, lengths, tokens, None if token_entropy is None else token_entropy.detach())
+    return _Sequences(
+        logps,
+        lengths,
+        tokens,
+        token_entropy.detach() if entropy else None,
+        stats.mean_logit.sum(-1) if head_metrics else None,
+        stats.accuracy.float().sum(-1) if head_metrics else None,
+    )
 
 
 def loss_token_counts(targets: torch.Tensor) -> torch.Tensor:
@@ -190,6 +211,20 @@ def _reward_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_log
         "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
         "logps/chosen": chosen_logps.mean(),
         "logps/rejected": rejected_logps.mean(),
+    }
+
+
+def _head_metrics(logit_sums: torch.Tensor, top1: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """TRL 1.16 DPOTrainer's ``logits/chosen``, ``logits/rejected`` (the mean over the vocabulary of the
+    logits, averaged over the completion tokens of the chosen, the rejected rows) and
+    ``mean_token_accuracy`` (the share of the chosen completion tokens whose target is the argmax), from
+    the per-sequence sums of the fused head (chosen rows first)."""
+    pairs = len(lengths) // 2
+    chosen, rejected = slice(None, pairs), slice(pairs, None)
+    return {
+        "logits/chosen": logit_sums[chosen].sum() / lengths[chosen].sum(),
+        "logits/rejected": logit_sums[rejected].sum() / lengths[rejected].sum(),
+        "mean_token_accuracy": top1[chosen].sum() / lengths[chosen].sum(),
     }
 
 
@@ -240,7 +275,8 @@ class PreferenceLoss(nn.Module):
             f'(π/π_ref) instead of the log-ratios (``fastalign.ops.preference.f_divergence_scores``).
         use_weighting: WPO. Each pair's loss (every loss type) is weighted by w_c·w_r, w = exp(mean over
             the completion of log p_t − log Σ_v p_v²) under the policy, without gradient.
-    DPO also logs ``entropy``: the mean entropy of the policy's next-token distribution over all loss
+    DPO also logs ``logits/chosen``, ``logits/rejected`` and ``mean_token_accuracy`` (``_head_metrics``)
+    and ``entropy``: the mean entropy of the policy's next-token distribution over all loss
     tokens, chosen and rejected.
 
     ``label_smoothing`` (ε) is refused where TRL 1.16's formula would ignore it (see ``SMOOTHED``), and
@@ -416,20 +452,21 @@ class PreferenceLoss(nn.Module):
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             )
-            seq, entropy = head.logps, head.entropy
+            seq, entropy, logit_sums, top1 = head.logps, head.entropy, head.logit_sums, head.top1
             pair = as_pairs(seq[:pairs], seq[pairs:], head.token_sums[:pairs])
             wpo = _wpo_weights(*head.aligned.chunk(2), pair) if self.use_weighting else None
             with torch.no_grad():
                 _, rewards = self._loss(pair, refs, wpo, pairs)  # the metrics' log-ratios
             loss = head.loss
         else:
-            seq, _, tokens, entropy = sequence_logprobs(
+            seq, _, tokens, entropy, logit_sums, top1 = sequence_logprobs(
                 hidden,
                 weight,
                 targets,
                 bias,
                 token_weights=token_weights,
                 entropy=dpo,
+                head_metrics=dpo,
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             )
@@ -451,6 +488,7 @@ class PreferenceLoss(nn.Module):
             metrics |= _log_odds_metrics(pair)
         if dpo:
             metrics["entropy"] = entropy.detach().sum() / lengths.sum()
+            metrics |= _head_metrics(logit_sums, top1, lengths)
         return PreferenceLossOutput(loss, metrics)
 
     @torch.no_grad()
@@ -563,7 +601,9 @@ class KTOLoss(nn.Module):
     prompt/completion pairs, clamped at 0, without gradient. ``loss_type`` 'apo_zero_unpaired' (APO-zero
     on unpaired completions, TRL 1.16) has no KL reference point: 1 − σ(β·log-ratio) for a desirable
     completion, σ(β·log-ratio) for an undesirable one, i.e. the KTO loss at KL 0; it takes no KL log-probs.
-    Also logs ``entropy``: the mean entropy of the policy's next-token distribution over the loss tokens.
+    Also logs ``entropy``: the mean entropy of the policy's next-token distribution over the loss tokens,
+    and ``logits/chosen``/``logits/rejected``: the mean logit over the desirable/undesirable completions'
+    tokens (TRL 1.16's), from the fused head's row statistics.
     """
 
     def __init__(
@@ -659,10 +699,17 @@ class KTOLoss(nn.Module):
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             )
-            loss, seq, entropy = head.loss, head.logps, head.entropy
+            loss, seq, entropy, logit_sums = head.loss, head.logps, head.entropy, head.logit_sums
         else:
-            seq, _, _, entropy = sequence_logprobs(
-                hidden, weight, targets, bias, entropy=True, chunk_size=self.chunk_size, backend=self.backend
+            seq, _, _, entropy, logit_sums, _ = sequence_logprobs(
+                hidden,
+                weight,
+                targets,
+                bias,
+                entropy=True,
+                head_metrics=True,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
             )
             loss = loss_of(seq)
         rewards = self.beta * (seq.detach() - ref_logps)
@@ -671,6 +718,8 @@ class KTOLoss(nn.Module):
             if bool(selected.any()):
                 metrics[f"rewards/{name}"] = rewards[selected].mean()
                 metrics[f"logps/{name}"] = seq.detach()[selected].mean()
+                # TRL 1.16 KTOTrainer's: the mean logit over the desirable (undesirable) completion tokens
+                metrics[f"logits/{name}"] = logit_sums[selected].sum() / lengths[selected].sum()
         if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return PreferenceLossOutput(loss, metrics)

@@ -311,6 +311,36 @@ def sequence_log_weights(
     return torch.where(mask != 0, (logp - old) * mask, 0.0).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
+def completion_clip_fractions(
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    config: TokenLossConfig,
+    old_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion's share of its tokens whose ratio is clipped below (advantage < 0) and above
+    (advantage > 0), [B] each, NaN for a completion without tokens; at sequence level its one flag.
+    TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max`` are their extremes (the token loss sums
+    the flags over all completions, which loses them). On the detached [B, T] log-probs the fused
+    head returns, so no pass over the vocabulary: a few elementwise ops."""
+    mask = mask.float()
+    logp = torch.where(mask != 0, logp.detach().float(), 0.0)
+    old = logp if old_logp is None else torch.where(mask != 0, old_logp.float(), 0.0)
+    if config.sequence_level:
+        coef = sequence_log_weights(logp, mask, old).exp()[:, None]
+    else:
+        coef = (logp - old).exp()
+    if config.delta is not None:
+        coef = coef.clamp(max=config.delta)
+    advantages = advantages.float()[:, None]
+    low = (coef < 1 - config.eps_low) & (advantages < 0)
+    high = (coef > 1 + config.eps_high) & (advantages > 0)
+    if config.sequence_level:
+        return low[:, 0].float(), high[:, 0].float()
+    count = mask.sum(-1)
+    return (low * mask).sum(-1) / count, (high * mask).sum(-1) / count
+
+
 def _check_token_loss_inputs(logp, mask, advantages, seq_weight, old_logp, ref_logp, keep) -> None:
     """Types and shapes, then the mask's and the advantages' values in one host sync."""
     for name, tensor in (

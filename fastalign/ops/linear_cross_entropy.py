@@ -53,6 +53,9 @@ class LinearCrossEntropyStats(NamedTuple):
     lse: torch.Tensor  # log Σ exp(logits), fp32
     entropy: torch.Tensor  # entropy of softmax(logits), fp32
     accuracy: torch.Tensor  # argmax(logits) == target, bool
+    #: mean over the vocabulary of the logits, fp32: TRL's ``logits/*`` metrics average it over tokens. The
+    #: row sum comes with the softmax statistics (label smoothing needs it), so it costs no extra pass.
+    mean_logit: torch.Tensor
 
 
 class TokenObjectiveResult(NamedTuple):
@@ -209,14 +212,15 @@ def budget_chunk_rows(
 
 
 def _stats_for_user(
-    stats: torch.Tensor, targets: torch.Tensor, spec: ChunkSpec, shape
+    stats: torch.Tensor, targets: torch.Tensor, spec: ChunkSpec, shape, vocab: int
 ) -> LinearCrossEntropyStats:
-    fields = SoftmaxRowStats(*stats)
+    fields = SoftmaxRowStats(*stats.detach())
     valid = targets != spec.ignore_index
     return LinearCrossEntropyStats(
         lse=torch.where(valid, fields.lse, 0.0).view(shape),
         entropy=token_entropy(fields, valid, spec).view(shape),
         accuracy=((fields.target_logit >= fields.max_logit) & valid).view(shape),
+        mean_logit=torch.where(valid, fields.sum_logits / vocab, 0.0).view(shape),
     )
 
 
@@ -322,7 +326,7 @@ def linear_cross_entropy(
         needs = input_grads_needed(hidden, weight, bias)
         loss, stats = ScalarLossFunction.apply(flat_hidden, weight, bias, flat_targets, spec, scale, needs)
     if return_stats:
-        return loss, _stats_for_user(stats, flat_targets, spec, targets.shape)
+        return loss, _stats_for_user(stats, flat_targets, spec, targets.shape, weight.shape[0])
     return loss
 
 
@@ -348,19 +352,23 @@ def token_logprobs(
     temperature: float = 1.0,
     softcap: float | None = None,
     return_entropy: bool = False,
+    return_stats: bool = False,
     ignore_index: int = -100,
     chunk_size: int | None = None,
     workspace_bytes: int | None = None,
     backend: Backend = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+):
     """Per-token ``log softmax(logits / temperature)[target]`` without building the logits.
 
     Differentiable w.r.t. hidden, weight and bias for any upstream gradient per token (DPO and GRPO
     weight tokens differently); so is the entropy when ``return_entropy=True``.
 
     Returns:
-        fp32 log-probs shaped like ``targets`` (0 where ``targets == ignore_index``), and the per-token
-        entropy of the same distribution (0 where ignored) when ``return_entropy``.
+        fp32 log-probs shaped like ``targets`` (0 where ``targets == ignore_index``), then the per-token
+        entropy of the same distribution (0 where ignored) when ``return_entropy``, then the detached
+        ``LinearCrossEntropyStats`` when ``return_stats`` (the metrics TRL logs of a preference batch:
+        token accuracy, mean logit; from the statistics the sweep keeps anyway, no extra pass). Just
+        the log-probs when neither is asked for.
     """
     flat_hidden, flat_targets, spec = prepare(
         hidden,
@@ -375,11 +383,14 @@ def token_logprobs(
         backend,
         workspace_bytes=workspace_bytes,
     )
-    nll, entropy, _ = TokenwiseFunction.apply(flat_hidden, weight, bias, flat_targets, spec)
+    nll, entropy, stats = TokenwiseFunction.apply(flat_hidden, weight, bias, flat_targets, spec)
     logprobs = (-nll).view(targets.shape)
+    outputs = (logprobs,)
     if return_entropy:
-        return logprobs, entropy.view(targets.shape)
-    return logprobs
+        outputs += (entropy.view(targets.shape),)
+    if return_stats:
+        outputs += (_stats_for_user(stats, flat_targets, spec, targets.shape, weight.shape[0]),)
+    return outputs if len(outputs) > 1 else logprobs
 
 
 @autocast_aware

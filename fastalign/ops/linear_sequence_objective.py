@@ -61,6 +61,11 @@ class SequenceObjectiveResult(NamedTuple):
     token_sums: torch.Tensor  # [S] Σ log p of each sequence, unweighted, detached
     entropy: torch.Tensor  # [S, T] per-token entropy (0 where ignored; all 0 unless asked for)
     aligned: torch.Tensor | None  # [S] WPO's Σ (log p − log Σ_v p_v²), when asked for
+    #: [S] Σ over loss tokens of the mean logit (Σ_v z_v / V) and [S] how many loss tokens have their
+    #: target as the argmax, detached: TRL's ``logits/*`` and ``mean_token_accuracy`` over a sequence's
+    #: tokens. Both come from the row statistics every chunk computes (Σ_v z_v, max z), no extra pass.
+    logit_sums: torch.Tensor
+    top1: torch.Tensor
 
 
 def unit_chunks(units: Sequence[Sequence[int]], counts: list[int], chunk_size: int) -> list[list[int]]:
@@ -131,6 +136,9 @@ class _SequenceObjectiveFunction(GradientInForward):
         logps = torch.zeros(len(plan.sequence_rows), dtype=torch.float32, device=device)
         token_sums = torch.zeros_like(logps)
         aligned = torch.zeros_like(logps)
+        logit_sums = torch.zeros_like(logps)
+        top1 = torch.zeros_like(logps)
+        vocab = weight.shape[0]
         entropy = torch.zeros(targets.shape[0], dtype=torch.float32, device=device)
         total = torch.zeros((), dtype=torch.float32, device=device)
         grads = InputGrads(hidden, weight, bias, needs) if any(needs) else None
@@ -164,6 +172,11 @@ class _SequenceObjectiveFunction(GradientInForward):
             logps[index], token_sums[index] = chunk_logps, chunk_sums
             if chunk_aligned is not None:
                 aligned[index] = chunk_aligned
+            logit_sums[index] = per_sequence.new_zeros(len(seqs)).index_add_(
+                0, local, stats.sum_logits / vocab
+            )
+            is_top1 = (stats.target_logit >= stats.max_logit).float()
+            top1[index] = per_sequence.new_zeros(len(seqs)).index_add_(0, local, is_top1)
             if spec.with_entropy:
                 entropy[rows] = stats.lse - stats.mean_pz
             if grads is not None:
@@ -176,8 +189,8 @@ class _SequenceObjectiveFunction(GradientInForward):
             # Drop this chunk's buffers before the next one is allocated: one chunk alive, not two.
             del logits, workspace
         ctx.grads = grads.finish(weight, bias) if grads is not None else (None, None, None)
-        ctx.mark_non_differentiable(logps, token_sums, entropy, aligned)
-        return total, logps, token_sums, entropy, aligned
+        ctx.mark_non_differentiable(logps, token_sums, entropy, aligned, logit_sums, top1)
+        return total, logps, token_sums, entropy, aligned, logit_sums, top1
 
 
 @autocast_aware
@@ -254,8 +267,10 @@ def linear_sequence_objective(
         return_aligned,
     )
     needs = input_grads_needed(hidden, weight, bias)
-    loss, logps, token_sums, entropy, aligned = _SequenceObjectiveFunction.apply(
+    loss, logps, token_sums, entropy, aligned, logit_sums, top1 = _SequenceObjectiveFunction.apply(
         flat_hidden, weight, bias, flat_targets, spec, plan, needs
     )
     entropy = entropy.view(targets.shape)
-    return SequenceObjectiveResult(loss, logps, token_sums, entropy, aligned if return_aligned else None)
+    return SequenceObjectiveResult(
+        loss, logps, token_sums, entropy, aligned if return_aligned else None, logit_sums, top1
+    )

@@ -114,3 +114,10 @@ def evaluation_batches(
     mine = batches[rank::world_size]
     fillers = -(-len(batches) // world_size) - len(mine)
     return mine + [{**batches[0], FILLER_KEY: True}] * fillers if batches else []
+
+
+def batch_tokens(batch: dict) -> int:
+    """The tokens of a micro-batch, padding left out: its attention mask's, or every position of a packed
+    row (which has no padding, only ``position_ids``). TRL's trainers count ``num_tokens`` so."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()

@@ -145,6 +145,14 @@ def all_reduce_min_max(values: torch.Tensor, ctx: DistributedContext) -> tuple[t
     return -local[0], local[1]
 
 
+def all_reduce_max(values: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
+    """The elementwise largest of ``values`` over all ranks (one collective; ``values`` untouched)."""
+    tensor = values.detach().to(ctx.device).clone()
+    if ctx.enabled:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def broadcast_object(obj: Any, ctx: DistributedContext) -> Any:
     """Rank 0's ``obj`` (any picklable object) on every rank, e.g. a run name or a resolved path."""
     if not ctx.enabled:

@@ -46,7 +46,7 @@ import torch
 
 from fastalign.ops.cpu_gemm import LOW_PRECISION, cpu_gemms
 from fastalign.train import checkpoint, host_memory
-from fastalign.train.batches import FILLER_KEY, BatchPosition
+from fastalign.train.batches import FILLER_KEY, BatchPosition, batch_tokens
 from fastalign.train.config import ConfigError
 from fastalign.train.distributed import DistributedContext, all_reduce_sum
 from fastalign.train.metrics import peak_memory_gib
@@ -67,7 +67,8 @@ class TrainerState:
 
     step: int = 0
     position: BatchPosition = field(default_factory=BatchPosition)
-    tokens_seen: int = 0
+    tokens_seen: int = 0  # trained on (every pass over a reused generation counts): throughput
+    num_tokens: int = 0  # TRL's ``num_tokens``, logged as it is: ``Objective.num_tokens`` summed
     scheduler: dict = field(default_factory=dict)
     scaler: dict = field(default_factory=dict)  # fp16's gradient scaler: its scale and growth count
     log_history: list[dict] = field(default_factory=list)
@@ -347,10 +348,15 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.device.type == "cpu":
             host_memory.release_freed_host_memory()  # the step's freed tensors, off the resident set
-        tokens = int(all_reduce_sum(sum(_token_count(batch) for batch in micro_batches), self.ctx))
+        local = [
+            sum(batch_tokens(batch) for batch in micro_batches),
+            self.objective.num_tokens(micro_batches),
+        ]
+        tokens, counted = (int(value) for value in all_reduce_sum(torch.tensor(local), self.ctx).tolist())
         self.state.step += 1
         self.state.position = self.batches.advance(self.state.position)
         self.state.tokens_seen += tokens
+        self.state.num_tokens += counted
         objective_metrics = {**self._global_sums(objective_sums), **step_metrics}
         metrics = {
             "loss": loss_value,
@@ -414,6 +420,7 @@ class Engine:
             "tokens_per_second": window["tokens"] / seconds,
             "step_seconds": seconds / window["steps"],
             "peak_memory_gib": round(peak_memory_gib(self.ctx.device), 3),
+            "num_tokens": self.state.num_tokens,
         }
         if self.flops_per_token and self.peak_flops:
             logs["mfu"] = (
@@ -532,8 +539,3 @@ def _accumulate(sums: dict[str, torch.Tensor], metrics: dict) -> None:
     for key, value in metrics.items():
         value = torch.as_tensor(value).detach().double().cpu()
         sums[key] = sums[key] + value if key in sums else value
-
-
-def _token_count(batch: dict) -> int:
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()

@@ -212,13 +212,20 @@ class Rewards:
 
     def metrics(self, reward_funcs: list[RewardFunction]) -> dict[str, float]:
         """The metrics GRPO and RLOO log alike (TRL's names): the mean reward, the completion lengths and
-        the truncated share, and each function's mean and std."""
+        the truncated share, the lengths of those that ended (with an EOS; as TRL, all 0 when none did),
+        and each function's mean and std."""
+        terminated = self.lengths[~self.truncated].float()
+        if terminated.numel() == 0:
+            terminated = torch.zeros(1)
         return {
             "reward": float(self.total.nanmean()),
             "completions/mean_length": float(self.lengths.mean()),
             "completions/min_length": float(self.lengths.min()),
             "completions/max_length": float(self.lengths.max()),
             "completions/clipped_ratio": float(self.truncated.float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max()),
             **reward_metrics(reward_funcs, self.per_func),
         }
 

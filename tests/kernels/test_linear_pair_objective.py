@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastalign.ops import token_logprobs
 from fastalign.ops.linear_pair_objective import PairSums, linear_pair_objective
 from fastalign.ops.linear_sequence_objective import linear_sequence_objective, unit_chunks
 from tests.conftest import DEVICE
-from tests.helpers import assert_close_to_reference
+from tests.helpers import assert_close_to_reference, require
 
 PAIRS, SEQ, DIM, VOCAB = 3, 7, 11, 37
 IGNORE = -100
@@ -139,3 +140,31 @@ def test_units_must_split_the_sequences_in_groups_of_one_size():
     for units in ([[0, 1], [2, 3], [4]], [[0, 1], [2, 3], [4, 4]], [[0, 1, 2], [3, 4], [5]]):
         with pytest.raises(ValueError, match="units must split the 6 sequences"):
             linear_sequence_objective(hidden, weight, targets, loss, units=units)
+
+
+def test_mean_logits_and_argmax_hits_equal_trls_fused_head(backend):
+    """TRL 1.16's ``logits/*`` and ``mean_token_accuracy`` come from its own chunked head's per-token
+    ``mean_logits`` (Σ_v z_v / V) and ``is_top1``: the per-sequence sums (``logit_sums``, ``top1``) of
+    the pair head and ``token_logprobs``' stats are those, with every other target the argmax."""
+    require("trl")
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    hidden, weight, bias, targets, _ = make_inputs(torch.float32)
+    valid = targets != IGNORE
+    top = torch.where(valid[..., None], hidden, 0.0) @ weight.T + bias
+    hit = valid & (torch.arange(SEQ, device=DEVICE) % 2 == 0)
+    targets = torch.where(hit, top.argmax(-1), targets)
+    out = call(hidden, weight, bias, targets, None, backend, 16)
+    _, stats = token_logprobs(hidden, weight, targets, bias, return_stats=True, backend=backend)
+
+    outputs = ("mean_logits", "is_top1")
+    *_, mean_logits, is_top1 = ChunkedLogProbFunction.apply(
+        hidden[valid], weight, bias, targets[valid], 1.0, 16, None, 1.0, outputs
+    )
+    their_mean = torch.zeros_like(stats.mean_logit).masked_scatter_(valid, mean_logits)
+    their_top1 = torch.zeros_like(stats.accuracy).masked_scatter_(valid, is_top1)
+    assert int(their_top1.sum()) >= int(hit.sum())  # the argmax targets hit, a few others may
+    torch.testing.assert_close(stats.mean_logit, their_mean, rtol=1e-5, atol=1e-6)
+    assert torch.equal(stats.accuracy, their_top1)
+    torch.testing.assert_close(out.logit_sums, their_mean.sum(-1), rtol=1e-5, atol=1e-6)
+    assert torch.equal(out.top1, their_top1.sum(-1).float())

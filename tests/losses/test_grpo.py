@@ -109,6 +109,13 @@ def trl_reference(
         metrics["clip_ratio/low_mean"] = masked_batch_mean(low.double())
         metrics["clip_ratio/high_mean"] = masked_batch_mean(high.double())
         metrics["clip_ratio/region_mean"] = masked_batch_mean((low | high).double())
+
+        def masked_seq_mean(x):  # TRL's: a completion's flag at sequence level, NaN without tokens
+            return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+        low_shares, high_shares = masked_seq_mean(low.double()), masked_seq_mean(high.double())
+        metrics["clip_ratio/low_min"] = low_shares[~low_shares.isnan()].min()
+        metrics["clip_ratio/high_max"] = high_shares[~high_shares.isnan()].max()
     loss.backward()
     return loss, metrics, h.grad, w.grad
 

@@ -34,6 +34,10 @@ REWARDS = (
     "logps/chosen",
     "logps/rejected",
 )
+#: TRL 1.16's DPOTrainer also logs these: the mean over the vocabulary of the logits averaged over the
+#: chosen / rejected completion tokens, the chosen tokens' argmax accuracy (from the fused head's row
+#: statistics: no logits), and the running count of non-padding tokens.
+HEAD = ("logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens")
 
 
 def assert_equal(ours: dict, theirs: dict, keys) -> None:
@@ -52,7 +56,7 @@ def test_one_step_equals_trl(models, tmp_path, loss_type):
     )
     theirs = trl_step(DPOTrainer, DPOConfig, PAIRS, tmp_path, models[0], ref_model=models[1], **options)
     assert abs(theirs["rewards/margins"]) > 1e-3  # the reference differs: the formula is exercised
-    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS))
+    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS, *HEAD))
 
 
 #: DPO options beyond the loss type, each with loss types whose formulas use them differently: LD-DPO
@@ -105,7 +109,7 @@ def test_dpo_option_step_equals_trl(models, tmp_path, case):
     )
     # the option changes the step by more than the tolerance of the comparison below
     assert abs(ours["loss"] - plain["loss"]) > 2 * 2e-4 * abs(plain["loss"]), (ours["loss"], plain["loss"])
-    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS))
+    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS, *HEAD))
 
 
 def test_ld_alpha_with_precomputed_reference_equals_trl_and_the_live_reference(models, tmp_path):
@@ -128,7 +132,7 @@ def test_ld_alpha_with_precomputed_reference_equals_trl_and_the_live_reference(m
     )  # fmt: skip
     assert abs(theirs["rewards/margins"]) > 1e-3  # the reference differs: its log-probs count
     assert_equal(runs["precomputed"], runs["live"], ("loss", "grad_norm", *REWARDS))
-    assert_equal(runs["precomputed"], theirs, ("loss", "grad_norm", "entropy", *REWARDS))
+    assert_equal(runs["precomputed"], theirs, ("loss", "grad_norm", "entropy", *REWARDS, *HEAD))
 
 
 def test_keep_end_truncation_step_equals_trl(models, tmp_path):
@@ -149,7 +153,7 @@ def test_keep_end_truncation_step_equals_trl(models, tmp_path):
         beta=0.1, loss_type=["sigmoid"],
     )  # fmt: skip
     assert ours["logps/rejected"] > whole["logps/rejected"] + 1.0  # the rows were cut
-    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS))
+    assert_equal(ours, theirs, ("loss", "grad_norm", "entropy", *REWARDS, *HEAD))
 
 
 #: Combinations TRL 1.16 refuses (or would silently ignore), and the keys fastalign's error names.

@@ -107,7 +107,8 @@ def trl_loss_and_grads(models, tmp_path, data, options) -> tuple[float, dict]:
     }
     loss = trainer._compute_loss(model, inputs)
     loss.backward()
-    return float(loss), {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return float(loss), grads, {key: values[-1] for key, values in trainer._metrics["train"].items()}
 
 
 def fastalign_loss_and_grads(models, data, options) -> tuple[float, dict]:
@@ -132,17 +133,35 @@ def fastalign_loss_and_grads(models, data, options) -> tuple[float, dict]:
             num_items_in_batch=data["num_items_in_batch"] if loss_fn.uses_item_count else None,
         )
 
-    loss = model(input_ids=input_ids, attention_mask=attention_mask, head_fn=head).head_output.loss
-    loss.backward()
-    return float(loss), {name: p.grad.clone() for name, p in model.named_parameters()}
+    output = model(input_ids=input_ids, attention_mask=attention_mask, head_fn=head).head_output
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return float(output.loss), grads, {key: float(value) for key, value in output.metrics.items()}
 
 
-def assert_loss_and_gradients_equal_trl(models, tmp_path, data, options) -> None:
-    theirs, their_grads = trl_loss_and_grads(models, tmp_path, data, options)
-    ours, our_grads = fastalign_loss_and_grads(models, data, options)
+#: The metrics TRL 1.16's ``_compute_loss`` logs that ``GRPOLoss`` logs under the same name: the clip
+#: shares (TRL logs cispo's as ``cispo_clip_ratio``), their extremes over the completions, entropy, kl.
+CLIP_METRICS = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+)
+
+
+def assert_loss_and_gradients_equal_trl(models, tmp_path, data, options) -> dict:
+    """Loss, gradients and the metrics both log; returns TRL's metrics."""
+    theirs, their_grads, their_metrics = trl_loss_and_grads(models, tmp_path, data, options)
+    ours, our_grads, our_metrics = fastalign_loss_and_grads(models, data, options)
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    shared = [key for key in (*CLIP_METRICS, "cispo_clip_ratio", "entropy", "kl") if key in their_metrics]
+    assert set(shared) == set(our_metrics), (sorted(their_metrics), sorted(our_metrics))
+    for key in shared:
+        assert our_metrics[key] == pytest.approx(their_metrics[key], rel=2e-4, abs=2e-6, nan_ok=True), key
+    return their_metrics
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -181,3 +200,91 @@ def test_entropy_masked_loss_and_gradients_equal_trl(models, tmp_path, loss_type
         top_entropy_quantile=quantile,
     )
     assert_loss_and_gradients_equal_trl(models, tmp_path, data, options)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("delta", [None, 1.5])
+def test_clip_metrics_equal_trl(models, tmp_path, level, delta):
+    """With an old policy far enough off (log-ratios ~ N(0, 0.4)) that tokens and completions are
+    clipped both ways, the clip shares and their extremes over the completions
+    (``clip_ratio/low_min``, ``clip_ratio/high_max``) are TRL's; with ``delta`` capping the ratio first."""
+    data = batch(tiny_tokenizer().vocab_size)
+    data["old_shift"] = data["old_shift"] * 4
+    options = dict(loss_type="grpo", importance_sampling_level=level, beta=0.04, epsilon=0.2)
+    options |= {"epsilon_high": 0.28, "delta": delta}
+    theirs = assert_loss_and_gradients_equal_trl(models, tmp_path, data, options)
+    if level == "token":  # exercised: some completion has clipped tokens each way, some has none
+        assert theirs["clip_ratio/high_max"] > 0 and theirs["clip_ratio/low_mean"] > 0
+        assert theirs["clip_ratio/low_min"] == 0
+
+
+class _Sampler(torch.nn.Module):
+    """A stand-in policy whose ``generate`` returns fixed rows: the prompts, then ``completions``."""
+
+    def __init__(self, completions: torch.Tensor):
+        super().__init__()
+        self.completions = completions
+
+    def generate(self, input_ids, **kwargs):
+        return torch.cat([input_ids, self.completions], 1)
+
+
+def test_generation_metrics_and_num_tokens_equal_trl(models, tmp_path):
+    """The same sampled rows (one prompt left-padded; completions that end with an EOS at the start, in
+    the middle, at the last position, or never) give TRL's ``completions/*`` metrics, the terminated
+    lengths included, and its ``num_tokens``: the prompts' and completions' tokens (up to the EOS),
+    padding left out."""
+    import datasets
+
+    from fastalign.train.batches import batch_tokens
+    from fastalign.train.distributed import DistributedContext
+    from fastalign.train.rollout import Rewards, SamplingOptions, generate_completions, scoring_batch
+
+    require("trl")
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = tiny_tokenizer()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    gen = torch.Generator().manual_seed(5)
+    prompts = torch.randint(3, tokenizer.vocab_size, (2, PROMPT), generator=gen)
+    prompt_mask = torch.ones_like(prompts)
+    prompts[1, :2], prompt_mask[1, :2] = pad, 0
+    completions = torch.randint(3, tokenizer.vocab_size, (2 * GROUP, COMPLETION), generator=gen)
+    for row, end in enumerate([2, None, 0, COMPLETION - 1, None, 4, 3, None]):
+        if end is not None:
+            completions[row, end] = eos
+    done = generate_completions(
+        _Sampler(completions),
+        {"input_ids": prompts, "attention_mask": prompt_mask},
+        SamplingOptions(GROUP, COMPLETION),
+        tokenizer,
+        DistributedContext(0, 1, 0, torch.device("cpu")),
+    )
+    rows = slice(0, 2 * GROUP)
+    zeros = torch.zeros(2 * GROUP, 1)
+    ours = Rewards(zeros[:, :0], zeros[:, 0], done.lengths.float(), done.truncated, rows).metrics([])
+    batch, _, _ = scoring_batch(done, done.completion_mask)
+    ours["num_tokens"] = batch_tokens(batch)
+
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32),
+        reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],
+        args=GRPOConfig(**trl_args(tmp_path)),
+        train_dataset=datasets.Dataset.from_list(tiny_prompt_rows(8)),
+        processing_class=tokenizer,
+    )
+    trainer.model.train()
+    prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask, strict=True)]
+    prompt_ids = [ids for ids in prompt_ids for _ in range(GROUP)]
+    completion_ids = [
+        row[: int(length)].tolist() for row, length in zip(completions, done.lengths, strict=True)
+    ]
+    trainer._tokenize_prompts = lambda prompts: (prompt_ids, None, {})
+    trainer._generate_single_turn = lambda *args, **kwargs: (completion_ids, None)
+    trainer._generate(["p"] * len(completion_ids))
+    theirs = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+
+    keys = [key for key in theirs if key.startswith("completions/")] + ["num_tokens"]
+    assert "completions/mean_terminated_length" in keys and 0 < theirs["completions/clipped_ratio"] < 1
+    for key in keys:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-6), (key, ours[key], theirs[key])

@@ -27,6 +27,9 @@ METRICS = (
     "rewards/margins",
     "logps/chosen",
     "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "num_tokens",
 )
 
 

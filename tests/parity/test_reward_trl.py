@@ -21,7 +21,7 @@ from tests.parity.steps import SHARED, first_logged
 pytestmark = pytest.mark.slow
 
 #: What both log.
-METRICS = ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward")
+METRICS = ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens")
 PAIRS = tiny_preference_rows(8, seed=3)
 
 

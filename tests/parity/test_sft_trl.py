@@ -1,6 +1,7 @@
 """TRL 1.16 as the oracle for SFT: one optimizer step of TRL's own ``SFTTrainer`` and of ``fastalign train
 sft`` on the same tiny model and prompt-completion rows (completion-only loss, TRL's default for them, and
-without it; the nll and dft losses) give the same loss, gradient norm, entropy and token accuracy."""
+without it; the nll and dft losses) give the same loss, gradient norm, entropy, token accuracy and
+``num_tokens``."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_one_step_equals_trl(models, tmp_path, completion_only_loss, loss_type):
         completion_only_loss=completion_only_loss,
         loss_type=loss_type,
     )
-    for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
+    for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"):
         assert ours[key] == pytest.approx(theirs[key], rel=2e-4, abs=2e-6), (key, ours[key], theirs[key])
 
 

@@ -201,6 +201,8 @@ def test_grpo_reuses_a_generation_with_old_log_probs(tmp_path, reuse):
     assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] == rows[3]["reward"]
     assert rows[1]["reward"] != rows[2]["reward"]  # a new generation every second step
     assert all("clip_ratio/region_mean" in row for row in rows)
+    # TRL's num_tokens counts a generation's tokens once, when it is sampled
+    assert 0 < rows[0]["num_tokens"] == rows[1]["num_tokens"] < rows[2]["num_tokens"] == rows[3]["num_tokens"]
 
 
 def test_masking_truncated_completions_leaves_nothing_to_learn(tmp_path):

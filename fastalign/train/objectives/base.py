@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from fastalign.builtin.models import ModelTask
-from fastalign.train.batches import BatchPosition, MicroBatches
+from fastalign.train.batches import BatchPosition, MicroBatches, batch_tokens
 from fastalign.train.config import TrainConfig
 from fastalign.train.distributed import DistributedContext
 
@@ -163,6 +163,12 @@ class Objective(ABC):
         (GRPO generates and scores completions here) and metrics that are already global (every rank
         returns the same values)."""
         return micro_batches, {}
+
+    def num_tokens(self, micro_batches: list[dict]) -> int:
+        """This rank's part of the step's TRL ``num_tokens`` (the engine sums it over ranks and steps and
+        logs the running total): the training micro-batches' tokens without padding, prompts included,
+        as TRL's trainers count them in each ``compute_loss``. GRPO and RLOO count their generations'."""
+        return sum(batch_tokens(batch) for batch in micro_batches)
 
     @abstractmethod
     def loss_tokens(self, batch: dict) -> int:

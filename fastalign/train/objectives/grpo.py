@@ -46,9 +46,9 @@ from fastalign.losses.completion import CompletionLoss
 from fastalign.losses.grpo import LOSS_TYPES
 from fastalign.models.structure import disable_dropout
 from fastalign.ops import group_advantages
-from fastalign.train.batches import BatchPosition, MicroBatches
+from fastalign.train.batches import BatchPosition, MicroBatches, batch_tokens
 from fastalign.train.config import ConfigError, TrainConfig, model_option, options_from
-from fastalign.train.distributed import DistributedContext
+from fastalign.train.distributed import DistributedContext, all_reduce_max
 from fastalign.train.engine import Callback
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
 from fastalign.train.objectives.router_aux import RouterAuxLoss
@@ -315,6 +315,7 @@ class RolloutObjective(PromptObjective):
         super().__init__(options, options.sampling(options.num_generations), ctx, dtype)
         self.name = name
         self._generation: tuple | None = None
+        self._generated_tokens = 0  # this rank's prompt and completion tokens of a new generation
         self._batches: list[dict] = []
         self._metrics: dict[str, float] = {}
         self.completion_rows: list[dict] = []  # the last generation's, for log_completions
@@ -412,10 +413,18 @@ class RolloutObjective(PromptObjective):
             reused = slices > 1 or self.options.num_iterations > 1
             self._batches, self._metrics = self._rollout(model, micro_batches, reused)
             self._generation = generation
+            self._generated_tokens = sum(batch_tokens(batch) for batch in self._batches)
+        else:
+            self._generated_tokens = 0
         size = len(self._batches) // slices
         if self.router_aux is not None:
             self.router_aux.start_step(size, self.ctx.world_size)
         return self._batches[part * size : (part + 1) * size], self._metrics
+
+    def num_tokens(self, micro_batches: list[dict]) -> int:
+        """TRL's GRPO and RLOO count a generation's prompt and completion tokens (up to the EOS) once,
+        when it is sampled, however many steps and ``num_iterations`` passes train on it."""
+        return self._generated_tokens
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
         if "completion_mask" not in batch:
@@ -439,10 +448,31 @@ class RolloutObjective(PromptObjective):
         result = output.head_output
         share = self.batch_loss_terms(batch) / num_items_in_batch
         loss = result.loss if self.normalises else result.loss * share
-        metrics = {key: value * share for key, value in result.metrics.items()}
+        metrics = {key: value * share for key, value in self._global_extremes(result.metrics, batch).items()}
         if self.router_aux is None:
             return loss, metrics
         return self.router_aux.add(model, loss, output, metrics)
+
+    def _global_extremes(self, metrics: dict, batch: dict) -> dict:
+        """TRL gathers every rank's per-completion clip shares of a micro-batch and logs their smallest
+        (``clip_ratio/low_min``) and largest (``clip_ratio/high_max``): the loss's own are this rank's,
+        so they become the extremes over all ranks (each rank's micro-batches come in step, so the
+        collective pairs them). A rank whose micro-batch has no completion token (its 0 stands for
+        TRL's NaN) takes no part, as TRL's ``nanmin``/``nanmax`` skip it. Then, like every metric, they
+        are weighted by the micro-batch's share: over the step, the mean of its micro-batches' values,
+        as TRL averages its logged list."""
+        if not self.ctx.enabled or "clip_ratio/low_min" not in metrics:
+            return metrics
+        low, high = metrics["clip_ratio/low_min"], metrics["clip_ratio/high_max"]
+        if not bool(batch["completion_mask"].any()):
+            low, high = torch.full_like(low, float("inf")), torch.full_like(high, float("-inf"))
+        found = all_reduce_max(torch.stack([-low, high]), self.ctx)
+        low_min, high_max = -found[0], found[1]
+        return {
+            **metrics,
+            "clip_ratio/low_min": torch.where(low_min.isinf(), 0.0, low_min),
+            "clip_ratio/high_max": torch.where(high_max.isinf(), 0.0, high_max),
+        }
 
     # ---------------------------------------------------------------------------------------------
     def _evaluate(self, model, prompts: dict) -> tuple[torch.Tensor, dict]:

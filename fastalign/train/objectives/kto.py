@@ -7,7 +7,8 @@ divergence, KTO's reference point. ``KTOLoss`` runs inside the patched model's f
 The KL estimate (mean log-ratio of the mismatched completions, clamped at 0) and the counts of
 desirable and undesirable completions are taken over the whole step on all ranks in ``prepare_step``:
 the loss does not depend on how the step is split, and every micro-batch logs
-``rewards/chosen``/``rewards/rejected`` as its part of the step's class means. (In evaluation, each
+``rewards/chosen``/``rewards/rejected`` (``logps/*``, and ``logits/*``: the mean logit over the class's
+completion tokens) as its part of the step's class means. (In evaluation, each
 batch's own.) A loss term is a completion.
 
 ``loss_type`` apo_zero_unpaired (TRL's KTOConfig) has no KL reference point: the mismatched completions
@@ -179,7 +180,7 @@ class KTOObjective(Objective):
             # (in evaluation, by this batch's share: the engine weighs batches by their size)
             count = int((labels if index == 0 else ~labels).sum())
             weight = count / max(float(self._class_counts[index]), 1.0) if model.training else share
-            for key in (f"rewards/{name}", f"logps/{name}"):
+            for key in (f"rewards/{name}", f"logps/{name}", f"logits/{name}"):
                 step_metrics[key] = metrics[key] * weight if key in metrics else torch.zeros(())
         step_metrics["rewards/margins"] = step_metrics["rewards/chosen"] - step_metrics["rewards/rejected"]
         return self.router_aux.add(model, loss * share, result, step_metrics)
