@@ -3,8 +3,19 @@ VENV ?= .venv
 # pytest-xdist workers of `make test` (one per CI core; 0 runs the suite in this process)
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
+# The second environment, at the lowest versions pyproject.toml allows (scripts/setup_lowest.sh), and
+# what runs in it: the tests of what depends most on the library versions (activation checkpointing and
+# offloading, model patching, loading, quantized loading) and kernel tests under triton 3.6's interpreter
+LOWEST_VENV ?= .venv-lowest
+LOWEST_TESTS ?= tests/train/test_memory.py tests/train/test_host_memory.py tests/patching \
+	tests/test_model_options.py tests/real/test_loading.py tests/train/test_hub_ids.py tests/quant/test_qlora.py \
+	tests/kernels/test_interpreter_versions.py tests/kernels/test_rms_norm.py tests/kernels/test_rope.py \
+	tests/kernels/test_swiglu.py tests/kernels/test_linear_cross_entropy.py \
+	--deselect tests/test_model_options.py::test_defaults_are_trls \
+	--deselect tests/test_model_options.py::test_lora_config_is_trls
+# (the two deselected compare with TRL, the oracle, not a dependency: trl 1.16 needs accelerate >= 1.10)
 
-.PHONY: setup demo test lint bench-cpu
+.PHONY: setup setup-lowest demo test test-lowest lint bench-cpu
 
 setup:
 	bash scripts/setup.sh
@@ -18,6 +29,13 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+
+setup-lowest:
+	bash scripts/setup_lowest.sh
+
+# The supported versions are the tested ones: the subset above on the floor of every dependency
+test-lowest: setup-lowest
+	$(LOWEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(LOWEST_TESTS)
 
 bench-cpu: setup
 	$(VENV)/bin/fastalign bench all --preset cpu

@@ -348,8 +348,16 @@ def _hub_snapshot(
 
     at = f" at {revision_key} {revision!r}" if revision is not None else ""
     try:
+        # local_files_only spelled out: huggingface_hub before 2 (1.33 at least) skips its cache lookup for
+        # a commit-hash revision under HF_HUB_OFFLINE and lists the repo's files on the Hub, which fails
         return Path(
-            snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=allow_patterns)
+            snapshot_download(
+                repo_id,
+                repo_type=repo_type,
+                revision=revision,
+                allow_patterns=allow_patterns,
+                local_files_only=constants.HF_HUB_OFFLINE,
+            )
         )
     except RevisionNotFoundError:
         raise ValueError(

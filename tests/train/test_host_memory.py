@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from fastalign.builtin import tiny_model, tiny_sft_rows
 from fastalign.models.structure import decoder_layers
@@ -14,6 +15,11 @@ from fastalign.train import host_memory
 from fastalign.train.memory import enable_activation_checkpointing
 from tests.train.runs import short_config, train
 from tests.train.test_memory import assert_same_step, padded_batch, train_step
+
+#: Transformers up to 5.17 checkpoints a layer's ``__call__`` (5.23 its ``forward``): the layer's module
+#: hooks then run inside the checkpoint, so its recomputation in backward runs the forward pre-hook again,
+#: which watches the recomputed input too, and that input's gradient trims (checks) once more per layer.
+CHECKPOINT_RUNS_MODULE_HOOKS = "__call__" in vars(GradientCheckpointingLayer)
 
 glibc = pytest.mark.skipif(host_memory._mallinfo2() is None, reason="needs glibc 2.33+ and /proc")
 
@@ -48,7 +54,9 @@ def test_each_layer_releases_after_forward_and_backward_and_trains_the_same(rele
     loss = train_step(model, batch)
     # after each layer's forward, and after its backward (which with checkpointing may recompute the
     # forward and count again)
-    assert 2 * layers <= len(releases) <= 3 * layers
+    assert (
+        2 * layers <= len(releases) <= (4 if checkpointing and CHECKPOINT_RUNS_MODULE_HOOKS else 3) * layers
+    )
     torch.testing.assert_close(loss, train_step(reference, batch))
     for (name, expected), (_, got) in zip(
         reference.named_parameters(), model.named_parameters(), strict=True
