@@ -96,6 +96,11 @@ def shutdown_distributed() -> None:
     _created_group = False
 
 
+def _torch_before(major: int, minor: int) -> bool:
+    found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return found < (major, minor)
+
+
 def shard_model(model: nn.Module, *, mixed_precision: bool, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` with FSDP2 over all ranks (each decoder layer, then the root); returns it.
 
@@ -106,6 +111,14 @@ def shard_model(model: nn.Module, *, mixed_precision: bool, reshard_after_forwar
     """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return model
+    if _torch_before(2, 13) and any(not p.is_floating_point() for p in model.parameters()):
+        # torch 2.11's FSDPParam wraps every shard in nn.Parameter(requires_grad=True) before it copies
+        # the flag over, which an integer tensor refuses deep inside fully_shard (found on torch 2.11;
+        # 2.13 is the next version tested)
+        raise RuntimeError(
+            f"sharding 4-bit (integer) weights with FSDP2 needs torch >= 2.13 (this is {torch.__version__}): "
+            "upgrade torch, or train QLoRA on one process"
+        )
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     options: dict[str, Any] = {
         "mesh": init_device_mesh(device_type, (dist.get_world_size(),)),
