@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,16 +84,16 @@ def _python(
     with tempfile.TemporaryFile("w+") as output:
         proc = subprocess.Popen(
             [sys.executable, *args], cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, text=True,
-            env=env or os.environ.copy(),
+            env=env or os.environ.copy(), start_new_session=True,
         )  # fmt: skip
         try:
             status = proc.wait(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            proc.terminate()
+        except subprocess.TimeoutExpired:  # the whole group: pytest's workers hold GPU memory too
+            os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             status = "timeout"
         output.seek(0)
@@ -362,8 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (
         Path(tempfile.mkdtemp(prefix="gpu_check_smoke_")) if args.smoke else common.RESULTS_DIR
     )
-    run(out, args.smoke, args.phases)
-    return 0
+    path = run(out, args.smoke, args.phases)
+    phases = json.loads(path.read_text())["phases"]
+    failed = [name for name, outcome in phases.items() if outcome.get("error") or outcome.get("failed")]
+    if failed:
+        print(f"phases with errors or failed tests: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ after Liger-Kernel's ``apply_liger_kernel_to_llama``), ``fastalign`` (the same a
 weights (one seed, built on the device) and trains on the same random tokens, so first losses agree.
 
 A setting is (tokens, checkpointing, offloading); the rows of one process share the loaded model, each
-starting from fresh peak statistics. A row: the median step time of the steps after the first, tokens/s,
-model TFLOP/s and MFU against the device's matmul ceiling measured by the check (model FLOPs: 4·P·T for
+starting from fresh peak statistics (and from the adapters the rows before it trained: a later row's
+first loss is compared with the same row of another provider, not with the first row). A row: the
+median step time of the steps after the first, tokens/s, model TFLOP/s and MFU against the device's matmul ceiling measured by the check (model FLOPs: 4·P·T for
 the frozen base's matmuls, forward and input gradients, plus 6·P_lora·T and causal attention
 6·L·S²·width, recomputation not counted), peak GPU memory of the whole process so far and of the step,
 the host's peak resident set, the first loss, and the planner's prediction of the same run.
@@ -136,9 +137,10 @@ def planner_row(spec: dict, setting: dict) -> dict:
         seq_len=setting["tokens"],
         checkpointing=setting["checkpointing"], offload_activations=setting.get("offloading", False),
         lora_r=LORA["r"], lora_dropout=LORA["lora_dropout"], gpu_memory_bytes=80 * GiB, suggest=False,
+        keep_on_device=0,  # as train_steps offloads: every layer
     )  # fmt: skip
-    return {
-        "planned_gib": round(plan.total_per_gpu / GiB, 2),
+    return {  # the peak measured is max_memory_allocated: without the CUDA context the plan counts
+        "planned_gib": round((plan.total_per_gpu - plan.cuda_context) / GiB, 2),
         "planned_host_gib": round(plan.host_total / GiB, 2),
     }
 

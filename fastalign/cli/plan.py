@@ -15,6 +15,7 @@ from fastalign.cli.usage import one_line_usage_errors
 
 #: ``plan_memory`` parameter -> the flag that sets it (for error messages).
 _FLAGS = {
+    "tiled_mlp_mib": "--tiled-mlp",
     "config": "--model",
     "method": "--method",
     "gpus": "--gpus",
@@ -78,6 +79,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
     parser.add_argument(
+        "--tiled-mlp",
+        nargs="?",
+        const="256",
+        default="0",
+        metavar="MIB",
+        help="the MLPs run in token tiles of this working set (train option tiled_mlp; default tile 256 MiB)",
+    )
+    parser.add_argument(
         "--longest",
         action="store_true",
         help="print the longest --seq-len (a multiple of 256) that fits with these flags, without and with "
@@ -140,7 +149,15 @@ def _plan_flags(args: argparse.Namespace, dropout: float) -> dict:
         base_dtype=args.base_dtype,
         device=args.device,
         fused_loss_head=not args.materialized_logits,
+        tiled_mlp_mib=_tile_mib(args.tiled_mlp),
     )
+
+
+def _tile_mib(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise _OptionError("--tiled-mlp", f"expected a working set in MiB, got {text!r}") from None
 
 
 def longest_from_args(args: argparse.Namespace) -> dict:

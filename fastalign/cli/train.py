@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         from fastalign.train.run import run_training  # imported only when used: it pulls in the models
 
         output = run_training(config, args.objective)
-    except (ValueError, OSError) as error:  # ConfigError, bad data, an unwritable output_dir: one line
+    except (ValueError, OSError, MemoryError) as error:
+        # ConfigError, bad data, an unwritable output_dir, offloading's HostMemoryError: one line
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     print(f"saved to {output}")

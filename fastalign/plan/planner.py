@@ -196,6 +196,7 @@ class _Request:
     fused_loss_head: bool
     double_quant: bool
     gpu_memory_bytes: int
+    tiled_mlp_mib: float
 
 
 _FLAGS = tuple(f.name for f in fields(_Request) if f.name != "model")
@@ -318,6 +319,20 @@ def _layer_activation_bytes(shape: ModelShape, method: str, regime: _Regime, lor
     return norms + attention + mlp + inputs
 
 
+def _mlp_activation_bytes(shape: ModelShape, method: str, regime: _Regime, lora_r: int) -> int:
+    """The part of ``_layer_activation_bytes`` the gated MLP saves, per token: gate and up (the fused
+    activation's inputs), and the inputs its gate/up/down projections (and their adapters) keep. A tiled
+    MLP (``fastalign.ops.tiled``) keeps none of it, only its own input."""
+    h, i, a = shape.hidden_size, shape.intermediate_size, regime.compute
+    if method == "full":
+        return (2 if regime.patched else 4) * a * i + a * h  # + gate/up's shared cast of the normed input
+    mlp = (2 if regime.patched else 3) * a * i
+    own_copy = 2 if regime.autocast else regime.adapter
+    if regime.mask == 0 and not regime.autocast and regime.adapter == regime.residual:
+        return mlp + a * (h + i) + 3 * lora_r * a
+    return mlp + (2 * h + i) * (own_copy + regime.mask) + 3 * lora_r * own_copy
+
+
 def _quantized_bytes(params: int, double_quant: bool) -> int:
     """NF4: 4 bits per weight + absmax per block of 64 (fp32, or 8-bit + fp32 per 256 blocks)."""
     blocks = -(-params // 64)
@@ -379,8 +394,19 @@ class _Setup(_Request):
 
     @functools.cached_property
     def layer_activations(self) -> int:
-        """Bytes one decoder layer saves for backward, per token."""
-        return _layer_activation_bytes(self.shape.activation_shape, self.method, self.regime, self.lora_r)
+        """Bytes one decoder layer saves for backward, per token: tiled, its MLP keeps only its input."""
+        shape = self.shape.activation_shape
+        saved = _layer_activation_bytes(shape, self.method, self.regime, self.lora_r)
+        if self.tiled_mlp_mib:  # the tile's input: the normed residual stream, in its dtype
+            saved += self.regime.residual * shape.hidden_size - _mlp_activation_bytes(
+                shape, self.method, self.regime, self.lora_r
+            )
+        return saved
+
+    @property
+    def mlp_tile_bytes(self) -> int:
+        """The tiled MLP's working set, held once (by the layer running or being recomputed)."""
+        return int(self.tiled_mlp_mib * 2**20)
 
     @property
     def layer_input(self) -> int:
@@ -406,6 +432,7 @@ def plan_memory(
     device: Literal["cuda", "cpu"] = "cuda",
     fused_loss_head: bool = True,
     double_quant: bool = True,
+    tiled_mlp_mib: float = 0,
     suggest: bool = True,
 ) -> MemoryPlan:
     """Plan the memory of training ``config`` (a HF config, a ``ModelShape``, or a built-in shape name /
@@ -420,10 +447,17 @@ def plan_memory(
     activation and loss head); False: the model's own code, and the head builds [tokens, vocab] logits.
     ``keep_on_device``: with offloading, how many of the last decoder layers keep their saved tensors on
     the GPU (``enable_activation_offloading``); "auto": the most that fit (``offload_keep_on_device``).
+    ``tiled_mlp_mib``: the gated MLPs run in token tiles of that working set (``TrainConfig.tiled_mlp``
+    with ``tiled_mlp_budget_mib``; needs the fused kernels): a layer keeps only its MLP's input, and the
+    tile's working set is held once; 0: untiled.
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
     shape = _model_shape(config)
+    if isinstance(tiled_mlp_mib, bool) or not isinstance(tiled_mlp_mib, (int, float)) or tiled_mlp_mib < 0:
+        raise PlanError("tiled_mlp_mib", f"must be a working set in MiB (0: untiled), got {tiled_mlp_mib!r}")
+    if tiled_mlp_mib and not fused_loss_head:
+        raise PlanError("tiled_mlp_mib", "tiles the fused MLP: needs fused_loss_head (fastalign's kernels)")
     _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype)
     if keep_on_device != "auto" and (
         isinstance(keep_on_device, bool)
@@ -450,26 +484,28 @@ def plan_memory(
             fused_loss_head=fused_loss_head,
             double_quant=double_quant,
             gpu_memory_bytes=gpu_memory_bytes,
+            tiled_mlp_mib=tiled_mlp_mib,
         )
         return _ppo_plan(shape, flags, suggest)
     setup = _Setup(
-        shape.name,
-        method,
-        gpus,
-        seq_len,
-        batch_size,
-        checkpointing,
-        offload_activations,
-        keep_on_device,
-        lora_r,
-        lora_dropout,
-        bf16,
-        base_dtype,
-        device,
-        fused_loss_head,
-        double_quant,
-        gpu_memory_bytes,
-        shape,
+        model=shape.name,
+        method=method,
+        gpus=gpus,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        checkpointing=checkpointing,
+        offload_activations=offload_activations,
+        keep_on_device=keep_on_device,
+        lora_r=lora_r,
+        lora_dropout=lora_dropout,
+        bf16=bf16,
+        base_dtype=base_dtype,
+        device=device,
+        fused_loss_head=fused_loss_head,
+        double_quant=double_quant,
+        gpu_memory_bytes=gpu_memory_bytes,
+        tiled_mlp_mib=tiled_mlp_mib,
+        shape=shape,
     )
     if setup.offload:
         setup = replace(setup, keep=_largest_keep(setup) if keep_on_device == "auto" else keep_on_device)
@@ -732,10 +768,12 @@ def _activations(setup: _Setup) -> Term:
     on_device = layers - offloaded + min(offloaded, 2)  # kept, and the offloaded ones in flight
     extras = 2 * shape.head_dim * x + 4 * h + 4 + (x * h if setup.full else 0)  # RoPE cos/sin, final norm
     activations = tokens * (on_device * kept + (per_layer if checkpointing else 0) + extras)
+    activations += setup.mlp_tile_bytes
     host = tokens * offloaded * kept
     saved_what = "layer inputs" if checkpointing else f"{per_layer:,} B/token/layer"
     how = f"{saved_what} × {on_device} layers × {tokens:,} tokens"
     how += " + 1 layer recomputed" if checkpointing else ""
+    how += f" + one MLP tile ({format_bytes(setup.mlp_tile_bytes)})" if setup.mlp_tile_bytes else ""
     if offload:
         how += f" (offloaded: {offloaded} layers to host, 2 in flight; {setup.keep} kept on the GPU)"
     return Term("activations", "activations", activations, host, False, how)

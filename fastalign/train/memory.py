@@ -97,6 +97,9 @@ def enable_activation_offloading(
     )
 
 
+_PAGE = 4096
+
+
 class HostMemoryError(MemoryError):
     """Offloading would need more host memory than the machine has available."""
 
@@ -240,7 +243,10 @@ class _HostPool:
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         _check_host_memory(nbytes, f"{self.capacity / 2**30:.1f} GiB held already, {nbytes:,} bytes more")
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        # cudaHostRegister pins whole pages: a buffer sharing a page with another registered one would be
+        # refused, so each starts on a page boundary of an allocation one page longer
+        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+        buffer = raw[-raw.data_ptr() % _PAGE :][:nbytes]
         self.allocations += 1
         if self.pin:
             try:

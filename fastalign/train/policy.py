@@ -99,6 +99,7 @@ def offload_keep_on_device(model: torch.nn.Module, config: TrainConfig, ctx: Dis
             gpu_memory_bytes=torch.cuda.get_device_properties(ctx.device).total_memory, bf16=config.bf16,
             base_dtype=base_dtype, device="cuda",
             fused_loss_head=config.use_liger_kernel, suggest=False,
+            tiled_mlp_mib=config.tiled_mlp_budget_mib if config.tiled_mlp else 0,
         )  # fmt: skip
     except PlanError:
         return 0

@@ -723,3 +723,46 @@ def test_cli_longest_prints_both_lengths(capsys):
     assert main([*argv, "--longest"]) == 0
     line = capsys.readouterr().out
     assert f"{result['longest_seq_len']:,} tokens; with --offload-activations: {offloaded:,} tokens" in line
+
+
+@pytest.mark.parametrize(("method", "gpus", "bf16", "dropout", "base_dtype"), _REGIMES)
+def test_tiled_layer_activation_formula_matches_saved_tensors(method, gpus, bf16, dropout, base_dtype):
+    """``tiled_mlp_mib``: the patched model with its MLPs tiled (``patch_model(tiled_mlp=)``) saves what
+    the planner says, per token: the layer less the MLP's share, plus the tile's input."""
+    bf16_weights = (gpus > 1 and bf16) or method == "qlora" or base_dtype == "bf16"
+    model = tiny_model("llama", dtype=torch.bfloat16 if bf16_weights else torch.float32, **_DIMS)
+    tiles = dict(tiled_mlp=True, tiled_mlp_budget_mib=0.001)  # tiles of a few tokens: tiling engages
+    fastalign.patch_model(model, rope=False, **tiles)
+    if method != "full":
+        lora = peft.LoraConfig(
+            r=_RANK, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM"
+        )
+        model = peft.get_peft_model(model, lora)
+        if gpus > 1:
+            model = model.to(torch.bfloat16)
+        fastalign.patching.patch_lora_layers(model)
+    model.train()
+    plan = plan_memory(
+        tiny_config("llama", **_DIMS), method=method, gpus=gpus, bf16=bf16, base_dtype=base_dtype,
+        device="cpu", lora_r=_RANK, lora_dropout=dropout, seq_len=_TOKENS, tiled_mlp_mib=0.001,
+    )  # fmt: skip
+    assert plan.layer_activation_bytes_per_token == _saved_bytes_per_token(model, autocast=bf16 and gpus == 1)
+
+
+def test_a_tiled_mlp_holds_one_tile_and_goes_longer():
+    """The tile's working set is held once; the longest sequence grows; without the fused kernels, or with
+    a negative budget, it is refused."""
+    flags = dict(method="qlora", checkpointing=True, suggest=False)
+    plain = plan_memory("llama-3-70b", seq_len=65536, **flags)
+    tiled = plan_memory("llama-3-70b", seq_len=65536, tiled_mlp_mib=256, **flags)
+    saved = plain.layer_activation_bytes_per_token - tiled.layer_activation_bytes_per_token
+    assert saved > 2 * 28672  # at least gate and up, in bf16, per token
+    assert tiled.activations - plain.activations == 256 * 2**20 - 65536 * saved
+    longest = dict(method="qlora", checkpointing=True, gpu_memory_bytes=80 * 2**30)
+    assert longest_sequence("llama-3-70b", tiled_mlp_mib=256, **longest) > longest_sequence(
+        "llama-3-70b", **longest
+    )
+    for bad in (dict(tiled_mlp_mib=256, fused_loss_head=False), dict(tiled_mlp_mib=-1)):
+        with pytest.raises(PlanError) as error:
+            plan_memory("llama-3-70b", suggest=False, **bad)
+        assert error.value.option == "tiled_mlp_mib"
