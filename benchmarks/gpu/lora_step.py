@@ -11,11 +11,12 @@ weights (one seed, built on the device) and trains on the same random tokens, so
 
 A setting is (tokens, checkpointing, offloading); the rows of one process share the loaded model, each
 starting from fresh peak statistics (and from the adapters the rows before it trained: a later row's
-first loss is compared with the same row of another provider, not with the first row). A row: the
-median step time of the steps after the first, tokens/s, model TFLOP/s and MFU against the device's matmul ceiling measured by the check (model FLOPs: 4·P·T for
-the frozen base's matmuls, forward and input gradients, plus 6·P_lora·T and causal attention
-6·L·S²·width, recomputation not counted), peak GPU memory of the whole process so far and of the step,
-the host's peak resident set, the first loss, and the planner's prediction of the same run.
+first loss is compared with the same row of another provider, not with the first row). A row: the median
+step time of the steps after the first, tokens/s, model TFLOP/s and MFU against the device's matmul
+ceiling measured by the check (model FLOPs: 4·P·T for the frozen base's matmuls, forward and input
+gradients, plus 6·P_lora·T and causal attention 6·L·S²·width, recomputation not counted), peak GPU memory
+of the whole process so far and of the step, the host's peak resident set, the first loss, and the
+planner's prediction of the same run.
 
 A host-memory watchdog ends the process with a note when its resident set passes
 ``host_limit_fraction`` of the machine's memory, so a run that pins too much host memory loses its own
