@@ -175,14 +175,15 @@ _ALIGNMENT = 64  # bytes: each tensor in a buffer starts on a cache line, aligne
 
 class _LayerBuffer:
     """One decoder layer's host memory: ``buffer``, filled from ``used``; ``extra`` buffers for what did
-    not fit this round; ``taken`` bytes in all this round, by ``live`` tensors."""
+    not fit this round; ``taken`` bytes in all this round, by ``live`` tensors; ``grow_to``: the size of
+    the buffer the next round allocates first (set when a round outgrew the buffer)."""
 
-    __slots__ = ("buffer", "extra", "live", "taken", "used")
+    __slots__ = ("buffer", "extra", "grow_to", "live", "taken", "used")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.extra: list[torch.Tensor] = []
-        self.used = self.taken = self.live = 0
+        self.used = self.taken = self.live = self.grow_to = 0
 
 
 class _HostPool:
@@ -190,10 +191,13 @@ class _HostPool:
 
     Per layer because a layer's tensors come back together (its backward): once the last is given back,
     the next forward fills the buffer from the start. What does not fit (the first step, a longer batch,
-    a second forward before a backward) gets a buffer of its own for that round, and once all of the
-    layer's tensors are back these are replaced by one buffer of the round's total. The pool grows to the
-    largest round and stays there: with checkpointing, layers × tokens × hidden × dtype bytes, the
-    planner's host term (``fastalign.plan``), and no allocation at all in the steps after the first.
+    a second forward before a backward) gets a buffer of its own for that round; once all of the layer's
+    tensors are back these are freed, and the layer's next round first allocates one buffer of their
+    total (in the forward, where a ``HostMemoryError`` reaches the caller: giving a tensor back runs in
+    a finalizer, which would swallow it). With checkpointing a layer's round is its one input, whose own
+    buffer simply stays. The pool grows to the largest round and stays there: with checkpointing,
+    layers × tokens × hidden × dtype bytes, the planner's host term (``fastalign.plan``), and no
+    allocation at all in the steps after the first.
 
     Pinned with ``cudaHostRegister`` on exact-size pageable allocations, not ``torch.empty(...,
     pin_memory=True)``: PyTorch's pinned-memory cache rounds each block up to a power of two (up to
@@ -218,6 +222,8 @@ class _HostPool:
     def take(self, layer: int, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
         """``nbytes`` of host memory (uint8) for a tensor of ``layer``, and the call that gives them back."""
         slot = self._layers.setdefault(layer, _LayerBuffer())
+        if slot.grow_to:  # here, in the forward, a failure (HostMemoryError) reaches the caller
+            slot.buffer, slot.grow_to = self._allocate(slot.grow_to), 0
         size = -(-nbytes // _ALIGNMENT) * _ALIGNMENT
         if slot.buffer is not None and slot.used + size <= slot.buffer.numel():
             memory = slot.buffer[slot.used : slot.used + size]
@@ -235,10 +241,9 @@ class _HostPool:
             return
         if slot.buffer is None and len(slot.extra) == 1:
             slot.buffer = slot.extra[0]
-        elif slot.extra:  # freed before the larger one is allocated
+        elif slot.extra:  # freed now; the larger one is allocated by the next take(), not in a finalizer
             self._free([*slot.extra, *([slot.buffer] if slot.buffer is not None else [])])
-            slot.buffer, slot.extra = None, []
-            slot.buffer = self._allocate(slot.taken)
+            slot.buffer, slot.grow_to = None, slot.taken
         slot.extra, slot.used, slot.taken = [], 0, 0
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
