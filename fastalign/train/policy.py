@@ -251,6 +251,11 @@ def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool, 
     if config.use_liger_kernel:
         tiles = dict(tiled_mlp=config.tiled_mlp, tiled_mlp_budget_mib=config.tiled_mlp_budget_mib)
         fastalign.patch_model(model, loss=lm_head, **tiles)
+        if config.tiled_mlp and not fastalign.patching.patched_pieces(model).get("mlp"):
+            raise ConfigError(  # tiling is the fused gated MLP's: accepted and ignored would be a bug
+                f"config key 'tiled_mlp': {model.config.model_type}'s MLP is not one fastalign patches "
+                "(a gated MLP), so there is nothing to tile"
+            )
     elif needs_fused_head:
         fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False, linear=False)
 

@@ -262,6 +262,20 @@ def test_tiled_mlp_needs_the_patched_model():
     )
 
 
+def test_tiled_mlp_on_a_family_whose_mlp_is_not_patched_is_refused():
+    """StarCoder2's MLP (c_fc/c_proj, not gated) is the model's own: tiling it is refused, not ignored."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastalign.train.policy import _patch
+
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=1, vocab_size=64)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("starcoder2", **small))
+    config = load_config(None, ["--tiled_mlp", "true"])
+    with pytest.raises(ConfigError, match="config key 'tiled_mlp': starcoder2's MLP is not one fastalign"):
+        _patch(model, config, needs_fused_head=True, lm_head=True)
+
+
 def test_boundary_values_are_accepted():
     config = load_config(
         None,
