@@ -20,9 +20,9 @@ ALLOWED = {
     "data": {"errors", "models"},
     "patching": {"errors", "ops", "models"},
     "quant": {"ops", "models"},
-    "plan": {"builtin", "models"},
+    "plan": {"builtin", "models", "ops"},  # ops: the heads' workspace rule, so plan and kernels agree
     "bench": set(),
-    "train": {"fastalign", "builtin", "data", "errors", "losses", "models", "ops", "patching", "quant"},
+    "train": {"fastalign", "builtin", "data", "errors", "losses", "models", "ops", "patching", "plan", "quant"},
     "cli": {"fastalign", "bench", "builtin", "errors", "ops", "plan", "train", "data", "models", "quant"},
     "__init__": {"ops", "patching"},
     "__main__": {"cli"},

@@ -123,8 +123,8 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             resume(engine, resume_path, given)  # before anything is written: a misfit changes no file
         if ctx.is_main:
             start_writing(given, output_dir, clear=earlier_files)
-            if note := busy_cpus_note(ctx.device):
-                print(note, file=sys.stderr)
+            if note := busy_cpus_note(ctx.device):  # advice beside the progress, not an error: stdout
+                print(note, flush=True)
         engine.train()  # evaluates at the last step as eval_strategy says; ends with the best model's weights
         export_model(model, tokenizer, output_dir, ctx)
         return output_dir

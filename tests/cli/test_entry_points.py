@@ -83,7 +83,9 @@ def test_ctrl_c_is_one_line(monkeypatch, capsys):
         (("plan", "--model", "llama-3-8b", "--json"), BROKEN_PIPE_STATUS),  # print()
         (("plan", "--model", "llama-3-8b"), BROKEN_PIPE_STATUS),  # a rich table
         (("bench", "--list"), BROKEN_PIPE_STATUS),
-        (("train", "--help"), 0),  # argparse ignores a failed write of its help
+        # argparse's own write of its help ignores the closed pipe (0), the flush at exit does not (141):
+        # which one meets it depends on the help's length and the pipe's buffering; both end quietly
+        (("train", "--help"), (0, BROKEN_PIPE_STATUS)),
     ],
 )
 def test_a_closed_pipe_ends_quietly(argv, status):
@@ -94,4 +96,4 @@ def test_a_closed_pipe_ends_quietly(argv, status):
     )
     process.stdout.close()
     err = process.stderr.read().decode()
-    assert process.wait(timeout=120) == status and err == "", err
+    assert process.wait(timeout=120) in (status if isinstance(status, tuple) else (status,)) and err == "", err
