@@ -13,7 +13,14 @@ import pytest
 import torch
 
 import fastalign
-from fastalign.builtin import tiny_model, tiny_preference_rows, tiny_sft_rows, tiny_tokenizer
+from fastalign.builtin import (
+    digit_ratio,
+    tiny_model,
+    tiny_preference_rows,
+    tiny_prompt_rows,
+    tiny_sft_rows,
+    tiny_tokenizer,
+)
 from fastalign.integrations import trl as integration
 from tests.helpers import require
 
@@ -74,10 +81,18 @@ class GradientsBeforeStep(TrainerCallback):
 
 def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpointing=False):
     """The first logged row and the gradients of one step of TRL's ``kind`` trainer on a tiny llama."""
-    config, trainer_class = {"sft": (trl.SFTConfig, trl.SFTTrainer), "dpo": (trl.DPOConfig, trl.DPOTrainer)}[
-        kind
-    ]
-    rows = tiny_sft_rows(4, seed=1) if kind == "sft" else tiny_preference_rows(4, seed=1)
+    config, trainer_class = {
+        "sft": (trl.SFTConfig, trl.SFTTrainer),
+        "dpo": (trl.DPOConfig, trl.DPOTrainer),
+        "grpo": (trl.GRPOConfig, trl.GRPOTrainer),
+    }[kind]
+    rows = {"sft": tiny_sft_rows, "dpo": tiny_preference_rows, "grpo": tiny_prompt_rows}[kind](4, seed=1)
+    # GRPO samples 2 completions of 8 tokens per prompt, at a temperature its fused head divides by
+    lengths = (
+        {"max_completion_length": 8, "num_generations": 2, "temperature": 0.7}
+        if kind == "grpo"
+        else {"max_length": 64}
+    )
     model = tiny_model("llama", seed=0)
     if patch:
         fastalign.patch_model(model)
@@ -90,6 +105,8 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
         )
     elif kind == "dpo":
         extra["ref_model"] = tiny_model("llama", seed=1)
+    if kind == "grpo":
+        extra["reward_funcs"] = [digit_ratio]
     args = config(
         output_dir=str(tmp_path),
         per_device_train_batch_size=len(rows),
@@ -102,7 +119,7 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
         use_cpu=True,
         save_strategy="no",
         gradient_checkpointing=gradient_checkpointing,
-        max_length=64,
+        **lengths,
     )
     grads = GradientsBeforeStep()
     trainer = trainer_class(
@@ -121,6 +138,8 @@ def assert_same_step(ours, theirs):
     (our_log, our_grads), (their_log, their_grads) = ours, theirs
     assert our_log.keys() == their_log.keys()
     for key, value in their_log.items():
+        if key == "step_time":  # GRPO logs the wall time of its step
+            continue
         assert math.isclose(our_log[key], value, rel_tol=1e-5, abs_tol=1e-6), (key, our_log[key], value)
     assert our_grads.keys() == their_grads.keys() and their_grads
     for name, grad in their_grads.items():
@@ -128,7 +147,7 @@ def assert_same_step(ours, theirs):
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
 def test_a_trl_step_is_the_same_with_fastalign_serving_the_fused_head(kind, setup, tmp_path, calls):
     require("peft")
     theirs = one_step(kind, tmp_path / "trl", **SETUPS[setup])
@@ -142,6 +161,7 @@ def test_a_trl_step_is_the_same_with_fastalign_serving_the_fused_head(kind, setu
     expected = {
         "sft": ("mean_token_accuracy", "entropy"),
         "dpo": ("logits/chosen", "mean_token_accuracy", "entropy"),
+        "grpo": ("entropy", "reward"),
     }
     assert set(expected[kind]) <= ours[0].keys()
 
