@@ -32,6 +32,7 @@ import torch
 from packaging.version import Version
 
 from fastalign.ops import token_logprobs
+from fastalign.ops.head_workspace import head_workspace_bytes
 
 #: The TRL releases whose fused-head protocol ``FusedLogProbs`` implements.
 SUPPORTED_TRL = (Version("1.16"), Version("1.17"))
@@ -48,6 +49,8 @@ PROTOCOL = (
     "logit_scale",
     "outputs",
 )
+#: Tokens per tile of TRL's head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``).
+TRL_TOKEN_TILE = 4096
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 #: TRL's own function while ``enable()`` is in effect (the fallback), else None.
@@ -75,7 +78,6 @@ class FusedLogProbs:
         if "log_sum_sq_probs" in outputs or hidden.shape[0] == 0 or hasattr(weight, "ds_id"):
             args = (hidden, weight, bias, targets, temperature, chunk_size)
             return _trl_function.apply(*args, final_logit_softcapping, logit_scale, outputs)
-        # TRL's `chunk_size` is its vocabulary tile width; fastalign sizes its token chunks itself.
         if not torch.is_autocast_enabled(hidden.device.type) and weight.dtype != hidden.dtype:
             # `cast_lm_head_to_fp32`: TRL runs the projection in the hidden states' dtype (fp32)
             weight = weight.to(hidden.dtype)
@@ -84,6 +86,15 @@ class FusedLogProbs:
             # The logits are linear in (hidden, bias): scaling both scales them before the softcap, as in TRL
             hidden = hidden * logit_scale
             bias = None if bias is None else bias * logit_scale
+        # TRL's head holds one [4096 tokens, chunk_size vocabulary] tile; fastalign's chunks may take as much
+        # (more rows per GEMM: on CPU its 32 MiB default makes 32-row chunks of a 49k vocabulary, 2.5x slower)
+        dtype = (
+            torch.get_autocast_dtype(hidden.device.type)
+            if torch.is_autocast_enabled(hidden.device.type)
+            else hidden.dtype
+        )
+        trl_tile = min(hidden.shape[0], TRL_TOKEN_TILE) * min(weight.shape[0], chunk_size) * dtype.itemsize
+        workspace = max(head_workspace_bytes(hidden.device.type, None, weight), trl_tile)
         with_entropy = "entropy" in outputs
         with_stats = "mean_logits" in outputs or "is_top1" in outputs
         result = token_logprobs(
@@ -95,6 +106,7 @@ class FusedLogProbs:
             softcap=final_logit_softcapping,
             return_entropy=with_entropy,
             return_stats=with_stats,
+            workspace_bytes=workspace,
         )
         result = result if isinstance(result, tuple) else (result,)
         logprobs, entropy = result[0], result[1] if with_entropy else None
