@@ -1,7 +1,8 @@
 """The layer rule of docs/architecture.md, checked on the source: every ``fastalign`` import (module level or
-inside a function) looks down. ``kernels`` ← ``ops`` ← ``losses`` ← (``patching``, ``integrations``, ``train``) ← ``cli``,
-with the floors ``models`` (model structure, streaming loader), ``builtin`` (tiny offline models and data)
-and ``errors`` below whatever uses them."""
+inside a function) looks down. ``kernels`` ← ``ops`` ← ``losses`` ← (``patching``, ``integrations``,
+``train``) ← ``cli``, with the floors ``models`` (model structure, streaming loader), ``builtin`` (tiny
+offline models and data) and ``errors`` below whatever uses them; ``plan`` beside, used by ``train`` and
+``cli``, reading ``ops``' head workspace rule."""
 
 from __future__ import annotations
 
@@ -23,7 +24,18 @@ ALLOWED = {
     "quant": {"ops", "models"},
     "plan": {"builtin", "models", "ops"},  # ops: the heads' workspace rule, so plan and kernels agree
     "bench": set(),
-    "train": {"fastalign", "builtin", "data", "errors", "losses", "models", "ops", "patching", "plan", "quant"},
+    "train": {
+        "fastalign",
+        "builtin",
+        "data",
+        "errors",
+        "losses",
+        "models",
+        "ops",
+        "patching",
+        "plan",
+        "quant",
+    },
     "cli": {"fastalign", "bench", "builtin", "errors", "ops", "plan", "train", "data", "models", "quant"},
     "__init__": {"ops", "patching"},
     "__main__": {"cli"},

@@ -14,7 +14,6 @@ import dataclasses
 import math
 import os
 import random
-import sys
 from dataclasses import asdict
 from pathlib import Path
 

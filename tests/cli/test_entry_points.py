@@ -96,4 +96,5 @@ def test_a_closed_pipe_ends_quietly(argv, status):
     )
     process.stdout.close()
     err = process.stderr.read().decode()
-    assert process.wait(timeout=120) in (status if isinstance(status, tuple) else (status,)) and err == "", err
+    expected = status if isinstance(status, tuple) else (status,)
+    assert process.wait(timeout=120) in expected and err == "", err
