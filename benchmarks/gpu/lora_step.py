@@ -221,10 +221,13 @@ def trl_steps(model, config, spec: dict, setting: dict, device: torch.device) ->
     from peft import LoraConfig
     from transformers import TrainerCallback
 
-    if spec["provider"] == "trl-fastalign":
+    if spec["provider"] == "trl-fastalign":  # the kernels in the model, and TRL's fused head served
         import fastalign
+        from fastalign.integrations import trl as fastalign_trl
 
         fastalign.patch_model(model)
+        if not fastalign_trl.enable():
+            raise RuntimeError(f"fastalign does not serve TRL {trl.__version__}'s fused head")
     times: list[float] = []
     losses: list[float] = []
 
