@@ -241,7 +241,7 @@ def render_summary(latest: list[dict]) -> str:
                 f"| {kernel} | {goal.text} | {item.device} | {item.verdict} | {'<br>'.join(item.figures)} |"
             )
             misses += [f"- {kernel} on {item.device}: {miss}" for miss in item.misses]
-    gpu_measured = {run["kernel"] for run in latest if runs.on_gpu(run)}
+    gpu_measured = {run["kernel"] for run in latest if runs.on_gpu(run) and run["rows"]}  # rows, not a file
     unmeasured = [suite.name for suite in suites.SUITES if suite.name not in gpu_measured]
     if misses:
         lines += ["", "Misses:", "", *misses]
