@@ -68,6 +68,8 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
         _check_hub_dataset_keys(config)
         output_dir = Path(config.output_dir)
         resume_path, earlier_files = check_output_dir(config)  # before anything loads
+        if ctx.enabled:  # every rank has looked before the main rank writes: a slow rank saw its files
+            torch.distributed.barrier()
         given, config = config, _with_local_model(config)  # saved and reported: the names as given
         objective = make_objective(name, config, ctx)  # checks the config before any work
         model, tokenizer = load_model_and_tokenizer(
