@@ -467,28 +467,7 @@ def plan_memory(
         raise PlanError(
             "keep_on_device", f"must be 'auto' or 0 to {shape.num_layers} layers, got {keep_on_device!r}"
         )
-    if method in PPO_METHODS:
-        flags = dict(
-            method=method,
-            gpus=gpus,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            checkpointing=checkpointing,
-            offload_activations=offload_activations,
-            keep_on_device=keep_on_device,
-            lora_r=lora_r,
-            lora_dropout=lora_dropout,
-            bf16=bf16,
-            base_dtype=base_dtype,
-            device=device,
-            fused_loss_head=fused_loss_head,
-            double_quant=double_quant,
-            gpu_memory_bytes=gpu_memory_bytes,
-            tiled_mlp_mib=tiled_mlp_mib,
-        )
-        return _ppo_plan(shape, flags, suggest)
-    setup = _Setup(
-        model=shape.name,
+    flags = dict(
         method=method,
         gpus=gpus,
         seq_len=seq_len,
@@ -505,8 +484,10 @@ def plan_memory(
         double_quant=double_quant,
         gpu_memory_bytes=gpu_memory_bytes,
         tiled_mlp_mib=tiled_mlp_mib,
-        shape=shape,
     )
+    if method in PPO_METHODS:
+        return _ppo_plan(shape, flags, suggest)
+    setup = _Setup(model=shape.name, **flags, shape=shape)
     if setup.offload:
         setup = replace(setup, keep=_largest_keep(setup) if keep_on_device == "auto" else keep_on_device)
     terms = [
