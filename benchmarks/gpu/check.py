@@ -17,6 +17,8 @@ Phases, in order (``PHASES``):
   the planner's longest for 48 GB and 80 GB, with and without offloading, each beside the planner;
 - ``loss_heads``: linear cross-entropy at two vocabularies, the DPO, GRPO and distillation heads
   against Liger, Cut Cross-Entropy and eager (the kernel benchmark scripts);
+- ``generation_1b``: rollout generation of the Llama-3.2-1B shape (``benchmarks/e2e/bench_generation.py``):
+  fastalign's engine against ``model.generate`` and transformers' continuous batching;
 - ``trl_1b``: DPO and GRPO steps of the Llama-3.2-1B shape, ``fastalign train`` against TRL's trainers
   (GRPO's generation and training apart).
 
@@ -274,6 +276,28 @@ def phase_loss_heads(ctx: Context, cap: float) -> dict:
     return {"files": files, "skipped": skipped}
 
 
+def phase_generation_1b(ctx: Context, cap: float) -> dict:
+    before = set(ctx.out.glob("e2e_generation-*.json"))
+    args = [
+        "benchmarks/e2e/bench_generation.py",
+        "--preset",
+        "quick" if ctx.smoke else "gpu-1b",
+        "--out",
+        str(ctx.out),
+    ]
+    status, tail = _python(args, cap)
+    result: dict = {
+        "files": sorted(path.name for path in set(ctx.out.glob("e2e_generation-*.json")) - before)
+    }
+    if status != 0:
+        result["skipped"] = {
+            "rest": "stopped at the phase's time cap"
+            if status == "timeout"
+            else tail.strip().splitlines()[-1][:300]
+        }
+    return result
+
+
 def phase_trl_1b(ctx: Context, cap: float) -> dict:
     if not _installed("trl"):
         return {"skipped": {"all": "trl not installed"}}
@@ -298,11 +322,14 @@ def phase_trl_1b(ctx: Context, cap: float) -> dict:
 
 
 PHASES = (
-    Phase("tests", 60, phase_tests, "the CUDA test subset"),
-    Phase("lora_8b", 150, phase_lora_8b, "Llama-3-8B-shape LoRA SFT steps side by side"),
-    Phase("qlora_70b", 120, phase_qlora_70b, "Llama-3-70B-shape QLoRA: long context and offloading"),
-    Phase("loss_heads", 75, phase_loss_heads, "loss heads against Liger, CCE and eager"),
-    Phase("trl_1b", 75, phase_trl_1b, "Llama-3.2-1B-shape DPO and GRPO against TRL"),
+    Phase("tests", 55, phase_tests, "the CUDA test subset"),
+    Phase("lora_8b", 140, phase_lora_8b, "Llama-3-8B-shape LoRA SFT steps side by side"),
+    Phase("qlora_70b", 115, phase_qlora_70b, "Llama-3-70B-shape QLoRA: long context and offloading"),
+    Phase("loss_heads", 70, phase_loss_heads, "loss heads against Liger, CCE and eager"),
+    Phase(
+        "generation_1b", 35, phase_generation_1b, "Llama-3.2-1B-shape rollout generation: engine vs generate"
+    ),
+    Phase("trl_1b", 65, phase_trl_1b, "Llama-3.2-1B-shape DPO and GRPO against TRL"),
 )
 BY_NAME = {phase.name: phase for phase in PHASES}
 

@@ -23,6 +23,9 @@ from fastalign.data.sft import TRUNCATION_MODES
 from fastalign.ops.grpo import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
 from fastalign.ops.preference import F_DIVERGENCE_TYPES
 
+#: How the objectives that sample draw their completions (``fastalign.train.rollout``).
+GENERATION_ENGINES = ("fastalign", "generate")
+
 
 @dataclass
 class TrainConfig:
@@ -178,6 +181,8 @@ class TrainConfig:
     normalize_advantages: bool = False  # rloo: advantages standardised over the generation batch
     reward_clip_range: list[float] | None = None  # rloo: [low, high] the rewards are clamped to
     use_vllm: bool = False  # generate with vLLM (colocated) instead of model.generate; needs vllm
+    generation_engine: str = "fastalign"  # how completions are sampled: fastalign (the prompt prefilled
+    # once per group, ended rows dropped; generate's tokens and distribution) or generate (model.generate)
 
     # online_dpo (TRL's OnlineDPOConfig): two sampled completions of each prompt, ranked by reward_funcs
     # (reward_weights), make a DPO pair (beta, loss_type sigmoid or ipo); the sampling options above apply
@@ -420,6 +425,7 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("f_alpha_divergence_coef", _finite, "any finite number (as TRL; 1 is reverse_kl)"),
     ("reward_weights", lambda value: value is None or any(value), "null or a list with a non-zero weight"),
     ("scale_rewards", lambda value: value in SCALE_REWARDS, f"one of {', '.join(SCALE_REWARDS)}"),
+    ("generation_engine", lambda value: value in GENERATION_ENGINES, "fastalign or generate"),
     (
         "advantage_estimator",
         lambda value: value in ADVANTAGE_ESTIMATORS,

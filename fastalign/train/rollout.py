@@ -1,10 +1,16 @@
 """The online objectives' rollout (GRPO, RLOO, online DPO; distill's sampled completions): sample completions
 and score them with the reward functions.
 
-Generation is ``model.generate`` with a KV cache, in eval mode, without gradient. Under FSDP2 the
-sharded model generates as is (each forward gathers the layers it runs), with ``synced_gpus`` so that a
-rank whose completions all ended keeps stepping until every rank's have: FSDP's all-gathers are
-collective, and a rank that stopped early would leave the others waiting forever.
+Generation runs in eval mode, without gradient, through fastalign's engine
+(``fastalign.train.generation``: each prompt prefilled once for its group, ended rows dropped, the
+tokens and distribution of ``model.generate``), or ``model.generate`` itself (``generation_engine:
+generate``, or a model or option the engine cannot run, said once in a log line). The engine samples a
+whole generation's micro-batches in one call (more rows per decode step), each prompt drawing from a
+generator seeded by its micro-batch's seed, so its completions do not depend on which prompts shared the
+call. Under FSDP2 the sharded model generates as is (each forward gathers the layers it runs), ranks
+kept in step (``synced_gpus``): a rank whose completions all ended keeps stepping until every rank's
+have, since FSDP's all-gathers are collective and a rank that stopped early would leave the others
+waiting forever.
 
 Rewards of all ranks are gathered (``gather_rewards``) before an objective turns them into advantages,
 so batch statistics (``scale_rewards='batch'``, RLOO's ``normalize_advantages``) and the logged reward
@@ -14,6 +20,7 @@ so groups never straddle ranks.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +30,10 @@ import torch.distributed as dist
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import combine_rewards
 from fastalign.train.distributed import DistributedContext
+from fastalign.train.generation import engine_refusal, sample_groups
 from fastalign.train.rewards import RewardFunction, compute_rewards, reward_metrics
+
+logger = logging.getLogger(__name__)
 
 #: ``generation_kwargs`` keys that would change the shape of what ``generate`` returns (the rollout
 #: repeats each prompt ``num_generations`` times itself and reads plain token ids).
@@ -42,6 +52,7 @@ class SamplingKeys:
     min_p: float | None
     repetition_penalty: float
     generation_kwargs: dict[str, Any] | None
+    generation_engine: str
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class SamplingOptions:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     generation_kwargs: dict[str, Any] | None = None
+    engine: str = "fastalign"  # fastalign or generate (``generation_engine``)
 
     @classmethod
     def of(cls, options: SamplingKeys, num_generations: int, max_completion_length: int) -> SamplingOptions:
@@ -71,6 +83,7 @@ class SamplingOptions:
             options.min_p,
             options.repetition_penalty,
             options.generation_kwargs,
+            options.generation_engine,
         )
 
     def generate_kwargs(self, tokenizer) -> dict[str, Any]:
@@ -113,25 +126,89 @@ def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_completions(
-    model: torch.nn.Module, prompts: dict, options: SamplingOptions, tokenizer, ctx: DistributedContext
-) -> Completions:
-    """Sample ``num_generations`` completions of every prompt in ``prompts`` (left-padded ids + mask)."""
-    group = options.num_generations
-    prompt_ids = prompts["input_ids"].repeat_interleave(group, 0).to(ctx.device)
-    prompt_mask = prompts["attention_mask"].repeat_interleave(group, 0).to(ctx.device)
+    model: torch.nn.Module,
+    prompts: list[dict],
+    options: SamplingOptions,
+    tokenizer,
+    ctx: DistributedContext,
+    seeds: list[int] | None = None,
+) -> list[Completions]:
+    """Sample ``num_generations`` completions of every prompt of each micro-batch of ``prompts``
+    (left-padded ids + mask). With ``seeds`` (one per micro-batch) each micro-batch's sampling is
+    seeded by its own; without, the current random state draws."""
+    kwargs = options.generate_kwargs(tokenizer)
+    refusal = engine_refusal(model, kwargs) if options.engine == "fastalign" else None
+    if refusal is not None:
+        _say_once(f"fastalign: sampling with model.generate: the rollout engine cannot run here ({refusal})")
     was_training = model.training
     model.eval()
     try:
-        output = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            use_cache=True,
-            synced_gpus=ctx.enabled,
-            **options.generate_kwargs(tokenizer),
-        )
+        if options.engine == "fastalign" and refusal is None:
+            return _engine_completions(model, prompts, options, kwargs, tokenizer, ctx, seeds)
+        completions = []
+        for index, batch in enumerate(prompts):
+            with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+                if seeds is not None:
+                    torch.manual_seed(seeds[index])
+                completions.append(_generate(model, batch, options, kwargs, tokenizer, ctx))
+        return completions
     finally:
         model.train(was_training)
-    completion_ids = output[:, prompt_ids.shape[1] :]
+
+
+def _generate(model, prompts: dict, options: SamplingOptions, kwargs: dict, tokenizer, ctx) -> Completions:
+    """One micro-batch's completions from ``model.generate`` on its prompts repeated."""
+    group = options.num_generations
+    prompt_ids = prompts["input_ids"].repeat_interleave(group, 0).to(ctx.device)
+    prompt_mask = prompts["attention_mask"].repeat_interleave(group, 0).to(ctx.device)
+    output = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, synced_gpus=ctx.enabled, **kwargs
+    )
+    return _completions(prompt_ids, prompt_mask, output[:, prompt_ids.shape[1] :], tokenizer)
+
+
+def _engine_completions(model, prompts: list[dict], options, kwargs, tokenizer, ctx, seeds) -> list:
+    """Every micro-batch's completions from one call of the engine: the prompts left-padded to a common
+    width, each prompt seeded by its micro-batch's seed and its place in it (or the random state)."""
+    width = max(batch["input_ids"].shape[1] for batch in prompts)
+    ids = torch.cat([_left_pad(batch["input_ids"], width, tokenizer.pad_token_id) for batch in prompts])
+    mask = torch.cat([_left_pad(batch["attention_mask"], width, 0) for batch in prompts])
+    prompt_seeds = None
+    if seeds is not None:  # a seed of each prompt, from its micro-batch's (63 bits, distinct per prompt)
+        prompt_seeds = [
+            (seed * 1_000_003 + index) % 2**63
+            for seed, batch in zip(seeds, prompts, strict=True)
+            for index in range(batch["input_ids"].shape[0])
+        ]
+    group = options.num_generations
+    output = sample_groups(
+        model, ids.to(ctx.device), mask.to(ctx.device), group, kwargs, synced=ctx.enabled, seeds=prompt_seeds
+    )
+    completions, start = [], 0
+    for batch in prompts:
+        rows = slice(start, start + batch["input_ids"].shape[0] * group)
+        start = rows.stop
+        prompt_ids = batch["input_ids"].repeat_interleave(group, 0).to(ctx.device)
+        prompt_mask = batch["attention_mask"].repeat_interleave(group, 0).to(ctx.device)
+        done = _completions(prompt_ids, prompt_mask, output[rows, width:], tokenizer)
+        ended = not bool(done.truncated.any())
+        completions.append(_trimmed(done, int(done.lengths.max()) if ended else done.completion_ids.shape[1]))
+    return completions
+
+
+def _left_pad(tensor: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    return torch.nn.functional.pad(tensor, (width - tensor.shape[1], 0), value=value)
+
+
+def _trimmed(done: Completions, width: int) -> Completions:
+    """``done`` with its completions cut to ``width`` columns (the micro-batch's own longest, as
+    ``generate`` on it alone would have returned)."""
+    ids, mask = done.completion_ids[:, :width], done.completion_mask[:, :width]
+    return Completions(done.prompt_ids, done.prompt_mask, ids, mask, done.truncated)
+
+
+def _completions(prompt_ids, prompt_mask, completion_ids: torch.Tensor, tokenizer) -> Completions:
+    """Completions of sampled ids: each cut after its first EOS (mask), padded with the pad id."""
     is_eos = completion_ids == tokenizer.eos_token_id
     has_eos = is_eos.any(-1)
     end = torch.where(has_eos, is_eos.int().argmax(-1), completion_ids.shape[1])  # index of the first EOS
@@ -139,6 +216,15 @@ def generate_completions(
     completion_mask = (positions[None, :] <= end[:, None]).long()
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
     return Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, ~has_eos)
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.warning(message)
 
 
 def scoring_batch(done: Completions, completion_mask: torch.Tensor) -> tuple[dict, torch.Tensor, slice]:

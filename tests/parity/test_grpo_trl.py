@@ -253,10 +253,10 @@ def test_generation_metrics_and_num_tokens_equal_trl(models, tmp_path):
     for row, end in enumerate([2, None, 0, COMPLETION - 1, None, 4, 3, None]):
         if end is not None:
             completions[row, end] = eos
-    done = generate_completions(
+    (done,) = generate_completions(
         _Sampler(completions),
-        {"input_ids": prompts, "attention_mask": prompt_mask},
-        SamplingOptions(GROUP, COMPLETION),
+        [{"input_ids": prompts, "attention_mask": prompt_mask}],
+        SamplingOptions(GROUP, COMPLETION, engine="generate"),
         tokenizer,
         DistributedContext(0, 1, 0, torch.device("cpu")),
     )

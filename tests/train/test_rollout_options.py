@@ -33,7 +33,8 @@ def prompts(tokenizer) -> dict:
 
 def sample(model, options: SamplingOptions, seed: int):
     torch.manual_seed(seed)
-    return generate_completions(model, prompts(tiny_tokenizer()), options, tiny_tokenizer(), CPU)
+    (done,) = generate_completions(model, [prompts(tiny_tokenizer())], options, tiny_tokenizer(), CPU)
+    return done
 
 
 def test_generate_receives_the_sampling_options_and_generation_kwargs_win(policy, monkeypatch):
@@ -48,6 +49,7 @@ def test_generate_receives_the_sampling_options_and_generation_kwargs_win(policy
     options = SamplingOptions(
         2,
         5,
+        engine="generate",
         temperature=0.7,
         top_p=0.9,
         top_k=5,

@@ -78,13 +78,10 @@ def sample_completions(
     """Each prompt micro-batch's completions, sampled with the seed ``GenerationBatches`` gave it (its
     ``ROLLOUT_KEY``; an evaluation micro-batch has none and samples from the current random state) in a
     forked random state, so that sampling neither depends on nor changes anything else's draws."""
-    completions = []
-    for batch in prompt_batches:
-        with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
-            if ROLLOUT_KEY in batch:
-                torch.manual_seed(batch[ROLLOUT_KEY][3])
-            completions.append(generate_completions(model, batch, sampling, tokenizer, ctx))
-    return completions
+    seeded = all(ROLLOUT_KEY in batch for batch in prompt_batches)
+    seeds = [batch[ROLLOUT_KEY][3] for batch in prompt_batches] if seeded else None
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        return generate_completions(model, prompt_batches, sampling, tokenizer, ctx, seeds)
 
 
 def score_completions(

@@ -1,0 +1,203 @@
+"""Rollout generation: fastalign's engine against ``model.generate`` and transformers' continuous batching.
+
+    python benchmarks/e2e/bench_generation.py --preset cpu      # SmolLM2-135M-Instruct, 64 and 256 tokens
+    python benchmarks/e2e/bench_generation.py --preset gpu-1b   # Llama-3.2-1B shape, random weights, bf16
+    python benchmarks/e2e/bench_generation.py --preset quick    # a tiny random model: it works
+
+What GRPO's rollout asks for: ``prompts`` chat prompts (questions about the Python documentation's
+topics, ``pydoc_data``), ``group`` sampled completions of each (temperature 1, no top-k or top-p), up to
+``max_new_tokens``, ending at the model's EOS where it samples one. Rows (providers):
+
+- ``generate``: ``model.generate`` on the prompts repeated ``group`` times (fastalign's rollout before the
+  engine, and TRL's GRPOTrainer without vLLM);
+- ``fastalign``: the engine (``fastalign.train.generation.sample_groups``): each prompt prefilled once,
+  ended rows dropped, inverse-CDF draws;
+- ``continuous``: transformers' continuous batching (``model.generate_batch``, paged attention; TRL's
+  ``use_transformers_paged``), each completion a request (on a CPU at the shortest length only: a call
+  takes minutes).
+
+Every provider runs the same prompts, seeds and options, interleaved (each repeat runs every provider in
+turn), in one process. A row: ``seconds`` (median wall time of a call), ``cpu_seconds`` (median CPU time
+of this process: on a CPU shared with other work it moves less than the wall time),
+``completion_tokens`` (completion tokens up to and including the EOS, summed over the rows, median),
+``tokens_per_s`` = completion_tokens / seconds, and ``speedup`` = tokens_per_s over ``generate``'s.
+Floor: none stated; decoding is bound by the weights' and the KV cache's reads per step, which depend on
+the rows a step decodes, and the providers decode different rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import arguments, keep_rows_on_termination, record, select_providers  # noqa: E402
+
+KERNEL = "e2e_generation"
+PROVIDERS = ("generate", "fastalign", "continuous")
+PRESETS = {
+    "cpu": {"model": "smollm2", "prompts": 4, "group": 8, "lengths": [64, 256], "repeats": 2,
+            "dtype": "float32", "continuous_lengths": [64]},
+    "gpu-1b": {"model": "llama-3.2-1b", "prompts": 8, "group": 8, "lengths": [128], "repeats": 1,
+               "dtype": "bfloat16"},
+    "quick": {"model": "tiny-llama", "prompts": 2, "group": 2, "lengths": [8], "repeats": 1,
+              "dtype": "float32"},
+}  # fmt: skip
+
+
+def questions(count: int) -> list[str]:
+    """Chat questions about the first ``count`` topics of the Python documentation."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)[:count]
+    return [
+        f"In a few sentences, what does the Python documentation's topic '{name}' cover?" for name in names
+    ]
+
+
+def load(preset: dict, device: torch.device):
+    """The model (eval mode) and tokenizer of a preset."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, preset["dtype"])
+    if preset["model"] == "smollm2":
+        from tests.real.model import smollm2_dir
+
+        path = smollm2_dir()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    elif preset["model"] == "tiny-llama":
+        from fastalign.builtin import tiny_model, tiny_tokenizer
+
+        model, tokenizer = tiny_model("llama", dtype=dtype), tiny_tokenizer()
+    else:  # random weights of a built-in shape, the byte-level tokenizer padded to its vocabulary
+        from fastalign.builtin import tiny_tokenizer
+        from fastalign.plan.shapes import builtin_config
+
+        config = builtin_config(preset["model"])
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tokenizer = tiny_tokenizer(config.vocab_size)
+    tokenizer.padding_side = "left"
+    return model.to(device).eval(), tokenizer
+
+
+def encode(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    if getattr(tokenizer, "chat_template", None):
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            )
+            for t in texts
+        ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def completion_tokens(completions: list[list[int]], eos: int) -> int:
+    """Tokens up to and including each completion's first EOS."""
+    return sum(row.index(eos) + 1 if eos in row else len(row) for row in completions)
+
+
+def sample(provider: str, model, ids, mask, group: int, options: dict) -> list[list[int]]:
+    """Each completion's ids (a prompt's ``group`` adjacent)."""
+    from fastalign.train.generation import sample_groups
+
+    if provider == "generate":
+        out = model.generate(
+            input_ids=ids.repeat_interleave(group, 0),
+            attention_mask=mask.repeat_interleave(group, 0),
+            **options,
+        )
+        return out[:, ids.shape[1] :].tolist()
+    if provider == "fastalign":
+        return sample_groups(model, ids, mask, group, options)[:, ids.shape[1] :].tolist()
+    from transformers import GenerationConfig
+
+    prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True) for _ in range(group)]
+    outputs = model.generate_batch(
+        inputs=prompts, generation_config=GenerationConfig(**options), progress_bar=False
+    )
+    return [list(output.generated_tokens) for output in outputs.values()]
+
+
+def run(preset_name: str, providers: list[str], out: Path) -> Path:
+    preset = PRESETS[preset_name]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load(preset, device)
+    ids, mask = (t.to(device) for t in encode(tokenizer, questions(preset["prompts"])))
+    eos = tokenizer.eos_token_id
+    rows, skipped = [], {}
+    with keep_rows_on_termination(skipped), torch.no_grad():
+        for length in preset["lengths"]:
+            options = dict(
+                do_sample=True, max_new_tokens=length, temperature=1.0, top_k=0, top_p=1.0,
+                eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+            figures: dict[str, dict[str, list]] = {
+                p: {"seconds": [], "cpu": [], "tokens": []} for p in providers
+            }
+            for repeat in range(preset["repeats"] + 1):  # the first repeat warms up
+                for provider in providers:
+                    if provider == "continuous" and length not in preset.get("continuous_lengths", [length]):
+                        skipped[f"continuous/{length}"] = (
+                            "minutes per call on this device: measured at 64 only"
+                        )
+                        continue
+                    torch.manual_seed(repeat)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    try:
+                        completions = sample(provider, model, ids, mask, preset["group"], options)
+                    except Exception as failure:  # a provider that fails is a skipped row
+                        skipped[f"{provider}/{length}"] = f"{type(failure).__name__}: {failure}"[:300]
+                        continue
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if repeat:
+                        figures[provider]["seconds"].append(time.perf_counter() - wall)
+                        figures[provider]["cpu"].append(time.process_time() - cpu)
+                        figures[provider]["tokens"].append(completion_tokens(completions, eos))
+            base = None
+            for provider in providers:
+                got = figures[provider]
+                if not got["seconds"]:
+                    continue
+                seconds, tokens = statistics.median(got["seconds"]), statistics.median(got["tokens"])
+                row = {
+                    "provider": provider, "max_new_tokens": length, "prompts": preset["prompts"],
+                    "group": preset["group"], "seconds": round(seconds, 3),
+                    "cpu_seconds": round(statistics.median(got["cpu"]), 3),
+                    "completion_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                }  # fmt: skip
+                if provider == "generate":
+                    base = row["tokens_per_s"]
+                if base:
+                    row["speedup"] = round(row["tokens_per_s"] / base, 3)
+                rows.append(row)
+                print(row, flush=True)
+    floor = "none stated: decoding reads the weights and KV cache per step; providers decode different rows"
+    return record(
+        suite="e2e", kernel=KERNEL, preset=preset_name, floor=floor, ceiling={}, device=device,
+        rows=rows, skipped=skipped, out_dir=out,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = arguments(__doc__, PRESETS, "cpu")
+    args = parser.parse_args()
+    providers = select_providers(KERNEL, PROVIDERS, args.providers)
+    torch.set_num_threads(torch.get_num_threads())
+    run(args.preset, providers, args.out)
+
+
+if __name__ == "__main__":
+    main()

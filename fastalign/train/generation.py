@@ -1,0 +1,276 @@
+"""The rollout engine: ``num_generations`` sampled completions of each prompt, with the tokens (greedy) and
+the token distribution (sampling) of ``model.generate``, for less work.
+
+Why not ``generate`` as is: the rollout asks for G completions of each prompt, and ``generate`` given the
+prompt repeated G times prefills it G times and then decodes every row until the longest completion ends,
+a finished row feeding padding through the whole model at every step. On a CPU, where a decode step's
+cost grows with its rows, both are paid in full; on a GPU the padding rows cost KV-cache reads. Here:
+
+- **The prompt is prefilled once**: the unique prompts run through the model, and their KV cache is
+  repeated G times (``Cache.batch_repeat_interleave``) together with their last-position logits. The
+  prompt's KV is then held G times (the decode steps append to each row's own cache); sharing it between
+  a group's rows would need an attention kernel that reads one prefix for G queries, which is left out.
+- **Finished rows leave the batch**: once an eighth of the rows in the batch have ended (an EOS), the
+  batch, its cache (``Cache.batch_select_indices``) and its ids are compacted to the rows still running.
+- **Sampling draws by inverse CDF** (one uniform number per row, a binary search of the cumulated
+  probabilities) instead of ``torch.multinomial``, whose exponential draw over the whole vocabulary cost
+  a tenth of a SmolLM2 decode step on a CPU. The distribution is the same; the draws are not
+  ``generate``'s (its random stream is another).
+
+Sampling is ``generate``'s by construction: the merged generation config (the model's
+``generation_config`` under the rollout's options, as ``generate`` merges them) goes through the model's
+own ``_get_logits_processor``, so temperature, top-k, top-p, min-p, repetition penalty, minimum lengths
+and every other processor of ``generation_kwargs`` mean what they mean to ``generate`` on the installed
+transformers (the repetition penalty's handling of left padding differs between transformers 5.17 and
+5.23; each version's is kept). That method and ``_eos_token_tensor`` are transformers internals, tested on
+every supported version (``tests/train/test_generation.py`` runs in the lowest-versions environment).
+
+Under FSDP2 (``synced``) a rank whose rows have all ended keeps stepping one row until every rank's have:
+the sharded layers' all-gathers are collective. A model or an option the engine cannot run (an
+encoder-decoder, beam search, a streamer, stop strings, ...) is sampled by ``generate``, said once in
+one log line (``engine_refusal``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+logger = logging.getLogger(__name__)
+
+#: ``generate`` options the engine implements besides the logits processors' (which it takes from the
+#: model): the stopping and the ids it needs. Any other generation option that is set makes the rollout
+#: use ``generate`` (``engine_refusal``).
+_DECODING_OPTIONS = frozenset(
+    {"do_sample", "max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id"}
+    | {"use_cache"}
+)
+#: The generation-config fields that only choose logits processors (``generate``'s list, built by the
+#: model): the engine applies whatever they build.
+_PROCESSOR_OPTIONS = frozenset(
+    {
+        "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+        "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_length",
+        "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "renormalize_logits",
+        "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    }
+)  # fmt: skip
+#: Generation-config fields that do not change the sampled tokens of a decoder-only model.
+_INERT_OPTIONS = frozenset(
+    {
+        "max_length", "num_return_sequences", "output_scores", "output_logits", "output_attentions",
+        "output_hidden_states", "return_dict_in_generate", "cache_implementation", "cache_config",
+        "decoder_start_token_id", "is_assistant", "transformers_version", "compile_config",
+        "disable_compile", "low_memory", "length_penalty", "early_stopping", "num_beam_groups",
+    }
+)  # fmt: skip
+#: Rows that have ended, as a share of the batch, above which the batch is compacted (each compaction
+#: copies the KV cache of the rows that remain; each decode step runs every row in the batch).
+COMPACT_SHARE = 1 / 8
+
+
+def merged_generation_config(model: torch.nn.Module, kwargs: dict[str, Any]):
+    """The generation config ``generate`` would sample with: the model's, updated with ``kwargs``.
+    Returns (config, keys of ``kwargs`` that are not generation-config fields)."""
+    config = copy.deepcopy(model.generation_config)
+    unused = config.update(**kwargs)
+    return config, unused
+
+
+def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None:
+    """Why the engine cannot sample ``model`` with ``generate``'s ``kwargs`` (None: it can)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model"
+    if not hasattr(model, "_get_logits_processor") or not hasattr(model, "generation_config"):
+        return f"{type(model).__name__} has no transformers generation mixin"
+    config, unused = merged_generation_config(model, kwargs)
+    if unused:
+        return f"generation option {sorted(unused)[0]!r} is not a generation-config field"
+    if config.num_beams not in (None, 1):
+        return f"num_beams is {config.num_beams} (beam search)"
+    if config.use_cache is False:
+        return "use_cache is false"
+    default = type(config)()
+    known = _DECODING_OPTIONS | _PROCESSOR_OPTIONS | _INERT_OPTIONS
+    for name, value in config.to_dict().items():
+        if name.startswith("_") or name in known:
+            continue
+        if value != getattr(default, name, None):
+            return f"generation option {name!r} is set ({value!r})"
+    return None
+
+
+class _ReservedLayer(DynamicLayer):
+    """A full-attention cache layer that appends in place: ``DynamicLayer`` concatenates, copying the
+    whole cache at every decode step (at 256 completion tokens that copy outweighs the step's weights).
+    ``reserve`` moves the cache into a buffer with room for ``tokens`` more, and ``update`` then writes
+    each step's keys and values after the filled part and returns views of it."""
+
+    def reserve(self, tokens: int) -> None:
+        length = self.get_seq_length()
+        self._keys = self.keys.new_empty(*self.keys.shape[:-2], length + tokens, self.keys.shape[-1])
+        self._values = self.values.new_empty(*self.values.shape[:-2], length + tokens, self.values.shape[-1])
+        self._keys[..., :length, :] = self.keys
+        self._values[..., :length, :] = self.values
+        self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not hasattr(self, "_keys"):
+            return super().update(key_states, value_states, *args, **kwargs)
+        start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        self._keys[..., start:end, :] = key_states
+        self._values[..., start:end, :] = value_states
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not hasattr(self, "_keys"):
+            return super().batch_select_indices(indices)
+        length = self.keys.shape[-2]
+        self._keys, self._values = self._keys[indices], self._values[indices]
+        self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
+
+
+def _decode_cache(model: torch.nn.Module) -> DynamicCache:
+    """The model's ``DynamicCache`` with each plain full-attention layer a ``_ReservedLayer`` (sliding
+    window and linear-attention layers are bounded, and kept as transformers makes them)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_ReservedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # layers made on first use
+        cache.layer_class_to_replicate = _ReservedLayer
+    return cache
+
+
+def sample_groups(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    group: int,
+    kwargs: dict[str, Any],
+    synced: bool = False,
+    seeds: list[int] | None = None,
+) -> torch.Tensor:
+    """``group`` completions of each left-padded prompt (``prompt_ids``/``prompt_mask``: [B, P], on the
+    model's device): the [B·group, P + C] ids ``generate`` returns for the prompts repeated ``group``
+    times (a prompt's completions adjacent), C the longest completion, ended rows padded with the pad id.
+    ``kwargs`` are ``generate``'s sampling options; ``engine_refusal`` must have passed them.
+
+    Sampling draws one uniform number per row and step, for every row (ended or not), from the global
+    random state, or with ``seeds`` (one per prompt) from a generator of each prompt's own: then a
+    prompt's completions do not depend on which other prompts share the call."""
+    config, _ = merged_generation_config(model, kwargs)
+    device = prompt_ids.device
+    eos = torch.tensor(_as_list(config.eos_token_id), dtype=torch.long, device=device)
+    pad = config.pad_token_id if config.pad_token_id is not None else int(eos[0])
+    config._eos_token_tensor = eos  # what generate's _prepare_special_tokens sets; processors read it
+    width = prompt_ids.shape[1]
+
+    def processors(mask: torch.Tensor):
+        return model._get_logits_processor(
+            config, input_ids_seq_length=width, device=device, model_kwargs={"attention_mask": mask}
+        )
+
+    cache = _decode_cache(model)
+    output = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=_positions(prompt_mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = output.logits[:, -1].float().repeat_interleave(group, 0)
+    cache = output.past_key_values
+    cache.batch_repeat_interleave(group)
+    for layer in cache.layers:
+        if isinstance(layer, _ReservedLayer):
+            layer.reserve(config.max_new_tokens)
+    ids = prompt_ids.repeat_interleave(group, 0)
+    mask = prompt_mask.repeat_interleave(group, 0)
+    total = ids.shape[0]
+    rows = torch.arange(total, device=device)  # each batch row's index among all rows
+    ended = torch.zeros(total, dtype=torch.bool, device=device)  # of the batch's rows
+    completions = torch.full((total, config.max_new_tokens), pad, dtype=torch.long, device=device)
+    process = processors(mask)
+    generators = None if seeds is None else [_generator(seed, device) for seed in seeds]
+    steps = 0
+    while steps < config.max_new_tokens:
+        scores = process(ids, logits)
+        if config.do_sample:
+            tokens = _draw(scores, _uniforms(total, group, generators, device)[rows])
+        else:
+            tokens = scores.argmax(-1)
+        tokens = tokens.masked_fill(ended, pad)
+        completions[rows, steps] = tokens
+        ended = ended | torch.isin(tokens, eos)
+        steps += 1
+        if not _any_running(bool((~ended).any()), synced, device) or steps == config.max_new_tokens:
+            break
+        if ended.sum() >= max(1.0, COMPACT_SHARE * len(ended)) and (synced or not ended.all()):
+            keep = (~ended).nonzero().squeeze(1)
+            keep = keep if keep.numel() else torch.zeros(1, dtype=torch.long, device=device)
+            cache.batch_select_indices(keep)
+            ids, mask, rows, ended, tokens = ids[keep], mask[keep], rows[keep], ended[keep], tokens[keep]
+            process = processors(mask)
+        ids = torch.cat([ids, tokens[:, None]], dim=1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        output = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=mask.long().sum(-1, keepdim=True) - 1,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = output.logits[:, -1].float()
+    prompts = prompt_ids.repeat_interleave(group, 0)
+    return torch.cat([prompts, completions[:, :steps]], dim=1)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` numbers a prompt's tokens."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _uniforms(total: int, group: int, generators: list | None, device: torch.device) -> torch.Tensor:
+    """A uniform number in [0, 1) for each of the ``total`` rows: from the global random state, or
+    ``group`` from each prompt's generator."""
+    if generators is None:
+        return torch.rand(total, device=device)
+    return torch.cat([torch.rand(group, generator=generator, device=device) for generator in generators])
+
+
+def _draw(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(``scores``), by inverse CDF: the first token whose cumulated
+    probability exceeds the row's ``uniform`` number (a token of probability 0 never is: its cumulated
+    value equals its predecessor's)."""
+    cumulated = torch.softmax(scores, dim=-1).cumsum(-1)
+    target = uniform[:, None].to(cumulated.dtype) * cumulated[:, -1:]
+    return torch.searchsorted(cumulated, target, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
+
+
+def _any_running(local: bool, synced: bool, device: torch.device) -> bool:
+    """Whether any row of any rank still samples (``synced``: one all-reduce, as generate's synced_gpus)."""
+    if not synced:
+        return local
+    flag = torch.tensor(float(local), device=device)
+    dist.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        raise ValueError("generation needs an eos_token_id (the tokenizer's or the model's)")
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]

@@ -1,0 +1,233 @@
+"""The rollout engine (``fastalign.train.generation``) against ``model.generate``, the oracle: greedy tokens
+equal on every tiny family, LoRA and patched models, with rows ending at different steps and generate's
+logits processors; sampled tokens follow the exact next-token distribution; per-prompt seeds make a
+prompt's completions independent of the call; a model or option it cannot run falls back to generate,
+said once. Runs on every supported transformers (the lowest-versions environment too): the engine reads
+``_get_logits_processor`` and ``_eos_token_tensor``, transformers internals."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from fastalign.builtin import tiny_model
+from fastalign.builtin.models import TINY_MODEL_TYPES
+from fastalign.train import generation
+from fastalign.train.distributed import DistributedContext
+from fastalign.train.generation import engine_refusal, sample_groups
+from fastalign.train.rollout import SamplingOptions, generate_completions
+
+PAD = 0
+CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
+
+
+def left_padded(lengths: list[int], seed: int = 0, vocab: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of the given lengths, left-padded to the longest."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=gen)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def generate(model, ids, mask, group: int, **kwargs) -> torch.Tensor:
+    return model.generate(
+        input_ids=ids.repeat_interleave(group, 0), attention_mask=mask.repeat_interleave(group, 0), **kwargs
+    )
+
+
+def an_eos_that_ends_some_rows(model, ids, mask, steps: int) -> int:
+    """A token that greedy decoding emits in some rows but not all, and not first: as EOS, rows end at
+    different steps (the engine drops ended rows from the batch)."""
+    out = generate(
+        model, ids, mask, 1, do_sample=False, max_new_tokens=steps, eos_token_id=511, pad_token_id=PAD
+    )
+    completions = out[:, ids.shape[1] :]
+    for token in completions[:, 1:].flatten().tolist():
+        rows = (completions[:, 1:] == token).any(-1)
+        if 0 < int(rows.sum()) < len(rows) and token != PAD:
+            return token
+    pytest.skip("greedy decoding of this random model repeats the same tokens in every row")
+
+
+def compactions(monkeypatch) -> list[int]:
+    """The row counts the engine's KV cache was compacted to (a spy on its layers)."""
+    seen: list[int] = []
+    select = generation._ReservedLayer.batch_select_indices
+
+    def spy(self, indices):
+        seen.append(len(indices))
+        return select(self, indices)
+
+    monkeypatch.setattr(generation._ReservedLayer, "batch_select_indices", spy)
+    return seen
+
+
+@pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
+def test_greedy_tokens_equal_generates_on_every_family(model_type, monkeypatch):
+    model = tiny_model(model_type, seed=1).eval()
+    ids, mask = left_padded([5, 9, 3, 7])
+    eos = an_eos_that_ends_some_rows(model, ids, mask, steps=12)
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD)
+    seen = compactions(monkeypatch)
+    with torch.no_grad():
+        expected = generate(model, ids, mask, 2, **options)
+        ours = sample_groups(model, ids, mask, 2, options)
+    assert torch.equal(ours, expected)
+    if model_type != "gemma3_text":  # every layer a sliding-window one: no _ReservedLayer to spy on
+        assert seen, "rows ended but the batch was never compacted"
+
+
+def test_generates_logits_processors_apply(monkeypatch):
+    """Repetition penalty (with left padding), no-repeat n-grams and a minimum length: the processors
+    generate builds, on the installed transformers."""
+    model = tiny_model("llama", seed=2).eval()
+    ids, mask = left_padded([4, 8, 6], seed=3)
+    eos = an_eos_that_ends_some_rows(model, ids, mask, steps=10)
+    options = dict(
+        do_sample=False,
+        max_new_tokens=10,
+        min_new_tokens=3,
+        repetition_penalty=1.7,
+        no_repeat_ngram_size=2,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+    )
+    with torch.no_grad():
+        assert torch.equal(
+            sample_groups(model, ids, mask, 3, options), generate(model, ids, mask, 3, **options)
+        )
+
+
+def test_lora_and_patched_models_decode_as_generate():
+    from peft import LoraConfig, get_peft_model
+
+    from fastalign import patch_model
+
+    model = tiny_model("llama", seed=3)
+    patch_model(model)
+    model = get_peft_model(
+        model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    ).eval()
+    ids, mask = left_padded([6, 4], seed=4)
+    options = dict(do_sample=False, max_new_tokens=8, eos_token_id=2, pad_token_id=PAD)
+    assert engine_refusal(model, options) is None
+    with torch.no_grad():
+        assert torch.equal(
+            sample_groups(model, ids, mask, 2, options), generate(model, ids, mask, 2, **options)
+        )
+
+
+def distribution(model, ids: torch.Tensor, options: dict) -> torch.Tensor:
+    """The exact next-token distribution after ``ids`` (one row) under generate's processors."""
+    config, _ = generation.merged_generation_config(model, options)
+    config._eos_token_tensor = torch.tensor([options["eos_token_id"]])
+    processors = model._get_logits_processor(
+        config, input_ids_seq_length=ids.shape[1], device="cpu", model_kwargs={"attention_mask": ids * 0 + 1}
+    )
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, -1].float()
+    return torch.softmax(processors(ids, logits), -1)[0]
+
+
+def fits(counts: torch.Tensor, probabilities: torch.Tensor) -> bool:
+    """Pearson's chi-square of ``counts`` against ``probabilities`` within 5 standard deviations of its
+    mean (degrees of freedom: the tokens of non-zero probability, less one); a draw of a token of
+    probability 0 fails."""
+    if bool((counts[probabilities == 0] > 0).any()):
+        return False
+    support = probabilities > 0
+    expected = probabilities[support] * counts.sum()
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    freedom = int(support.sum()) - 1
+    return chi2 < freedom + 5 * (2 * freedom) ** 0.5
+
+
+def test_sampled_tokens_follow_generates_distribution():
+    """First tokens against the exact distribution, and second tokens after the most drawn first one
+    against theirs; ``generate``'s own draws pass the same test (the test is not too strict)."""
+    model = tiny_model("llama", seed=4).eval()
+    ids, mask = left_padded([5], seed=5)
+    options = dict(
+        do_sample=True,
+        max_new_tokens=2,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        eos_token_id=2,
+        pad_token_id=PAD,
+    )
+    draws = 4000
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ours = sample_groups(model, ids, mask, draws, options)[:, -2:]
+        theirs = generate(model, ids, mask, draws, **options)[:, -2:]
+    first = distribution(model, ids, options)
+    for sampled in (ours, theirs):
+        assert fits(torch.bincount(sampled[:, 0], minlength=first.numel()).float(), first)
+    top = int(torch.bincount(ours[:, 0]).argmax())
+    second = distribution(model, torch.cat([ids, torch.tensor([[top]])], 1), options)
+    after = ours[ours[:, 0] == top, 1]
+    assert after.numel() > 100
+    assert fits(torch.bincount(after, minlength=second.numel()).float(), second)
+
+
+def test_a_prompts_completions_depend_on_its_seed_only():
+    model = tiny_model("llama", seed=5).eval()
+    ids, mask = left_padded([4, 7, 5], seed=6)
+    options = dict(do_sample=True, max_new_tokens=6, eos_token_id=2, pad_token_id=PAD)
+    with torch.no_grad():
+        together = sample_groups(model, ids, mask, 2, options, seeds=[11, 12, 13])
+        alone = sample_groups(model, ids[1:2, -7:], mask[1:2, -7:], 2, options, seeds=[12])
+        again = sample_groups(model, ids, mask, 2, options, seeds=[11, 12, 13])
+        other = sample_groups(model, ids, mask, 2, options, seeds=[21, 22, 23])
+    assert torch.equal(together, again)
+    middle = together[2:4, ids.shape[1] :]
+    assert torch.equal(middle[:, : alone.shape[1] - 7], alone[:, 7:])
+    assert not torch.equal(together, other)
+
+
+def test_generation_batches_sample_as_each_micro_batch_alone():
+    """The rollout samples a generation's micro-batches in one engine call: each micro-batch's
+    completions equal those of a call for it alone (same seed), cut to its own longest."""
+    model = tiny_model("llama", seed=6).eval()
+    first, second = left_padded([3, 6], seed=7), left_padded([8, 2], seed=8)
+    batches = [{"input_ids": ids, "attention_mask": mask} for ids, mask in (first, second)]
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
+    options = SamplingOptions(2, 7, temperature=1.0)
+    together = generate_completions(model, batches, options, tokenizer, CPU, seeds=[3, 4])
+    for index, batch in enumerate(batches):
+        (alone,) = generate_completions(model, [batch], options, tokenizer, CPU, seeds=[[3, 4][index]])
+        assert torch.equal(together[index].completion_ids, alone.completion_ids)
+        assert torch.equal(together[index].prompt_ids, alone.prompt_ids)
+        assert torch.equal(together[index].truncated, alone.truncated)
+
+
+def test_what_the_engine_cannot_run_is_named():
+    model = tiny_model("llama")
+    assert "num_beams" in engine_refusal(model, {"num_beams": 2, "max_new_tokens": 2})
+    assert "'no_such_option'" in engine_refusal(model, {"no_such_option": 1})
+    assert "'stop_strings'" in engine_refusal(model, {"stop_strings": ["."], "max_new_tokens": 2})
+    assert engine_refusal(model, {"do_sample": True, "top_k": 5, "max_new_tokens": 2}) is None
+
+
+def test_the_rollout_falls_back_to_generate_saying_why_once(caplog):
+    model = tiny_model("llama", seed=7).eval()
+    ids, mask = left_padded([4, 4], seed=9)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
+    options = SamplingOptions(2, 5, top_k=1, generation_kwargs={"typical_p": 0.5, "low_memory": True})
+    unsupported = SamplingOptions(2, 5, top_k=1, generation_kwargs={"num_beams": 2, "do_sample": False})
+    with caplog.at_level(logging.WARNING, logger="fastalign.train.rollout"):
+        generate_completions(model, [batch], options, tokenizer, CPU)  # typical_p: the engine runs it
+        for _ in range(2):
+            (done,) = generate_completions(model, [batch], unsupported, tokenizer, CPU)
+    said = [record.message for record in caplog.records if "model.generate" in record.message]
+    assert len(said) == 1 and "num_beams is 2" in said[0]
+    expected = generate(model, ids, mask, 2, num_beams=2, do_sample=False, max_new_tokens=5, pad_token_id=PAD)
+    assert torch.equal(done.completion_ids[:, :3], expected[:, ids.shape[1] : ids.shape[1] + 3])
