@@ -192,6 +192,7 @@ class TrainConfig:
     lmbda: float | None = None  # distill: the share of micro-batches whose completions the student samples
     # (None: 1, TRL's DistillationTrainer: all; GKD's default 0.5; 0 with teacher_logprobs_path)
     seq_kd: bool = False  # distill: the teacher samples the other micro-batches' completions (GKD's)
+
     # offline distillation (TRL's ServerDistillationConfig loss, on log-probs fastalign teacher-logprobs stored)
     teacher_logprobs_path: str | None = None  # distill: a directory of the teacher's top-k log-probs of the
     # data's completions; the teacher is then never loaded (lmbda 0)
