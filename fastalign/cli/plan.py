@@ -60,7 +60,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--teacher_logprobs_path: no teacher in memory) (default: full)",
     )
     parser.add_argument(
-        "--top-k", default="32", help="distill-offline: the stored teacher top-k, for the disk per token (default: 32)"
+        "--top-k",
+        default="32",
+        help="distill-offline: the stored teacher top-k, for the disk per token (default: 32)",
     )
     parser.add_argument("--gpus", default="1", help="GPUs; more than 1 shards with FSDP2 (default: 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 24GB (default: 80GB)")

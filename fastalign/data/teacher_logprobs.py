@@ -62,7 +62,8 @@ def tokenizer_hash(tokenizer) -> str:
     payload = {
         "vocab": sorted(tokenizer.get_vocab().items()),
         "special": {
-            name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+            name: getattr(tokenizer, name, None)
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token")
         },
         "chat_template": getattr(tokenizer, "chat_template", None),
     }

@@ -193,7 +193,7 @@ class TrainConfig:
     # (None: 1, TRL's DistillationTrainer: all; GKD's default 0.5; 0 with teacher_logprobs_path)
     seq_kd: bool = False  # distill: the teacher samples the other micro-batches' completions (GKD's)
 
-    # offline distillation (TRL's ServerDistillationConfig loss, on log-probs fastalign teacher-logprobs stored)
+    # offline distillation (TRL's ServerDistillationConfig loss on what fastalign teacher-logprobs stored)
     teacher_logprobs_path: str | None = None  # distill: a directory of the teacher's top-k log-probs of the
     # data's completions; the teacher is then never loaded (lmbda 0)
     loss_top_k: int | None = None  # distill with teacher_logprobs_path: the teacher's top-k support of the

@@ -61,7 +61,9 @@ class ScoringOptions:
         if self.shard_rows < 1:
             raise ConfigError(f"--shard_rows must be positive, got {self.shard_rows}")
         if self.logprobs_dtype not in DTYPES:
-            raise ConfigError(f"--logprobs_dtype must be one of {', '.join(DTYPES)}, got {self.logprobs_dtype!r}")
+            raise ConfigError(
+                f"--logprobs_dtype must be one of {', '.join(DTYPES)}, got {self.logprobs_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         for start in range(rows.start, rows.stop, config.per_device_eval_batch_size):
             batch_rows = range(start, min(rows.stop, start + config.per_device_eval_batch_size))
             batch_examples = [examples[i] for i in batch_rows]
-            for index, scores in zip(batch_rows, _score_batch(model, collate(batch_examples), config, ctx)):
+            scores_of_rows = _score_batch(model, collate(batch_examples), config, ctx)
+            for index, scores in zip(batch_rows, scores_of_rows, strict=True):
                 scored.append(ScoredRow(hashes[index], *scores))
         tokens += sum(row.ids.shape[0] for row in scored)
         write_shard(out, shard, scored, scoring.logprobs_dtype)

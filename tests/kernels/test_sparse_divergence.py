@@ -106,11 +106,17 @@ def test_top1_jsd_equals_trls_server_path(beta, add_tail):
     fake._get_reverse_kl_top_1_tokens = lambda scores, completion: cls._get_reverse_kl_top_1_tokens(
         fake, scores, completion
     )
-    fake._compute_sparse_top_1_divergence_loss = lambda **kw: cls._compute_sparse_top_1_divergence_loss(fake, **kw)
+    fake._compute_sparse_top_1_divergence_loss = lambda **kw: cls._compute_sparse_top_1_divergence_loss(
+        fake, **kw
+    )
     labels = torch.where(valid, tokens, -100)[None]
     theirs = cls._compute_server_sparse_top_1_divergence_loss(
         fake,
-        {"topk_logprobs": top1.values[None], "topk_token_ids": top1.indices[None], "actual_logprobs": actual[None]},
+        {
+            "topk_logprobs": top1.values[None],
+            "topk_token_ids": top1.indices[None],
+            "actual_logprobs": actual[None],
+        },
         student_log_probs(hidden, weight, bias, 1.0)[None],
         tokens[None],
         labels,
@@ -216,6 +222,8 @@ def test_topk_logprobs_equal_the_full_log_softmax(k):
     ref = full.topk(k, dim=-1)
     torch.testing.assert_close(out.logprobs, ref.values)
     torch.testing.assert_close(full.gather(1, out.ids), ref.values)  # ids of ties may differ
-    rest = (student_log_probs(hidden, weight, bias, 0.7).double().detach().scatter(1, ref.indices, -torch.inf)).logsumexp(-1)
+    rest = (
+        student_log_probs(hidden, weight, bias, 0.7).double().detach().scatter(1, ref.indices, -torch.inf)
+    ).logsumexp(-1)
     torch.testing.assert_close(out.tail, rest.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.token_logprobs, full.gather(1, tokens[:, None]).squeeze(1))

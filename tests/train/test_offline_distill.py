@@ -79,7 +79,9 @@ def test_scores_equal_the_teachers_full_log_softmax(tmp_path, teacher_dir):
         torch.testing.assert_close(row["logprobs"], full.topk(8).values, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(full.gather(1, row["ids"].long()), row["logprobs"], rtol=1e-4, atol=1e-5)
         tokens = torch.tensor(example.completion_ids)
-        torch.testing.assert_close(row["token_logprobs"], full.gather(1, tokens[:, None])[:, 0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            row["token_logprobs"], full.gather(1, tokens[:, None])[:, 0], rtol=1e-4, atol=1e-5
+        )
         assert (row["tail"] < 0).all()
     assert disk_bytes_per_token(32) == 32 * 8 + 8 and disk_bytes_per_token(32, "bfloat16") == 32 * 6 + 8
 
@@ -122,7 +124,7 @@ def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, m
             safe_open(str(out / shard_name(shard)), "pt") as a,
             safe_open(str(tmp_path / "unbroken" / shard_name(shard)), "pt") as b,
         ):
-            for key in a.keys():  # noqa: SIM118 (safe_open has no iteration)
+            for key in a.keys():
                 torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key))
     del store
 
@@ -130,7 +132,13 @@ def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, m
 def test_another_scoring_in_the_same_directory_is_refused(tmp_path, teacher_dir, capsys):
     config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(4))
     score_teacher(config)
-    args = ["teacher-logprobs", "--model_name_or_path", str(teacher_dir), "--dataset_name", config.dataset_name]
+    args = [
+        "teacher-logprobs",
+        "--model_name_or_path",
+        str(teacher_dir),
+        "--dataset_name",
+        config.dataset_name,
+    ]
     args += ["--top_k", "4", "--output_dir", config.output_dir, "--max_length", "64"]
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -239,7 +247,9 @@ def test_manifest_mismatches_are_one_line_errors(tmp_path, teacher_dir, capsys):
     assert "no teacher log-probs in" in error(max_length=12, truncation=True)  # other tokens
     assert "tokenizer (hash" in error(chat_template_path=str(_template(tmp_path)))
     with pytest.raises(ConfigError, match="teacher_logprobs_path only"):
-        DistillObjective.from_config("distill", TrainConfig(teacher_model_name_or_path="t", loss_top_k=4), None)
+        DistillObjective.from_config(
+            "distill", TrainConfig(teacher_model_name_or_path="t", loss_top_k=4), None
+        )
 
 
 def _template(tmp_path: Path) -> Path:
@@ -264,7 +274,7 @@ def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir):
             safe_open(str(Path(config.output_dir) / shard_name(shard)), "pt") as a,
             safe_open(str(two_dir / shard_name(shard)), "pt") as b,
         ):
-            for key in a.keys():  # noqa: SIM118
+            for key in a.keys():
                 torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key))
     log = json.loads((two_dir / "ranks.json").read_text())
     assert sorted(log) == ["0", "1"] and log["0"] == 3 and log["1"] == 2

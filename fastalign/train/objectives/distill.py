@@ -58,8 +58,8 @@ import torch
 from fastalign.data import tokenize_prompt_dataset, tokenize_sft_dataset
 from fastalign.data.formats import check_messages
 from fastalign.data.sources import Rows, row_origins
-from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.data.teacher_logprobs import TeacherLogprobs, row_hash, tokenizer_hash
+from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.ops import linear_divergence
 from fastalign.ops.sparse_divergence import linear_sparse_divergence
 from fastalign.train.config import ConfigError, TrainConfig, options_from
@@ -131,7 +131,7 @@ class DistillOptions(SamplingKeys):
         if self.beta > 0 and self.loss_top_k not in (None, 1):
             raise ConfigError(  # TRL's ServerDistillationConfig
                 f"config key 'loss_top_k' must be 1 with beta>0 (got loss_top_k={self.loss_top_k}): mixed "
-                "forward/reverse distillation on stored teacher log-probs is only implemented for top-1 support"
+                "forward/reverse distillation on stored log-probs is only implemented for top-1 support"
             )
 
     @property
