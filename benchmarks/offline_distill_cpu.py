@@ -87,7 +87,8 @@ def main() -> None:
     plain_s, scoring_s = timed(plain), timed(scoring)
     with torch.no_grad():
         top = teacher(
-            **inputs, head_fn=lambda h, w, b: linear_topk_logprobs(h[:, width - 1 : -1], w, K)
+            **inputs,
+            head_fn=lambda h, w, b: linear_topk_logprobs(h[:, width - 1 : -1].reshape(-1, h.shape[-1]), w, K),
         ).head_output
         t_hidden, t_weight = teacher(**inputs, head_fn=lambda h, w, b: (h[:, width - 1 : -1], w)).head_output
     ids = top.ids.reshape(*mask.shape, K)

@@ -259,6 +259,10 @@ def linear_topk_logprobs(
     """The top-``k`` next-token log-probs of ``softmax((hidden·weightᵀ + bias) / temperature)`` for every
     row of ``hidden`` [N, D], their ids, the log of the mass outside them, and the log-prob of ``tokens``
     [N] (0 where not given). Never more than one [C, vocab_slice] block of logits."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be [N, D] and weight {tuple(weight.shape)} [V, D]"
+        )
     n, vocab = hidden.shape[0], weight.shape[0]
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, {vocab}] (the vocabulary), got {k}")
