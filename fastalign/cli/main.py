@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from fastalign.cli import bench, demo, merge, plan, train
+from fastalign.cli import bench, demo, merge, plan, teacher_logprobs, train
 from fastalign.cli.usage import one_line_usage_errors
 
 #: Exit status of a command whose reader closed the pipe: 128 + SIGPIPE, what the shell reports for a
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(commands)
     merge.add_parser(commands)
     bench.add_parser(commands)
+    teacher_logprobs.add_parser(commands)
     one_line_usage_errors(parser, None)  # e.g. no command: one line, not the usage text
     for name, command in commands.choices.items():
         one_line_usage_errors(command, name)

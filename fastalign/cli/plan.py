@@ -1,4 +1,5 @@
-"""``fastalign plan --model NAME|config.json --method full|lora|qlora|ppo|ppo-lora|ppo-qlora --gpus N ...``.
+"""``fastalign plan --model NAME|config.json --method full|lora|qlora|ppo|ppo-lora|ppo-qlora|distill-offline
+--gpus N ...``.
 
 Prints the memory a training run needs per GPU and in host RAM, term by term, whether it fits, and the
 cheapest flag changes that make it fit (``--json``: the same as one JSON object). Nothing is downloaded.
@@ -26,6 +27,7 @@ _FLAGS = {
     "gpu_memory_bytes": "--gpu-memory",
     "device": "--device",
     "base_dtype": "--base-dtype",
+    "top_k": "--top-k",
 }
 
 
@@ -54,7 +56,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--method",
         default="full",
         help="full, lora or qlora; ppo (policy, critic and reference as separate models), ppo-lora or "
-        "ppo-qlora (PPO on one base model: policy and critic adapters) (default: full)",
+        "ppo-qlora (PPO on one base model: policy and critic adapters); distill-offline (train distill "
+        "--teacher_logprobs_path: no teacher in memory) (default: full)",
+    )
+    parser.add_argument(
+        "--top-k",
+        default="32",
+        help="distill-offline: the stored teacher top-k, for the disk per token (default: 32)",
     )
     parser.add_argument("--gpus", default="1", help="GPUs; more than 1 shards with FSDP2 (default: 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 24GB (default: 80GB)")
@@ -150,6 +158,7 @@ def _plan_flags(args: argparse.Namespace, dropout: float) -> dict:
         device=args.device,
         fused_loss_head=not args.materialized_logits,
         tiled_mlp_mib=_tile_mib(args.tiled_mlp),
+        top_k=_positive_int("--top-k", args.top_k),
     )
 
 

@@ -104,13 +104,16 @@ from transformers import PretrainedConfig
 from fastalign.ops.head_workspace import accumulator_budget, chunk_rows, head_workspace_bytes
 from fastalign.plan.shapes import ModelShape, PlanError, resolve_model, shape_from_config
 
-Method = Literal["full", "lora", "qlora", "ppo", "ppo-lora", "ppo-qlora"]
+Method = Literal["full", "lora", "qlora", "ppo", "ppo-lora", "ppo-qlora", "distill-offline"]
 #: PPO's plans (``_ppo_plan``), each with the fine-tuning method of its policy: separate models, or one base
 #: model under LoRA / QLoRA.
 PPO_METHODS = {"ppo": "full", "ppo-lora": "lora", "ppo-qlora": "qlora"}
-METHODS: tuple[str, ...] = ("full", "lora", "qlora", *PPO_METHODS)
+#: Offline distillation (``train distill --teacher_logprobs_path``): the student trained in full against
+#: stored teacher top-k log-probs; no teacher in memory.
+DISTILL_OFFLINE = "distill-offline"
+METHODS: tuple[str, ...] = ("full", "lora", "qlora", *PPO_METHODS, DISTILL_OFFLINE)
 #: The methods the suggestions step through, cheapest last: a plan stays on its own ladder.
-_LADDERS = (("full", "lora", "qlora"), tuple(PPO_METHODS))
+_LADDERS = (("full", "lora", "qlora"), tuple(PPO_METHODS), ("distill-offline",))
 #: Methods that run in one process only (PPO's policy and critic adapters share one model).
 _ONE_PROCESS = ("ppo-lora", "ppo-qlora")
 
@@ -249,6 +252,8 @@ class MemoryPlan(_Request):
     # PPO's other roles, per GPU (0 for the other methods)
     critic: int = 0
     reference: int = 0
+    #: distill-offline: disk per completion token of the teacher's stored top-k (0 for the other methods)
+    teacher_logprobs_bytes_per_token: int = 0
 
     @property
     def training_state_bytes(self) -> int:
@@ -434,6 +439,7 @@ def plan_memory(
     double_quant: bool = True,
     tiled_mlp_mib: float = 0,
     suggest: bool = True,
+    top_k: int = 32,
 ) -> MemoryPlan:
     """Plan the memory of training ``config`` (a HF config, a ``ModelShape``, or a built-in shape name /
     local config.json path) with ``method`` on ``gpus`` GPUs of ``gpu_memory_bytes`` each.
@@ -450,6 +456,7 @@ def plan_memory(
     ``tiled_mlp_mib``: the gated MLPs run in token tiles of that working set (``TrainConfig.tiled_mlp``
     with ``tiled_mlp_budget_mib``; needs the fused kernels): a layer keeps only its MLP's input, and the
     tile's working set is held once; 0: untiled.
+    ``top_k``: with ``distill-offline``, the teacher's stored top-k (the disk per token).
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
@@ -487,6 +494,8 @@ def plan_memory(
     )
     if method in PPO_METHODS:
         return _ppo_plan(shape, flags, suggest)
+    if method == DISTILL_OFFLINE:
+        return _distill_offline_plan(shape, flags, suggest, top_k)
     setup = _Setup(model=shape.name, **flags, shape=shape)
     if setup.offload:
         setup = replace(setup, keep=_largest_keep(setup) if keep_on_device == "auto" else keep_on_device)
@@ -832,6 +841,35 @@ def _model_shape(config: PretrainedConfig | ModelShape | str) -> ModelShape:
     if isinstance(config, ModelShape):
         return config
     return shape_from_config(config)
+
+
+def teacher_logprobs_bytes_per_token(top_k: int) -> int:
+    """Disk per completion token of ``fastalign teacher-logprobs`` (fp32 log-probs): k × (4 B int32 id +
+    4 B log-prob), plus the fp32 tail and completion-token log-prob (8 B); as
+    ``fastalign.data.teacher_logprobs.disk_bytes_per_token``."""
+    return top_k * (4 + 4) + 8
+
+
+def _distill_offline_plan(shape: ModelShape, flags: dict, suggest: bool, top_k: int) -> MemoryPlan:
+    """Offline distillation: the student's full fine-tuning plan (the fused sparse head holds one chunk
+    of logits, as the cross-entropy's) and no teacher: its top-k log-probs come from disk, a few
+    bytes per token in each batch."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise PlanError("top_k", f"must be a positive integer, got {top_k!r}")
+    student = plan_memory(shape, **{**flags, "method": "full"}, suggest=suggest)
+    per_token = teacher_logprobs_bytes_per_token(top_k)
+    teacher = Term("teacher", "teacher", 0, 0, False, "none: its top-k log-probs are read from disk")
+    note = (
+        f"teacher log-probs on disk: {per_token} B per completion token at top_k {top_k} "
+        f"(k × (4 B id + 4 B log-prob) + 8 B); {format_bytes(per_token * 10**9)} per billion tokens"
+    )
+    return replace(
+        student,
+        method=DISTILL_OFFLINE,
+        terms=[*student.terms, teacher],
+        notes=[*student.notes, note],
+        teacher_logprobs_bytes_per_token=per_token,
+    )
 
 
 def _validate(

@@ -194,9 +194,16 @@ class TrainConfig:
     # next-token distributions (generalized JSD: beta 0 forward KL, 1 reverse KL; at temperature) on the
     # completions of prompt-completion (or messages) rows, or on ones it samples (max_completion_length)
     teacher_model_name_or_path: str | None = None  # distill: the teacher (a directory, built-in or Hub id)
-    lmbda: float = 1.0  # distill: the share of micro-batches whose completions the student samples (TRL's
-    # DistillationTrainer: all; GKD's default 0.5)
+    lmbda: float | None = None  # distill: the share of micro-batches whose completions the student samples
+    # (None: 1, TRL's DistillationTrainer: all; GKD's default 0.5; 0 with teacher_logprobs_path)
     seq_kd: bool = False  # distill: the teacher samples the other micro-batches' completions (GKD's)
+
+    # offline distillation (TRL's ServerDistillationConfig loss on what fastalign teacher-logprobs stored)
+    teacher_logprobs_path: str | None = None  # distill: a directory of the teacher's top-k log-probs of the
+    # data's completions; the teacher is then never loaded (lmbda 0)
+    loss_top_k: int | None = None  # distill with teacher_logprobs_path: the teacher's top-k support of the
+    # divergence (None: the stored k; with beta > 0 TRL's 1)
+    loss_add_tail: bool = True  # distill with teacher_logprobs_path: a bucket for the mass outside the top-k
 
     # ppo (TRL's former PPOConfig / OnPolicyConfig, trl 0.11-0.19): the sampling options, reward_funcs,
     # ref_model_name_or_path and missing_eos_penalty above apply; max_completion_length is its response_length
@@ -465,7 +472,13 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("max_new_tokens", lambda value: value is None or value > 0, "positive or null"),
     ("missing_eos_penalty", lambda value: value is None or value > 0, "positive or null (as TRL)"),
     # distill
-    ("lmbda", lambda value: 0 <= value <= 1, "in [0, 1]"),
+    ("lmbda", lambda value: value is None or 0 <= value <= 1, "in [0, 1] or null"),
+    ("loss_top_k", lambda value: value is None or value >= 1, "positive or null"),
+    (
+        "teacher_logprobs_path",
+        lambda value: value is None or value.strip() != "",
+        "a directory of fastalign teacher-logprobs or null",
+    ),
     (
         "teacher_model_name_or_path",
         lambda value: value is None or value.strip() != "",

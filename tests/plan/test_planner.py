@@ -766,3 +766,17 @@ def test_a_tiled_mlp_holds_one_tile_and_goes_longer():
         with pytest.raises(PlanError) as error:
             plan_memory("llama-3-70b", suggest=False, **bad)
         assert error.value.option == "tiled_mlp_mib"
+
+
+def test_distill_offline_is_the_students_full_plan_with_no_teacher():
+    """``--method distill-offline``: the student's full fine-tuning memory, a teacher term of 0 bytes, and
+    the disk per token of the stored top-k (as ``fastalign.data.teacher_logprobs`` writes it)."""
+    from fastalign.data.teacher_logprobs import disk_bytes_per_token
+    from fastalign.plan import plan_memory as plan
+
+    full = plan("llama-3-8b", method="full", gpus=8, seq_len=2048)
+    offline = plan("llama-3-8b", method="distill-offline", gpus=8, seq_len=2048, top_k=32)
+    assert offline.total_per_gpu == full.total_per_gpu and offline.method == "distill-offline"
+    assert next(t for t in offline.terms if t.name == "teacher").gpu_bytes == 0
+    assert offline.teacher_logprobs_bytes_per_token == disk_bytes_per_token(32) == 264
+    assert any("264 B per completion token" in note for note in offline.notes)

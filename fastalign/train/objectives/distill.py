@@ -32,6 +32,18 @@ mean over the step's completion tokens) comes from the same pass. The teacher
 (``teacher_model_name_or_path``) is loaded like a reference model (``RunParts.load_frozen_model``:
 quantized with the policy's ``quantization``, patched, sharded under FSDP2, frozen); its vocabulary must
 be the student's.
+
+Offline (``teacher_logprobs_path``: a directory ``fastalign teacher-logprobs`` wrote), the teacher is never
+loaded: the loss is TRL's ``ServerDistillationTrainer``'s on the teacher's stored top-k log-probs
+(``loss_top_k``, ``loss_add_tail``; ``beta`` 0 forward KL on the top-k support, ``beta`` > 0 TRL's top-1
+support of the teacher's top token and the completion's own), through the fused
+``linear_sparse_divergence`` (the student's log-sum-exp over the whole vocabulary and its logits at the
+support from one pass of its head). Only the data's completions have stored scores: ``lmbda`` is 0 and
+``seq_kd`` off. Rows are matched to the stored ones by the hash of their tokens; a row without scores, or
+a tokenizer, teacher or temperature other than the manifest's, or a k over its, is a one-line error
+naming both.
+The loss is summed over the completion tokens and divided by the step's count of them on all ranks
+(TRL's server path divides by its micro-batch's count: the same with one micro-batch on one process).
 """
 
 from __future__ import annotations
@@ -46,8 +58,10 @@ import torch
 from fastalign.data import tokenize_prompt_dataset, tokenize_sft_dataset
 from fastalign.data.formats import check_messages
 from fastalign.data.sources import Rows, row_origins
+from fastalign.data.teacher_logprobs import TeacherLogprobs, row_hash, tokenizer_hash
 from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.ops import linear_divergence
+from fastalign.ops.sparse_divergence import linear_sparse_divergence
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
@@ -60,7 +74,7 @@ from fastalign.train.objectives.grpo import (
 from fastalign.train.rollout import Completions, SamplingKeys, SamplingOptions, scoring_batch
 
 #: TRL's DistillationConfig defaults where the config leaves a key None.
-DISTILL_DEFAULTS = {"beta": 1.0, "disable_dropout": False}
+DISTILL_DEFAULTS = {"beta": 1.0, "disable_dropout": False, "lmbda": 1.0}
 
 
 @dataclass(frozen=True)
@@ -78,14 +92,27 @@ class DistillOptions(SamplingKeys):
     truncation_mode: str
     chat_template_kwargs: dict[str, Any] | None
     disable_dropout: bool
+    teacher_logprobs_path: str | None
+    loss_top_k: int | None
+    loss_add_tail: bool
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> DistillOptions:
-        options = options_from(config, cls, **DISTILL_DEFAULTS)
-        if options.teacher_model_name_or_path is None:
-            raise ConfigError("config key 'teacher_model_name_or_path' must name the teacher for distill")
+        offline = config.teacher_logprobs_path is not None
+        defaults = DISTILL_DEFAULTS | ({"lmbda": 0.0} if offline else {})
+        options = options_from(config, cls, **defaults)
+        if options.teacher_model_name_or_path is None and not offline:
+            raise ConfigError(
+                "config key 'teacher_model_name_or_path' must name the teacher for distill (or "
+                "teacher_logprobs_path its stored log-probs)"
+            )
         if not 0 <= options.beta <= 1:
             raise ConfigError(f"config key 'beta' for distill must be in [0, 1], got {options.beta!r}")
+        if offline:
+            options._check_offline()
+        elif options.loss_top_k is not None or not options.loss_add_tail:
+            key = "loss_top_k" if options.loss_top_k is not None else "loss_add_tail"
+            raise ConfigError(f"config key {key!r} applies to distill with teacher_logprobs_path only")
         if options.seq_kd and options.lmbda == 1:
             raise ConfigError(
                 "config key 'seq_kd' has no effect with lmbda 1 (the student samples every micro-batch's "
@@ -93,6 +120,23 @@ class DistillOptions(SamplingKeys):
             )
         check_generation_keys(options.use_vllm, options.generation_kwargs, [], None)
         return options
+
+    def _check_offline(self) -> None:
+        if self.lmbda != 0 or self.seq_kd:
+            key = "lmbda" if self.lmbda != 0 else "seq_kd"
+            raise ConfigError(
+                f"config key {key!r}: with teacher_logprobs_path only the data's completions have the "
+                "teacher's log-probs (lmbda 0, seq_kd false); sampled ones would need the teacher"
+            )
+        if self.beta > 0 and self.loss_top_k not in (None, 1):
+            raise ConfigError(  # TRL's ServerDistillationConfig
+                f"config key 'loss_top_k' must be 1 with beta>0 (got loss_top_k={self.loss_top_k}): mixed "
+                "forward/reverse distillation on stored log-probs is only implemented for top-1 support"
+            )
+
+    @property
+    def offline(self) -> bool:
+        return self.teacher_logprobs_path is not None
 
     @property
     def sampling(self) -> SamplingOptions:
@@ -119,8 +163,10 @@ class CompletionCollator:
     are all prompt-only make a batch of prompts (``input_ids`` and ``attention_mask``, no
     ``completion_mask``), as GRPO's prompt micro-batches: the completions are to be sampled."""
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, teacher_logprobs: TeacherLogprobs | None = None, k: int = 1):
         self.pad_token_id = pad_token_id
+        self.teacher_logprobs = teacher_logprobs
+        self.k = k
 
     def __call__(self, examples: Sequence[DistillExample]) -> dict:
         prompt_ids, prompt_mask = _pad([e.prompt_ids for e in examples], self.pad_token_id, left=True)
@@ -132,7 +178,24 @@ class CompletionCollator:
             prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(len(examples))
         )
         batch, _, _ = scoring_batch(done, completion_mask)
+        if self.teacher_logprobs is not None:
+            batch |= self._teacher(examples, completion_ids.shape[1])
         return batch
+
+    def _teacher(self, examples: Sequence[DistillExample], width: int) -> dict:
+        """The stored top-k ids and log-probs [B, T, k] and completion-token log-probs [B, T] of the
+        examples (matched by their hash; zeros at padding)."""
+        size = (len(examples), width)
+        ids = torch.zeros((*size, self.k), dtype=torch.long)
+        logprobs = torch.zeros((*size, self.k), dtype=torch.float32)
+        token_logprobs = torch.zeros(size, dtype=torch.float32)
+        for index, example in enumerate(examples):
+            stored = self.teacher_logprobs.get(row_hash(example.prompt_ids, example.completion_ids))
+            length = stored["ids"].shape[0]
+            ids[index, :length] = stored["ids"][:, : self.k].long()
+            logprobs[index, :length] = stored["logprobs"][:, : self.k].float()
+            token_logprobs[index, :length] = stored["token_logprobs"]
+        return {"teacher_ids": ids, "teacher_logprobs": logprobs, "teacher_token_logprobs": token_logprobs}
 
 
 def _pad(rows: Sequence[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,6 +256,7 @@ class DistillObjective(Objective):
         super().__init__(ctx)
         self.options = options
         self.teacher: torch.nn.Module | None = None
+        self.teacher_logprobs: TeacherLogprobs | None = None
         self.tokenizer = None
 
     @classmethod
@@ -263,7 +327,16 @@ class DistillObjective(Objective):
         return examples
 
     def collate(self, tokenizer) -> CompletionCollator:
-        return CompletionCollator(tokenizer.pad_token_id)
+        return CompletionCollator(tokenizer.pad_token_id, self.teacher_logprobs, self.loss_top_k)
+
+    @property
+    def loss_top_k(self) -> int:
+        """The top-k support of the offline loss: the key's, else the stored k (TRL's 1 with beta > 0)."""
+        if self.options.loss_top_k is not None:
+            return self.options.loss_top_k
+        if self.options.beta > 0:
+            return 1
+        return self.teacher_logprobs.manifest.k if self.teacher_logprobs is not None else 1
 
     def batches(self, examples: list, tokenizer, plan: BatchPlan) -> GenerationBatches:
         """The data's micro-batches, each with the seed of its draw (and of its sampling)."""
@@ -297,6 +370,16 @@ class DistillObjective(Objective):
             evaluation = [dataclasses.replace(example, completion_ids=[]) for example in evaluation]
         if options.disable_dropout:
             disable_dropout(model)
+        if options.offline:  # the teacher is never loaded
+            self.tokenizer = parts.tokenizer
+            self.teacher_logprobs = open_teacher_logprobs(options, parts.tokenizer, self.loss_top_k)
+            for example in (*train, *evaluation):
+                if row_hash(example.prompt_ids, example.completion_ids) not in self.teacher_logprobs:
+                    raise ValueError(
+                        f"{example.where}: no teacher log-probs in {options.teacher_logprobs_path} for this "
+                        "row (score the same data with the same max_length, truncation and chat template)"
+                    )
+            return Prepared(train, evaluation)
         self.teacher = parts.load_frozen_model(options.teacher_model_name_or_path)
         self.tokenizer = parts.tokenizer
         student = model.get_output_embeddings().weight.shape[0]
@@ -348,6 +431,8 @@ class DistillObjective(Objective):
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
         """The micro-batch's summed divergence over the step's completion-token count, and the student's
         mean entropy (TRL's ``entropy``: of its distribution at ``temperature``) weighted the same way."""
+        if self.options.offline:
+            return self._offline_loss(model, batch, num_items_in_batch)
         assert self.teacher is not None  # set up before any step
         if "completion_mask" not in batch:  # an evaluation micro-batch of prompts: the student samples
             sampled = self._sampled(model, batch)
@@ -380,6 +465,45 @@ class DistillObjective(Objective):
         count = num_items_in_batch.to(loss.device)
         return loss / count, {"entropy": entropy.sum() / count}
 
+    def _offline_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
+        """TRL's server-distillation loss on the stored top-k: β 0 over the teacher's top-k ids, β > 0
+        over TRL's top-1 support (the teacher's top token and the completion's, once where they agree;
+        β 1 the completion's alone)."""
+        mask = batch["completion_mask"].bool()
+        width = batch["input_ids"].shape[1] - mask.shape[1]
+        tokens = batch["input_ids"][:, width:]
+        ids, logprobs = batch["teacher_ids"], batch["teacher_logprobs"]
+        support_mask = None
+        beta = self.options.beta
+        if beta == 1:
+            ids, logprobs = tokens[..., None], batch["teacher_token_logprobs"][..., None]
+        elif beta > 0:
+            top1 = ids[..., 0]
+            ids = torch.stack([top1, tokens], dim=-1)
+            logprobs = torch.stack([logprobs[..., 0], batch["teacher_token_logprobs"]], dim=-1)
+            support_mask = torch.stack([torch.ones_like(mask), tokens != top1], dim=-1)
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+
+        def head(hidden, weight, bias):
+            return linear_sparse_divergence(
+                hidden[:, width - 1 : -1],
+                weight,
+                ids,
+                logprobs,
+                support_mask,
+                mask,
+                beta=beta,
+                temperature=self.options.temperature,
+                add_tail=self.options.loss_add_tail,
+                bias=bias,
+                reduction="sum",
+                return_entropy=True,
+            )
+
+        loss, entropy = model(**inputs, head_fn=head).head_output
+        count = num_items_in_batch.to(loss.device)
+        return loss / count, {"entropy": entropy.sum() / count}
+
     def _teacher_head(self, width: int):
         """The teacher's ``head_fn``: the final hidden states of the positions that predict the
         completion, and the LM head, for the student's forward to read after the teacher's returns.
@@ -395,3 +519,30 @@ class DistillObjective(Objective):
             return hidden[:, width - 1 : -1], weight, bias
 
         return head
+
+
+def open_teacher_logprobs(options: DistillOptions, tokenizer, k: int) -> TeacherLogprobs:
+    """The stored log-probs of ``teacher_logprobs_path``, checked against the run: a tokenizer, teacher,
+    k or temperature other than the manifest's is a one-line error naming both values."""
+    stored = TeacherLogprobs(options.teacher_logprobs_path)
+    manifest, where = stored.manifest, f"{options.teacher_logprobs_path}'s manifest"
+    ours = tokenizer_hash(tokenizer)
+    if ours != manifest.tokenizer_hash:
+        raise ConfigError(
+            f"config key 'teacher_logprobs_path': the student's tokenizer (hash {ours[:12]}) is not the one "
+            f"{where} was scored with (hash {manifest.tokenizer_hash[:12]}, teacher {manifest.teacher})"
+        )
+    teacher = options.teacher_model_name_or_path
+    if teacher is not None and teacher != manifest.teacher:
+        raise ConfigError(
+            f"config key 'teacher_model_name_or_path' ({teacher!r}) is not the teacher of {where} "
+            f"({manifest.teacher!r})"
+        )
+    if k > manifest.k:  # a smaller k reads the first of the stored ones (sorted: the top-k)
+        raise ConfigError(f"config key 'loss_top_k' ({k}) is over the k of {where} ({manifest.k})")
+    if options.temperature != manifest.temperature:
+        raise ConfigError(
+            f"config key 'temperature' ({options.temperature}) is not the one {where} was scored at "
+            f"({manifest.temperature})"
+        )
+    return stored

@@ -1,0 +1,168 @@
+"""Offline distillation on the real model, on the CPU (issue 38's goals): SmolLM2-135M-Instruct as the
+teacher, a 2-layer student cut from it, the real-model SFT rows (tests/real).
+
+1. a student step (forward + backward) on top-32 log-probs with the tail against an SFT step on the same
+   rows (fused cross-entropy);
+2. the teacher's scoring pass (top-32 through ``linear_topk_logprobs``) against its plain forward (logits);
+3. the full forward KL(teacher ‖ student) after the same steps of top-32 + tail offline distillation and
+   of full-logit distillation (``linear_divergence``, β 0).
+
+Run: FASTALIGN_CACHE_DIR=... PYTHONPATH=. python benchmarks/offline_distill_cpu.py [--steps N]
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import fastalign
+from fastalign.ops import linear_cross_entropy, linear_divergence
+from fastalign.ops.sparse_divergence import linear_sparse_divergence, linear_topk_logprobs
+from fastalign.train.config import TrainConfig
+from fastalign.train.objectives.distill import DistillObjective
+from tests.real.data import real_sft_rows
+from tests.real.model import smollm2_dir
+
+K = 32
+
+
+def batch_of(tokenizer):
+    objective = DistillObjective.from_config(
+        "distill", TrainConfig(teacher_model_name_or_path="t", lmbda=0.0, max_length=128), None
+    )
+    examples = objective.tokenize(real_sft_rows(), tokenizer)
+    return objective.collate(tokenizer)(examples)
+
+
+def timed(fn, reps=5):
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    path = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    teacher = fastalign.patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).eval()
+    teacher.requires_grad_(False)
+    student0 = copy.deepcopy(teacher)
+    student0.model.layers = student0.model.layers[:2]
+    student0.config.num_hidden_layers = 2
+    student0.requires_grad_(True).train()
+    batch = batch_of(tokenizer)
+    mask = batch["completion_mask"].bool()
+    width = batch["input_ids"].shape[1] - mask.shape[1]
+    tokens = batch["input_ids"][:, width:]
+    labels = tokens.masked_fill(~mask, -100)
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    count = mask.sum()
+
+    # 2. the scoring pass against the plain forward
+    def plain():
+        with torch.no_grad():
+            teacher(**inputs).logits.sum()
+
+    def scoring():
+        with torch.no_grad():
+            teacher(
+                **inputs,
+                head_fn=lambda h, w, b: linear_topk_logprobs(h[:, width - 1 : -1][mask], w, K, tokens[mask]),
+            )
+
+    plain(), scoring()
+    plain_s, scoring_s = timed(plain), timed(scoring)
+    with torch.no_grad():
+        top = teacher(
+            **inputs,
+            head_fn=lambda h, w, b: linear_topk_logprobs(h[:, width - 1 : -1].reshape(-1, h.shape[-1]), w, K),
+        ).head_output
+        t_hidden, t_weight = teacher(**inputs, head_fn=lambda h, w, b: (h[:, width - 1 : -1], w)).head_output
+    ids = top.ids.reshape(*mask.shape, K)
+    lps = top.logprobs.reshape(*mask.shape, K)
+
+    # 1. a student step against an SFT step
+    def sft_loss(model):
+        def head(h, w, b):
+            return linear_cross_entropy(h[:, width - 1 : -1], w, labels, reduction="sum")
+
+        return model(**inputs, head_fn=head).head_output / count
+
+    def offline_loss(model):
+        def head(h, w, b):
+            return linear_sparse_divergence(h[:, width - 1 : -1], w, ids, lps, None, mask, beta=0.0)
+
+        return model(**inputs, head_fn=head).head_output / count
+
+    def full_loss(model):
+        def head(h, w, b):
+            return linear_divergence(
+                h[:, width - 1 : -1], w, t_hidden, t_weight, labels, beta=0.0, reduction="sum"
+            )
+
+        return model(**inputs, head_fn=head).head_output / count
+
+    student = copy.deepcopy(student0)
+
+    def step(loss_fn):
+        def run():
+            student.zero_grad(set_to_none=True)
+            loss_fn(student).backward()
+
+        return run
+
+    step(sft_loss)(), step(offline_loss)()
+    sft_times, offline_times = [], []
+    for _ in range(5):  # interleaved: the busy CPU's drift hits both
+        sft_times.append(timed(step(sft_loss), 1))
+        offline_times.append(timed(step(offline_loss), 1))
+    sft_s, offline_s = statistics.median(sft_times), statistics.median(offline_times)
+
+    # 3. the full divergence after the same steps
+    def full_kl(model) -> float:
+        with torch.no_grad():
+            s = model(**inputs).logits[:, width - 1 : -1].log_softmax(-1)
+            t = teacher(**inputs).logits[:, width - 1 : -1].log_softmax(-1)
+            return float(((t.exp() * (t - s)).sum(-1))[mask].mean())
+
+    results = {"initial_full_kl": full_kl(student0)}
+    for name, loss_fn in (("offline_top32_tail", offline_loss), ("full_logit", full_loss)):
+        model = copy.deepcopy(student0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
+        for _ in range(args.steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model).backward()
+            optimizer.step()
+        results[f"{name}_full_kl"] = full_kl(model)
+    results |= {
+        "rows": int(mask.shape[0]),
+        "completion_tokens": int(count),
+        "sequence_width": int(batch["input_ids"].shape[1]),
+        "steps": args.steps,
+        "sft_step_s": sft_s,
+        "offline_step_s": offline_s,
+        "offline_over_sft": offline_s / sft_s,
+        "plain_forward_s": plain_s,
+        "scoring_pass_s": scoring_s,
+        "scoring_speed_over_plain": plain_s / scoring_s,
+        "offline_kl_over_full_logit_kl": results["offline_top32_tail_full_kl"]
+        / results["full_logit_full_kl"],
+    }
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""``fastalign teacher-logprobs --model_name_or_path TEACHER --dataset_name DATA --top_k K --output_dir DIR``:
+the teacher's top-k log-probs of a data set's completions, stored once for ``fastalign train distill
+--teacher_logprobs_path DIR`` (``fastalign.train.teacher_logprobs``).
+
+Other keys are ``TrainConfig``'s, as ``train distill`` reads them (``max_length``, ``truncation``,
+``truncation_mode``, ``chat_template_kwargs``, ``temperature``, ``per_device_eval_batch_size``, the
+dataset keys); ``--config FILE`` reads them from YAML first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fastalign.errors import one_line
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "teacher-logprobs",
+        help="store a teacher's top-k log-probs of a data set, for offline distillation",
+        description="Scores every completion token of the data (the formats train distill reads) with the "
+        "teacher and writes its top-k token ids and log-probs, sharded, beside a manifest. Keys are "
+        "TrainConfig fields; a rerun on the same output_dir resumes from its complete shards.",
+        epilog="example: fastalign teacher-logprobs --model_name_or_path TEACHER --dataset_name data.jsonl "
+        "--top_k 32 --output_dir teacher_lp; then fastalign train distill --teacher_logprobs_path "
+        "teacher_lp --beta 0 ...",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML config (TrainConfig keys)")
+    parser.add_argument("--shard_rows", type=int, default=256, help="rows per shard file (default 256)")
+    parser.add_argument(
+        "--logprobs_dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="stored log-probs' dtype (ids are int32)",
+    )
+    parser.set_defaults(run=run, allow_extra=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fastalign.train.config import load_config
+
+    try:
+        config = load_config(args.config, getattr(args, "extra", ()))
+        from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher
+
+        report = score_teacher(config, ScoringOptions(args.shard_rows, args.logprobs_dtype))
+    except (ValueError, OSError, MemoryError) as error:
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return 2
+    print(
+        f"scored {report.rows} rows into {report.output_dir} ({report.shards_written} shards written, "
+        f"{report.shards_skipped} already there, {report.tokens} tokens, {report.seconds:.1f} s)"
+    )
+    return 0

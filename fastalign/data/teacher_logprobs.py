@@ -1,0 +1,201 @@
+"""A teacher's top-k log-probs on a data set's completions, stored once for offline distillation
+(``fastalign teacher-logprobs`` writes them, ``fastalign train distill --teacher_logprobs_path`` reads them).
+
+A directory of safetensors shards (never pickle) beside ``manifest.json``. Shard ``i`` holds rows
+``[i·shard_rows, (i+1)·shard_rows)`` of the scored rows, in the data's order; per row its content hash (of
+its prompt and completion token ids: ``row_hash``) and, per completion token, the teacher's top-k token ids
+(int32) and log-probs (``dtype``), the log of the mass outside them and the log-prob of the completion's
+own token (fp32):
+
+- ``row_hashes`` uint8 [R, 32] (sha256), ``offsets`` int64 [R + 1] (each row's tokens),
+- ``ids`` int32 [T, k], ``logprobs`` [T, k], ``tail`` fp32 [T], ``token_logprobs`` fp32 [T].
+
+Every file is written atomically (a temporary file in the same directory, then ``os.replace``): a shard
+that exists is complete, so a killed run resumes from the shards it finished. The manifest names what was
+scored (teacher and revision, tokenizer hash, k, dtype, temperature, the data set's hash, row count) and
+says ``complete`` once every shard is written. Readers match rows by their content hash, not position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT = "fastalign-teacher-logprobs/1"
+#: Stored log-prob dtypes, and their bytes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ID_BYTES = 4
+
+
+def disk_bytes_per_token(k: int, dtype: str = "float32") -> int:
+    """Bytes a scored completion token takes on disk: k × (id + log-prob), plus the fp32 tail and
+    completion-token log-prob."""
+    return k * (ID_BYTES + DTYPES[dtype].itemsize) + 8
+
+
+def row_hash(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> bytes:
+    """The sha256 of a row's prompt and completion token ids (how rows are matched to their scores)."""
+    digest = hashlib.sha256()
+    digest.update(len(prompt_ids).to_bytes(8, "little"))
+    digest.update(torch.tensor(list(prompt_ids) + list(completion_ids), dtype=torch.int64).numpy().tobytes())
+    return digest.digest()
+
+
+def dataset_hash(hashes: Iterable[bytes]) -> str:
+    digest = hashlib.sha256()
+    for value in hashes:
+        digest.update(value)
+    return digest.hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """The sha256 of a tokenizer's vocabulary, special tokens and chat template: what decides the ids."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": {
+            name: getattr(tokenizer, name, None)
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        },
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    teacher: str
+    teacher_revision: str | None
+    tokenizer_hash: str
+    k: int
+    dtype: str
+    temperature: float
+    dataset_hash: str
+    rows: int
+    shard_rows: int
+    shards: int
+    complete: bool = False
+    tokens: int | None = None  # completion tokens scored, once complete
+    format: str = FORMAT
+
+    def run_keys(self) -> dict:
+        """What must agree for a resumed run to continue this one."""
+        keys = asdict(self)
+        for key in ("complete", "tokens"):
+            keys.pop(key)
+        return keys
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def atomic_write(path: Path, write) -> None:
+    """``write(temporary_path)`` then rename it onto ``path`` (same directory: an atomic replace)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
+
+    atomic_write(Path(directory) / MANIFEST, write)
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, not {FORMAT!r}")
+        return Manifest(**data)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{path}: not a teacher log-probs manifest ({error})") from None
+
+
+@dataclass
+class ScoredRow:
+    """One row's scores: per completion token, the top-k ids and log-probs, tail and token log-prob."""
+
+    row_hash: bytes
+    ids: torch.Tensor  # [T, k]
+    logprobs: torch.Tensor  # [T, k]
+    tail: torch.Tensor  # [T]
+    token_logprobs: torch.Tensor  # [T]
+
+
+def write_shard(directory: Path, index: int, rows: Sequence[ScoredRow], dtype: str) -> Path:
+    """Shard ``index`` of ``rows``, written atomically."""
+    from safetensors.torch import save_file
+
+    lengths = torch.tensor([0] + [row.ids.shape[0] for row in rows], dtype=torch.int64)
+    tensors = {
+        "row_hashes": torch.tensor([list(row.row_hash) for row in rows], dtype=torch.uint8).reshape(-1, 32),
+        "offsets": lengths.cumsum(0),
+        "ids": torch.cat([row.ids for row in rows]).to(torch.int32).contiguous(),
+        "logprobs": torch.cat([row.logprobs for row in rows]).to(DTYPES[dtype]).contiguous(),
+        "tail": torch.cat([row.tail for row in rows]).float().contiguous(),
+        "token_logprobs": torch.cat([row.token_logprobs for row in rows]).float().contiguous(),
+    }
+    path = Path(directory) / shard_name(index)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    return path
+
+
+class TeacherLogprobs:
+    """The scores of a complete directory, looked up by row hash; shards are read lazily (one row's
+    slice at a time), so memory holds only the index (36 bytes a row)."""
+
+    KEYS = ("ids", "logprobs", "tail", "token_logprobs")
+
+    def __init__(self, directory: str | Path):
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        manifest = read_manifest(self.directory)
+        if manifest is None:
+            raise ValueError(f"config key 'teacher_logprobs_path': {self.directory} has no {MANIFEST}")
+        if not manifest.complete:
+            raise ValueError(
+                f"config key 'teacher_logprobs_path': {self.directory} is incomplete "
+                "(rerun fastalign teacher-logprobs on it to finish the missing shards)"
+            )
+        self.manifest = manifest
+        self._index: dict[bytes, tuple[int, int, int]] = {}
+        self._files = {}
+        for shard in range(manifest.shards):
+            handle = safe_open(str(self.directory / shard_name(shard)), framework="pt")
+            self._files[shard] = handle
+            hashes = handle.get_tensor("row_hashes")
+            offsets = handle.get_tensor("offsets").tolist()
+            for row, value in enumerate(hashes):
+                self._index[bytes(value.tolist())] = (shard, offsets[row], offsets[row + 1])
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get(self, key: bytes) -> dict[str, torch.Tensor]:
+        shard, start, end = self._index[key]
+        handle = self._files[shard]
+        return {name: handle.get_slice(name)[start:end] for name in self.KEYS}

@@ -1,0 +1,309 @@
+"""Distillation from a teacher's top-k log-probs (offline or served), fused with the student's LM head,
+and the teacher's side of it: its top-k log-probs straight from its hidden states and head.
+
+``linear_sparse_divergence`` is TRL 1.16's ``ServerDistillationTrainer`` loss (``trl.experimental.
+server_distillation``): the divergence between the student's and the teacher's distributions restricted
+to a sparse support of a few token ids per position (the teacher's top-k; for β > 0 TRL's top-1 and the
+completion's own token). Each side's log-probs at the support are renormalised over it (no tail) or
+completed by a (k+1)-th bucket holding the rest of the mass, ``log(1 − Σ exp(top-k))`` (``add_tail``:
+``_add_tail_bucket``), and the generalized JSD of TRL's ``_jsd_divergence`` (β 0: forward KL(teacher ‖
+student)) is taken over that support. ``sparse_divergence_rows`` below is that math, written as TRL
+writes it, on [C, K] tensors.
+
+The student's log-probs at the support need its log-sum-exp over the whole vocabulary: the tokens are
+walked in chunks of C rows (``fastalign.ops.chunked_head``); for each, the chunk's [C, V] logits are
+built in fp32, reduced to the log-sum-exp and the logits at the K support ids, the sparse divergence and
+its gradient w.r.t. those K + 1 numbers are taken with autograd on the small [C, K] tensors, and the
+gradient w.r.t. the logits, ``g_lse·softmax + scatter(g_support)``, becomes the gradients of the hidden
+states, weight and bias by two matmuls (gradient in forward, as ``linear_cross_entropy``: the logits are
+built once, 6·N·V·D FLOPs, an SFT step's head). No [N, V] tensor exists.
+
+``linear_topk_logprobs`` is the teacher's scoring pass: per token, its top-k token ids and log-probs at a
+temperature, the log of the mass outside them and the log-prob of a given token (the completion's),
+walking the tokens in chunks and each chunk's vocabulary in slices, with a running merge of the top-k
+and an online log-sum-exp: at most one [C, V_slice] block of logits at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from fastalign.ops.chunked_head import GradientInForward, InputGrads, input_grads_needed, loss_row_chunks
+from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
+from fastalign.ops.linear_divergence import _fp32_logits
+
+#: TRL's clamp of the top-k mass's log below 0 (``_add_tail_bucket``): the tail stays a real log.
+TAIL_CLAMP = -1e-7
+#: fp32 [C, V] buffers a chunk holds at once: the logits, the softmax and the gradient.
+_CHUNK_BUFFERS = 3
+
+
+# --------------------------------------------------------------------------------------------------
+# The sparse math (TRL's, on [C, K] log-probs).
+
+
+def add_tail_bucket(log_probs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (K+1)-th element ``log(1 − Σ exp(log_probs))`` (TRL's ``_add_tail_bucket``), and its mask."""
+    log_sum = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=TAIL_CLAMP)
+    tail = torch.log(-torch.expm1(log_sum))
+    return torch.cat([log_probs, tail], dim=-1), torch.cat([mask, torch.ones_like(mask[..., :1])], dim=-1)
+
+
+def masked_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float, mask: torch.Tensor) -> torch.Tensor:
+    """TRL's ``_jsd_divergence`` with a support mask: per element, 0 off the support."""
+    zero = torch.zeros_like(student)
+    safe_s, safe_t = torch.where(mask, student, zero), torch.where(mask, teacher, zero)
+    p_s, p_t = torch.where(mask, student.exp(), zero), torch.where(mask, teacher.exp(), zero)
+    if beta == 0:
+        return torch.nan_to_num(p_t * (safe_t - safe_s), nan=0.0)
+    if beta == 1:
+        return torch.nan_to_num(p_s * (safe_s - safe_t), nan=0.0)
+    tiny = torch.finfo(p_s.dtype).tiny
+    mixture = (1 - beta) * p_s + beta * p_t
+    safe_m = torch.where(mask, torch.log(mixture.clamp_min(tiny)), zero)
+    kl_teacher = torch.nan_to_num(p_t * (safe_t - safe_m), nan=0.0)
+    kl_student = torch.nan_to_num(p_s * (safe_s - safe_m), nan=0.0)
+    return beta * kl_teacher + (1 - beta) * kl_student
+
+
+def sparse_divergence_rows(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    add_tail: bool,
+) -> torch.Tensor:
+    """Per-row divergence [C] of the student's and teacher's log-probs [C, K] at a support (``mask``
+    [C, K]: which of the K entries belong to it), as TRL's server path computes it."""
+    neg_inf = torch.full((), float("-inf"), dtype=student_logprobs.dtype, device=student_logprobs.device)
+    student = torch.where(mask, student_logprobs, neg_inf)
+    teacher = torch.where(mask, teacher_logprobs.to(student.dtype), neg_inf)
+    if add_tail:
+        student, support = add_tail_bucket(student, mask)
+        teacher, _ = add_tail_bucket(teacher, mask)
+    else:
+        support = mask
+        student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    return masked_jsd(student, teacher, beta, support).sum(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The student's fused head.
+
+
+class _Sparse(NamedTuple):
+    """What no gradient reaches: the support and the teacher's side of it."""
+
+    support_ids: torch.Tensor  # [N, K] long
+    teacher_logprobs: torch.Tensor  # [N, K]
+    support_mask: torch.Tensor  # [N, K] bool
+    valid: torch.Tensor  # [N] bool: counted tokens
+
+
+class _Spec(NamedTuple):
+    beta: float
+    inv_temperature: float
+    add_tail: bool
+    chunk_size: int
+    with_entropy: bool
+
+
+def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
+    n = hidden.shape[0]
+    token_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    grads = InputGrads(hidden, weight, bias, needs) if upstream is not None and any(needs) else None
+    for rows in loss_row_chunks(sparse.valid, spec.chunk_size)[1]:
+        hidden_chunk = hidden[rows]
+        logits = _fp32_logits(hidden_chunk, weight, bias).mul_(spec.inv_temperature)
+        lse = torch.logsumexp(logits, dim=-1)
+        ids = sparse.support_ids[rows]
+        at_support = (logits.gather(1, ids) - lse[:, None]).detach().requires_grad_(grads is not None)
+        with torch.enable_grad():
+            div = sparse_divergence_rows(
+                at_support,
+                sparse.teacher_logprobs[rows].float(),
+                sparse.support_mask[rows],
+                spec.beta,
+                spec.add_tail,
+            )
+            if grads is not None:
+                (g_support,) = torch.autograd.grad((div * upstream[rows]).sum(), at_support)
+        token_loss[rows] = div.detach()
+        log_probs = logits.sub_(lse[:, None])  # in place: log-softmax at the temperature
+        if spec.with_entropy:
+            entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
+        probs = log_probs.exp_()
+        if grads is not None:
+            # d(log p_j)/dz = onehot_j − softmax: the gradient w.r.t. the chunk's logits, then /T
+            grad = probs.mul_(-g_support.sum(-1, keepdim=True))
+            grad.scatter_add_(1, ids, g_support)
+            grad.mul_(spec.inv_temperature)
+            grads.add_chunk(rows, grad.to(weight.dtype), hidden_chunk, weight)
+        del logits, log_probs, probs
+    finished = grads.finish(weight, bias) if grads is not None else (None,) * 3
+    return token_loss, entropy, finished
+
+
+class _ScalarSparseDivergence(GradientInForward):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, sparse, spec, upstream, needs):
+        token_loss, entropy, grads = _sweep(hidden, weight, bias, sparse, spec, upstream, needs)
+        ctx.grads = grads
+        ctx.mark_non_differentiable(entropy)
+        return (token_loss * upstream).sum(), entropy
+
+
+def linear_sparse_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    support_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    support_mask: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    *,
+    beta: float = 0.0,
+    temperature: float = 1.0,
+    add_tail: bool = True,
+    bias: torch.Tensor | None = None,
+    reduction: str = "sum",
+    return_entropy: bool = False,
+    workspace_bytes: int | None = None,
+):
+    """The sparse-support divergence (TRL's server distillation loss) of the student whose final hidden
+    states are ``hidden`` [..., D] and head ``weight`` [V, D] (and ``bias`` [V]), against the teacher's
+    log-probs ``teacher_logprobs`` [..., K] at the token ids ``support_ids`` [..., K] (``support_mask``
+    [..., K]: entries of the support, default all), over the tokens where ``valid`` [...] holds (default
+    all). ``reduction`` 'sum' or 'mean' (over valid tokens). The student's distribution is
+    ``softmax(logits / temperature)``; the teacher's log-probs are taken as given (scored at the same
+    temperature). With ``return_entropy`` also the student's per-token entropy at the temperature
+    (fp32 [...], 0 at tokens not counted, no gradient)."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    lead = hidden.shape[:-1]
+    if support_ids.shape[:-1] != lead or teacher_logprobs.shape != support_ids.shape:
+        raise ValueError(
+            f"support_ids {tuple(support_ids.shape)} and teacher_logprobs {tuple(teacher_logprobs.shape)} "
+            f"must both be [..., K] with hidden's leading dimensions {tuple(lead)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [V, D] with hidden's D = {hidden.shape[-1]}")
+    k = support_ids.shape[-1]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    n = flat_hidden.shape[0]
+    valid = torch.ones(n, dtype=torch.bool, device=hidden.device) if valid is None else valid.reshape(n)
+    mask = (
+        torch.ones(n, k, dtype=torch.bool, device=hidden.device)
+        if support_mask is None
+        else support_mask.reshape(n, k)
+    )
+    ids = support_ids.reshape(n, k).long()
+    vocab = weight.shape[0]
+    if ids.numel() and bool(((ids < 0) | (ids >= vocab))[valid].any()):
+        raise ValueError(f"support_ids must be token ids in [0, {vocab})")
+    budget = head_workspace_bytes(hidden.device.type, workspace_bytes, weight)
+    spec = _Spec(
+        float(beta),
+        1.0 / temperature,
+        bool(add_tail),
+        chunk_rows(vocab, 4 * _CHUNK_BUFFERS, budget),
+        bool(return_entropy),
+    )
+    sparse = _Sparse(ids, teacher_logprobs.reshape(n, k), mask, valid)
+    count = valid.sum()
+    scale = 1.0 / count.clamp_min(1).float() if reduction == "mean" else torch.ones((), device=hidden.device)
+    upstream = torch.where(valid, scale, 0.0).float()
+    needs = input_grads_needed(flat_hidden, weight, bias)
+    loss, entropy = _ScalarSparseDivergence.apply(flat_hidden, weight, bias, sparse, spec, upstream, needs)
+    return (loss, entropy.reshape(lead)) if return_entropy else loss
+
+
+# --------------------------------------------------------------------------------------------------
+# The teacher's scoring pass.
+
+
+class TopK(NamedTuple):
+    """Per token: the top-k ids [N, k] (long) and log-probs [N, k] (fp32, descending), the log of the
+    mass outside them [N] and the log-prob of the given token [N] (fp32)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    tail: torch.Tensor
+    token_logprobs: torch.Tensor
+
+
+#: Vocabulary slice of the scoring pass's logits blocks.
+VOCAB_SLICE = 16384
+
+
+@torch.no_grad()
+def linear_topk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    tokens: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    vocab_slice: int = VOCAB_SLICE,
+    workspace_bytes: int | None = None,
+) -> TopK:
+    """The top-``k`` next-token log-probs of ``softmax((hidden·weightᵀ + bias) / temperature)`` for every
+    row of ``hidden`` [N, D], their ids, the log of the mass outside them, and the log-prob of ``tokens``
+    [N] (0 where not given). Never more than one [C, vocab_slice] block of logits."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be [N, D] and weight {tuple(weight.shape)} [V, D]"
+        )
+    n, vocab = hidden.shape[0], weight.shape[0]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be in [1, {vocab}] (the vocabulary), got {k}")
+    slice_width = min(vocab, vocab_slice)
+    budget = head_workspace_bytes(hidden.device.type, workspace_bytes)
+    rows_per_chunk = chunk_rows(slice_width, 4 * 2, budget)
+    device = hidden.device
+    out_ids = torch.empty(n, k, dtype=torch.long, device=device)
+    out_lp = torch.empty(n, k, dtype=torch.float32, device=device)
+    out_tail = torch.empty(n, dtype=torch.float32, device=device)
+    out_token = torch.zeros(n, dtype=torch.float32, device=device)
+    inv_t = 1.0 / temperature
+    for start in range(0, n, rows_per_chunk):
+        rows = slice(start, min(n, start + rows_per_chunk))
+        h = hidden[rows]
+        c = h.shape[0]
+        best_val = torch.full((c, 0), float("-inf"), device=device)
+        best_ids = torch.empty((c, 0), dtype=torch.long, device=device)
+        # log of the mass of every logit left out of the running top-k: summed exactly (no 1 − Σ top-k)
+        rest = torch.full((c,), float("-inf"), device=device)
+        token_logit = torch.zeros(c, device=device)
+        chunk_tokens = tokens[rows] if tokens is not None else None
+        for v0 in range(0, vocab, slice_width):
+            v1 = min(vocab, v0 + slice_width)
+            logits = _fp32_logits(h, weight[v0:v1], None if bias is None else bias[v0:v1]).mul_(inv_t)
+            if chunk_tokens is not None:
+                inside = (chunk_tokens >= v0) & (chunk_tokens < v1)
+                local = (chunk_tokens - v0).clamp(0, v1 - v0 - 1)
+                token_logit = torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), token_logit)
+            val, idx = logits.topk(min(k, v1 - v0), dim=-1)
+            rest = torch.logaddexp(rest, torch.logsumexp(logits.scatter_(1, idx, float("-inf")), dim=-1))
+            merged_val, order = torch.cat([best_val, val], dim=-1).sort(dim=-1, descending=True)
+            merged_ids = torch.cat([best_ids, idx + v0], dim=-1).gather(1, order)
+            keep = min(k, merged_val.shape[1])
+            if merged_val.shape[1] > keep:
+                rest = torch.logaddexp(rest, torch.logsumexp(merged_val[:, keep:], dim=-1))
+            best_val, best_ids = merged_val[:, :keep], merged_ids[:, :keep]
+            del logits
+        lse = torch.logaddexp(rest, torch.logsumexp(best_val, dim=-1))
+        out_ids[rows], out_lp[rows] = best_ids, best_val - lse[:, None]
+        out_tail[rows] = rest - lse  # -inf when the top-k hold it all
+        if chunk_tokens is not None:
+            out_token[rows] = token_logit - lse
+    return TopK(out_ids, out_lp, out_tail, out_token)

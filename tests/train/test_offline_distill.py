@@ -1,0 +1,291 @@
+"""Offline distillation: ``fastalign teacher-logprobs`` (shards, manifest, atomic writes, resume, ranks)
+and ``fastalign train distill --teacher_logprobs_path`` (the teacher never loaded, rows matched by hash,
+the manifest's checks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fastalign.builtin import tiny_model, tiny_sft_rows, tiny_tokenizer
+from fastalign.cli.main import main
+from fastalign.data.teacher_logprobs import (
+    MANIFEST,
+    TeacherLogprobs,
+    disk_bytes_per_token,
+    read_manifest,
+    row_hash,
+    shard_name,
+)
+from fastalign.ops.sparse_divergence import linear_topk_logprobs
+from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.objectives.distill import DistillObjective
+from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher
+from tests import torchrun
+from tests.train.runs import logged, short_config
+
+WORKER = Path(__file__).with_name("teacher_logprobs_worker.py")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("teacher")
+    tiny_model("llama", seed=1).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def scoring_config(tmp_path: Path, teacher: Path, rows: list[dict], **options) -> TrainConfig:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    defaults = dict(
+        model_name_or_path=str(teacher),
+        dataset_name=str(data),
+        top_k=8,
+        output_dir=str(tmp_path / "scores"),
+        max_length=64,
+        per_device_eval_batch_size=3,
+    )
+    return TrainConfig(**defaults | options)
+
+
+def test_scores_equal_the_teachers_full_log_softmax(tmp_path, teacher_dir):
+    """Every stored top-k, tail and completion-token log-prob is the teacher's on that row, and rows
+    are found by their content hash, in any order."""
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(7))
+    report = score_teacher(config, ScoringOptions(shard_rows=3))
+    assert (report.rows, report.shards_written) == (7, 3)
+    manifest = read_manifest(config.output_dir)
+    assert manifest.complete and manifest.k == 8 and manifest.rows == 7 and manifest.tokens == report.tokens
+    stored = TeacherLogprobs(config.output_dir)
+    objective = DistillObjective.from_config(
+        "distill", dataclasses.replace(config, teacher_model_name_or_path="x", lmbda=0.0, top_k=0), None
+    )
+    tokenizer = tiny_tokenizer()
+    examples = objective.tokenize(tiny_sft_rows(7), tokenizer)
+    model = tiny_model("llama", seed=1).eval()
+    for example in random.Random(0).sample(examples, len(examples)):
+        ids = torch.tensor([example.prompt_ids + example.completion_ids])
+        with torch.no_grad():
+            full = model(ids).logits[0, len(example.prompt_ids) - 1 : -1].log_softmax(-1)
+        row = stored.get(row_hash(example.prompt_ids, example.completion_ids))
+        torch.testing.assert_close(row["logprobs"], full.topk(8).values, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(full.gather(1, row["ids"].long()), row["logprobs"], rtol=1e-4, atol=1e-5)
+        tokens = torch.tensor(example.completion_ids)
+        torch.testing.assert_close(
+            row["token_logprobs"], full.gather(1, tokens[:, None])[:, 0], rtol=1e-4, atol=1e-5
+        )
+        assert (row["tail"] < 0).all()
+    assert disk_bytes_per_token(32) == 32 * 8 + 8 and disk_bytes_per_token(32, "bfloat16") == 32 * 6 + 8
+
+
+def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, monkeypatch):
+    """A run killed while writing its second shard leaves the first complete, no partial file and an
+    incomplete manifest; the rerun writes the others only, and the result equals an unbroken run's."""
+    import fastalign.data.teacher_logprobs as store
+
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(8))
+    calls = {"n": 0}
+    real_save = __import__("safetensors.torch", fromlist=["save_file"]).save_file
+
+    def dying_save(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            Path(path).write_bytes(b"partial")  # half a file, then the kill
+            raise KeyboardInterrupt
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr("safetensors.torch.save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        score_teacher(config, ScoringOptions(shard_rows=3))
+    out = Path(config.output_dir)
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, shard_name(0)]  # no temporary left
+    assert not read_manifest(out).complete
+    with pytest.raises(ValueError, match="incomplete"):
+        TeacherLogprobs(out)
+    first = (out / shard_name(0)).stat().st_mtime_ns
+    monkeypatch.setattr("safetensors.torch.save_file", real_save)
+    report = score_teacher(config, ScoringOptions(shard_rows=3))
+    assert (report.shards_written, report.shards_skipped) == (2, 1)
+    assert (out / shard_name(0)).stat().st_mtime_ns == first
+    unbroken = score_teacher(
+        dataclasses.replace(config, output_dir=str(tmp_path / "unbroken")), ScoringOptions(shard_rows=3)
+    )
+    assert unbroken.tokens == read_manifest(out).tokens
+    for shard in range(3):
+        with (
+            safe_open(str(out / shard_name(shard)), "pt") as a,
+            safe_open(str(tmp_path / "unbroken" / shard_name(shard)), "pt") as b,
+        ):
+            for key in a.keys():
+                torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key))
+    del store
+
+
+def test_another_scoring_in_the_same_directory_is_refused(tmp_path, teacher_dir, capsys):
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(4))
+    score_teacher(config)
+    args = [
+        "teacher-logprobs",
+        "--model_name_or_path",
+        str(teacher_dir),
+        "--dataset_name",
+        config.dataset_name,
+    ]
+    args += ["--top_k", "4", "--output_dir", config.output_dir, "--max_length", "64"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "k 8 there, 4 now" in err
+    assert main([*args[:5], "--top_k", "8", "--output_dir", str(tmp_path / "cli"), "--max_length", "64"]) == 0
+    assert "scored 4 rows" in capsys.readouterr().out
+
+
+def offline_config(tmp_path: Path, scores: str, rows: list[dict], **options) -> TrainConfig:
+    defaults = dict(teacher_logprobs_path=scores, beta=0.0, per_device_train_batch_size=2, max_length=64)
+    return short_config(tmp_path, rows, **defaults | options)
+
+
+def test_training_never_loads_the_teacher_and_learns(tmp_path, teacher_dir, monkeypatch):
+    """Two steps of top-8 forward KL with the tail on stored scores: the teacher is never loaded (its
+    loading raises), the loss is finite and positive; the rows are in another order than scored."""
+    rows = tiny_sft_rows(8)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config)
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("the teacher was loaded")
+
+    monkeypatch.setattr("fastalign.train.run.load_frozen_model", no_teacher)
+    from fastalign.train.run import run_training
+
+    (tmp_path / "t").mkdir()
+    train = offline_config(tmp_path / "t", config.output_dir, rows[::-1], max_steps=3)
+    run_training(train, "distill")
+    metrics = logged(train.output_dir)
+    assert [row["step"] for row in metrics] == [1, 2, 3]
+    assert all(math.isfinite(row["loss"]) and row["loss"] > 0 and row["grad_norm"] > 0 for row in metrics)
+    assert all(0 < row["entropy"] < math.log(512) for row in metrics)
+
+
+def test_offline_loss_equals_the_op_on_the_teachers_own_scores(tmp_path, teacher_dir):
+    """One micro-batch through the objective equals ``linear_sparse_divergence`` fed the teacher's
+    top-k computed here (β 0 top-8 with the tail; β 0.5 top-1: TRL's support)."""
+    import fastalign
+
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config)
+    tokenizer = tiny_tokenizer()
+    for beta in (0.0, 0.5):
+        train = TrainConfig(teacher_logprobs_path=config.output_dir, beta=beta, max_length=64)
+        objective = DistillObjective.from_config("distill", train, None)
+        examples = objective.tokenize(rows, tokenizer)
+        objective.teacher_logprobs = TeacherLogprobs(config.output_dir)
+        batch = objective.collate(tokenizer)(examples)
+        student = fastalign.patch_model(tiny_model("llama", seed=0))
+        count = batch["completion_mask"].sum()
+        loss, _ = objective.compute_loss(student, batch, count)
+        # the same from scratch: the teacher's top-k here, TRL's support, the op on the student's logits
+        teacher = tiny_model("llama", seed=1).eval()
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        width = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
+        mask = batch["completion_mask"].bool()
+        with torch.no_grad():
+            t_lp = teacher(**inputs).logits[:, width - 1 : -1].log_softmax(-1)
+        s_lp = tiny_model("llama", seed=0)(**inputs).logits[:, width - 1 : -1].log_softmax(-1)
+        tokens = batch["input_ids"][:, width:]
+        if beta == 0:
+            top = t_lp.topk(8, -1)
+            s, t = s_lp.gather(-1, top.indices), top.values
+            s = torch.cat([s, torch.log(-torch.expm1(s.logsumexp(-1, keepdim=True).clamp(max=-1e-7)))], -1)
+            t = torch.cat([t, torch.log(-torch.expm1(t.logsumexp(-1, keepdim=True).clamp(max=-1e-7)))], -1)
+            div = (t.exp() * (t - s)).sum(-1)
+        else:
+            from fastalign.ops.sparse_divergence import sparse_divergence_rows
+
+            top1 = t_lp.argmax(-1)
+            ids = torch.stack([top1, tokens], -1)
+            support = torch.stack([torch.ones_like(mask), tokens != top1], -1)
+            div = sparse_divergence_rows(s_lp.gather(-1, ids), t_lp.gather(-1, ids), support, beta, True)
+        expected = div[mask].sum() / count
+        assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-4)
+
+
+def test_manifest_mismatches_are_one_line_errors(tmp_path, teacher_dir, capsys):
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config)
+    scores = config.output_dir
+
+    def error(**options) -> str:
+        directory = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        directory.mkdir()
+        train = offline_config(directory, scores, rows, **options)
+        args = ["train", "distill"]
+        for key, value in dataclasses.asdict(train).items():
+            if value != getattr(TrainConfig(), key) and value is not None:
+                args += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        return err
+
+    assert f"'teacher_model_name_or_path' ('other') is not the teacher of {scores}" in error(
+        teacher_model_name_or_path="other"
+    )
+    assert "'loss_top_k' (9) is over the k of" in error(loss_top_k=9) and "(8)" in error(loss_top_k=9)
+    assert "'temperature' (2.0) is not the one" in error(temperature=2.0)
+    assert "'lmbda'" in error(lmbda=0.5)
+    assert "must be 1 with beta>0 (got loss_top_k=8)" in error(beta=0.5, loss_top_k=8)
+    assert "no teacher log-probs in" in error(max_length=12, truncation=True)  # other tokens
+    assert "tokenizer (hash" in error(chat_template_path=str(_template(tmp_path)))
+    with pytest.raises(ConfigError, match="teacher_logprobs_path only"):
+        DistillObjective.from_config(
+            "distill", TrainConfig(teacher_model_name_or_path="t", loss_top_k=4), None
+        )
+
+
+def _template(tmp_path: Path) -> Path:
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    return path
+
+
+@pytest.mark.slow
+def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir):
+    """Under torchrun (2 processes, gloo) each rank scores every other shard; the files equal one
+    process's."""
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(10))
+    one = score_teacher(config, ScoringOptions(shard_rows=2))
+    two_dir = tmp_path / "two"
+    torchrun.run_two_processes(
+        WORKER, json.dumps({**dataclasses.asdict(config), "output_dir": str(two_dir)}), 2
+    )
+    assert read_manifest(two_dir).complete and read_manifest(two_dir).tokens == one.tokens
+    for shard in range(5):
+        with (
+            safe_open(str(Path(config.output_dir) / shard_name(shard)), "pt") as a,
+            safe_open(str(two_dir / shard_name(shard)), "pt") as b,
+        ):
+            for key in a.keys():
+                torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key))
+    log = json.loads((two_dir / "ranks.json").read_text())
+    assert sorted(log) == ["0", "1"] and log["0"] == 3 and log["1"] == 2
+
+
+def test_scoring_pass_holds_no_full_logits():
+    """The scoring op's largest logits block is [C, vocab_slice]: with slices of 32 over 512 ids and a
+    budget of 4 rows, 500 rows never build more than 4 × 32 logits at a time (checked by the result
+    matching the full computation while the chunking is that small)."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(50, 8, generator=g), torch.randn(512, 8, generator=g)
+    out = linear_topk_logprobs(hidden, weight, 4, vocab_slice=32, workspace_bytes=4 * 32 * 8)
+    full = (hidden @ weight.t()).log_softmax(-1)
+    torch.testing.assert_close(out.logprobs, full.topk(4).values)
