@@ -13,8 +13,8 @@ topics, ``pydoc_data``), ``group`` sampled completions of each (temperature 1, n
 - ``fastalign``: the engine (``fastalign.train.generation.sample_groups``): each prompt prefilled once,
   ended rows dropped, inverse-CDF draws;
 - ``continuous``: transformers' continuous batching (``model.generate_batch``, paged attention; TRL's
-  ``use_transformers_paged``), each completion a request (on a CPU at the shortest length only: a call
-  takes minutes).
+  ``use_transformers_paged``), each completion a request (on a CPU one call, at the shortest length
+  only, without a warm-up: its warm-up call took 25 minutes on a 2-core CPU).
 
 Every provider runs the same prompts, seeds and options, interleaved (each repeat runs every provider in
 turn), in one process. A row: ``seconds`` (median wall time of a call), ``cpu_seconds`` (median CPU time
@@ -128,6 +128,13 @@ def sample(provider: str, model, ids, mask, group: int, options: dict) -> list[l
     return [list(output.generated_tokens) for output in outputs.values()]
 
 
+def _continuous_runs(preset: dict, length: int, repeat: int) -> bool:
+    """Whether continuous batching runs at this length and repeat: on a CPU (``continuous_lengths``) one
+    timed call at the shortest length, without a warm-up (a call takes over ten minutes there)."""
+    lengths = preset.get("continuous_lengths")
+    return lengths is None or (length in lengths and repeat == 1)
+
+
 def run(preset_name: str, providers: list[str], out: Path) -> Path:
     preset = PRESETS[preset_name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -146,10 +153,7 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
             }
             for repeat in range(preset["repeats"] + 1):  # the first repeat warms up
                 for provider in providers:
-                    if provider == "continuous" and length not in preset.get("continuous_lengths", [length]):
-                        skipped[f"continuous/{length}"] = (
-                            "minutes per call on this device: measured at 64 only"
-                        )
+                    if provider == "continuous" and not _continuous_runs(preset, length, repeat):
                         continue
                     torch.manual_seed(repeat)
                     if device.type == "cuda":
