@@ -8,6 +8,7 @@ said once. Runs on every supported transformers (the lowest-versions environment
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +232,11 @@ def test_the_rollout_falls_back_to_generate_saying_why_once(caplog):
     assert len(said) == 1 and "num_beams is 2" in said[0]
     expected = generate(model, ids, mask, 2, num_beams=2, do_sample=False, max_new_tokens=5, pad_token_id=PAD)
     assert torch.equal(done.completion_ids[:, :3], expected[:, ids.shape[1] : ids.shape[1] + 3])
+
+
+@pytest.mark.slow
+def test_ranks_stay_in_step_under_fsdp2():
+    """Rank 0's rows end early, rank 1's run to the limit: both ranks run every forward (the worker)."""
+    from tests import torchrun
+
+    torchrun.run_two_processes(Path(__file__).with_name("generation_worker.py"), 8, timeout=300)
