@@ -317,11 +317,10 @@ def _fastalign_in_trl(model_dir: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    import fastalign
     from fastalign.integrations import trl as fastalign_trl
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    fastalign.patch_model(model)
+    fastalign_trl.patch_model(model)
     if not fastalign_trl.enable():
         raise RuntimeError("fastalign does not serve this TRL's fused head")
     return model

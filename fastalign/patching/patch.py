@@ -39,13 +39,20 @@ _MARK = "_fastalign_patch"
 #: The attribute of the causal LM recording the pieces ``patch_model`` left out, and why.
 _SKIPPED = "_fastalign_skipped"
 
-#: Pieces whose CPU path (backend "torch") measured slower than the model's own module, forward and
-#: backward, on the real model's shapes (``benchmarks/e2e/bench_trl_cpu_pieces.py``: SmolLM2-135M, fp32,
-#: batch 4 × 256 tokens, a 2-core AVX2 EPYC, shared); ``skip_slower_on_cpu`` leaves them out.
+#: Pieces whose CPU path (backend "torch") does not earn its place there: measured slower than the model's
+#: own module, forward and backward, on the real model's shapes, or level and buying nothing
+#: (``benchmarks/e2e/bench_trl_cpu_pieces.py``: SmolLM2-135M, fp32, batch 4 x 256 tokens, A and B
+#: alternating in one process, on a 2-core AVX2 EPYC, shared); ``skip_slower_on_cpu`` leaves them out.
+#: The gated MLP stays: level within the noise (0.92-1.03x in four runs) and one [tokens, intermediate]
+#: activation less per layer.
 CPU_SLOWER = {
     "rms_norm": (
         "its CPU path recomputes the norm in backward to keep only the input: 0.69x the model's own "
-        "RMSNorm forward+backward at 1 thread, 0.79x at 2 (SmolLM2-135M shapes, fp32)"
+        "RMSNorm forward+backward at 1 thread, 0.28-0.87x at 2 (SmolLM2-135M shapes, fp32)"
+    ),
+    "rope": (
+        "its CPU path is the model's own rotate-half arithmetic behind a dispatch: no memory saved, "
+        "0.80-1.06x the model's own attention forward+backward (within the noise)"
     ),
 }
 
@@ -177,10 +184,11 @@ def patch_model(
         tiled_mlp_budget_mib: the working set of one tile in MiB, which sizes the tiles; None:
             ``FASTALIGN_TILED_MLP_BUDGET_MIB``, else 256.
         skip_slower_on_cpu: on a model whose weights are all on the CPU, with ``backend='auto'``, leave
-            the model's own forward where fastalign's CPU path measured slower (``CPU_SLOWER``: the
-            RMSNorms); what was left out, and why, is logged at INFO and returned by
-            ``skipped_pieces``. The choice is made here, at patch time: patch after moving the model to
-            a GPU. ``fastalign.integrations.trl.patch_model`` sets it (patching must not slow TRL down).
+            the model's own forward where fastalign's CPU path does not earn its place (``CPU_SLOWER``:
+            the RMSNorms, slower; RoPE, level and saving nothing); what was left out, and why, is logged
+            at INFO and returned by ``skipped_pieces``. The choice is made here, at patch time: patch
+            after moving the model to a GPU. ``fastalign.integrations.trl.patch_model`` sets it
+            (patching must not slow TRL down).
 
     Patching again replaces the earlier patch (so options can change); ``unpatch_model`` restores the
     original.
