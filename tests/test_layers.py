@@ -1,5 +1,5 @@
 """The layer rule of docs/architecture.md, checked on the source: every ``fastalign`` import (module level or
-inside a function) looks down. ``kernels`` ← ``ops`` ← ``losses`` ← (``patching``, ``integrations``,
+inside a function) looks down. ``kernels`` ← ``ops`` ← ``losses`` ← (``patching`` ← ``integrations``,
 ``train``) ← ``cli``, with the floors ``models`` (model structure, streaming loader), ``builtin`` (tiny
 offline models and data) and ``errors`` below whatever uses them; ``plan`` beside, used by ``train`` and
 ``cli``, reading ``ops``' head workspace rule."""
@@ -20,7 +20,7 @@ ALLOWED = {
     "losses": {"ops", "models"},
     "data": {"errors", "models"},
     "patching": {"errors", "ops", "models"},
-    "integrations": {"ops"},
+    "integrations": {"ops", "patching"},  # patching: integrations.trl.patch_model
     "quant": {"ops", "models"},
     "plan": {"builtin", "models", "ops"},  # ops: the heads' workspace rule, so plan and kernels agree
     "bench": set(),

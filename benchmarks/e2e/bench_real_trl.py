@@ -65,7 +65,7 @@ SETTINGS = {
     "checkpointing": ("float32", False, True),
     "defaults": ("each tool's default", None, None),
 }
-PROVIDERS = ("trl", "fastalign")
+PROVIDERS = ("trl", "trl-fastalign", "fastalign")
 LORA = {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
 
 PRESETS = {
@@ -297,14 +297,33 @@ def run_trl(spec: dict, phases: Phases) -> dict:
         dataloader_num_workers=0, **shared_options(spec),
     )  # fmt: skip
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines()]
+    model = spec["model_dir"]
+    if spec["provider"] == "trl-fastalign":
+        model = _fastalign_in_trl(model)
     trainer = getattr(trl, f"{name}Trainer")(
-        model=spec["model_dir"], args=args, train_dataset=datasets.Dataset.from_list(rows),
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
         processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]), callbacks=[Record()], **extra,
     )  # fmt: skip
     if objective == "grpo":
         _time_generation(trainer.model, phases.generation)
     trainer.train()
     return phases.result([row["loss"] for row in trainer.state.log_history if "loss" in row])
+
+
+def _fastalign_in_trl(model_dir: str):
+    """TRL's trainer with fastalign dropped in, as docs/trl.md tells its users: the model loaded as TRL
+    loads it (fp32 here), ``fastalign.patch_model`` (on CPU the pieces that lose there stay the model's
+    own), and TRL's fused LM head served by ``fastalign.integrations.trl.enable()``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastalign.integrations import trl as fastalign_trl
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    fastalign_trl.patch_model(model)
+    if not fastalign_trl.enable():
+        raise RuntimeError("fastalign does not serve this TRL's fused head")
+    return model
 
 
 def _time_generation(model, seconds: list[float]) -> None:

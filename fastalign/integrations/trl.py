@@ -159,6 +159,18 @@ def enable() -> bool:
     return True
 
 
+def patch_model(model, **options):
+    """``fastalign.patch_model`` for a model that TRL's trainers will train: the same, with
+    ``skip_slower_on_cpu=True`` (on a CPU-only model the pieces whose CPU path does not earn its place,
+    ``fastalign.patching.patch.CPU_SLOWER``: the RMSNorms and RoPE, stay the model's: patching must not
+    slow TRL down). Call it before handing the model to the trainer (TRL's fused head wraps the forward
+    it finds), and ``enable()`` for the head. ``options`` are ``fastalign.patch_model``'s. Returns the
+    model."""
+    from fastalign.patching import patch_model as patch
+
+    return patch(model, **({"skip_slower_on_cpu": True} | options))
+
+
 def disable() -> None:
     """Give TRL its own fused head back (e.g. to compare both in one process)."""
     global _trl_function

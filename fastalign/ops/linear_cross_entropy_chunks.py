@@ -272,7 +272,8 @@ class TokenObjectiveFunction(GradientInForward):
 
 
 class TokenwiseFunction(torch.autograd.Function):
-    """Per-token losses and entropies; backward rebuilds the logits (8·N·V·D)."""
+    """Per-token losses and entropies; backward rebuilds the logits (8·N·V·D) of the rows with an upstream
+    gradient (the others: 2·N·V·D, forward only)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec: ChunkSpec):
@@ -313,8 +314,15 @@ class TokenwiseFunction(torch.autograd.Function):
                 weight.shape[0],
             )
 
+        # A row whose upstream gradients are all 0 adds nothing to any gradient: it is left out of the
+        # sweep as an ignored token is (no [V, D] matmul rebuilds its logits). TRL's fused head on CPU
+        # scores every position and zeroes the masked ones' outputs (a prompt's rows, padding).
+        active = loss_grad != 0
+        if entropy_grad is not None:
+            active |= entropy_grad != 0
+        swept = torch.where(active, targets, spec.ignore_index)
         needs = ctx.needs_input_grad[:3]
         _, grads = _sweep(
-            hidden, weight, bias, targets, spec, coefficients=coefficients, needs=needs, saved=stats
+            hidden, weight, bias, swept, spec, coefficients=coefficients, needs=needs, saved=stats
         )
         return *grads, None, None

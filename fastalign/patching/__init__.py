@@ -2,7 +2,13 @@
 
 from fastalign.patching.causal_lm import FusedCausalLMOutput, shift_labels
 from fastalign.patching.families import SUPPORTED_MODEL_TYPES
-from fastalign.patching.patch import patch_lora_layers, patch_model, patched_pieces, unpatch_model
+from fastalign.patching.patch import (
+    patch_lora_layers,
+    patch_model,
+    patched_pieces,
+    skipped_pieces,
+    unpatch_model,
+)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -11,5 +17,6 @@ __all__ = [
     "patch_model",
     "patched_pieces",
     "shift_labels",
+    "skipped_pieces",
     "unpatch_model",
 ]

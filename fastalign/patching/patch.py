@@ -36,6 +36,25 @@ from fastalign.patching.modules import (
 logger = logging.getLogger(__name__)
 
 _MARK = "_fastalign_patch"
+#: The attribute of the causal LM recording the pieces ``patch_model`` left out, and why.
+_SKIPPED = "_fastalign_skipped"
+
+#: Pieces whose CPU path (backend "torch") does not earn its place there: measured slower than the model's
+#: own module, forward and backward, on the real model's shapes, or level and buying nothing
+#: (``benchmarks/e2e/bench_trl_cpu_pieces.py``: SmolLM2-135M, fp32, batch 4 x 256 tokens, A and B
+#: alternating in one process, on a 2-core AVX2 EPYC, shared); ``skip_slower_on_cpu`` leaves them out.
+#: The gated MLP stays: level within the noise (0.92-1.03x in four runs) and one [tokens, intermediate]
+#: activation less per layer.
+CPU_SLOWER = {
+    "rms_norm": (
+        "its CPU path recomputes the norm in backward to keep only the input: 0.69x the model's own "
+        "RMSNorm forward+backward at 1 thread, 0.28-0.87x at 2 (SmolLM2-135M shapes, fp32)"
+    ),
+    "rope": (
+        "its CPU path is the model's own rotate-half arithmetic behind a dispatch: no memory saved, "
+        "0.80-1.06x the model's own attention forward+backward (within the noise)"
+    ),
+}
 
 
 def _base_causal_lm(model: nn.Module, *, head: bool, generic: bool = False) -> nn.Module:
@@ -85,7 +104,22 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         for method in _METHODS:
             if _patched_piece(module, method) is not None:
                 delattr(module, method)
+        module.__dict__.pop(_SKIPPED, None)
     return model
+
+
+def skipped_pieces(model: nn.Module) -> dict[str, str]:
+    """The pieces the last ``patch_model(..., skip_slower_on_cpu=True)`` of ``model`` left the model's
+    own, each with the reason (empty when none was left out)."""
+    for module in model.modules():
+        if _SKIPPED in module.__dict__:
+            return dict(module.__dict__[_SKIPPED])
+    return {}
+
+
+def _cpu_only(model: nn.Module) -> bool:
+    devices = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
+    return devices <= {"cpu"}
 
 
 def patched_pieces(model: nn.Module) -> dict[str, int]:
@@ -113,6 +147,7 @@ def patch_model(
     generic: bool = False,
     tiled_mlp: bool | None = None,
     tiled_mlp_budget_mib: float | None = None,
+    skip_slower_on_cpu: bool = False,
 ) -> nn.Module:
     """Make a supported Hugging Face causal LM use fastalign's kernels, in place; returns the model.
 
@@ -148,6 +183,12 @@ def patch_model(
             (``1`` turns it on).
         tiled_mlp_budget_mib: the working set of one tile in MiB, which sizes the tiles; None:
             ``FASTALIGN_TILED_MLP_BUDGET_MIB``, else 256.
+        skip_slower_on_cpu: on a model whose weights are all on the CPU, with ``backend='auto'``, leave
+            the model's own forward where fastalign's CPU path does not earn its place (``CPU_SLOWER``:
+            the RMSNorms, slower; RoPE, level and saving nothing); what was left out, and why, is logged
+            at INFO and returned by ``skipped_pieces``. The choice is made here, at patch time: patch
+            after moving the model to a GPU. ``fastalign.integrations.trl.patch_model`` sets it
+            (patching must not slow TRL down).
 
     Patching again replaces the earlier patch (so options can change); ``unpatch_model`` restores the
     original.
@@ -157,6 +198,13 @@ def patch_model(
     causal_lm = _base_causal_lm(model, head=loss, generic=generic)
     config = causal_lm.config
     tile_budget = _tile_budget(tiled_mlp, tiled_mlp_budget_mib)
+    wanted = {"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "loss": loss}
+    skipped = {}
+    if skip_slower_on_cpu and backend == "auto" and _cpu_only(model):
+        skipped = {piece: why for piece, why in CPU_SLOWER.items() if wanted.get(piece)}
+        rms_norm, rope, mlp, loss = (wanted[piece] and piece not in skipped for piece in wanted)
+        for piece, why in skipped.items():
+            logger.info("fastalign: on CPU the model keeps its own %s: %s", piece, why)
     if generic and config.model_type not in FAMILIES:
         unpatch_model(model)
         pieces = dict(rms_norm=rms_norm, rope=rope, mlp=mlp, loss=loss)
@@ -168,9 +216,11 @@ def patch_model(
             _set_forward(module, function, piece)
         if lora:
             patch_lora_layers(model)
+        causal_lm.__dict__[_SKIPPED] = skipped
         return model
     family = family_of(config.model_type)
     unpatch_model(model)
+    causal_lm.__dict__[_SKIPPED] = skipped
 
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     if mlp and (family.mlp is not None or family.experts) and activation not in GATED_ACTIVATIONS:

@@ -38,6 +38,8 @@ SETUPS = {
     # LoRA on a patched model with gradient checkpointing: the head sees peft's base model and the
     # checkpointed backbone's hidden states
     "lora-patched-checkpointed": {"lora": True, "patch": True, "gradient_checkpointing": True},
+    # docs/trl.md's drop-in: integrations.trl.patch_model (on CPU the RMSNorms and RoPE stay the model's)
+    "patched-for-trl": {"patch": "trl"},
 }
 
 
@@ -94,7 +96,11 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
         else {"max_length": 64}
     )
     model = tiny_model("llama", seed=0)
-    if patch:
+    if patch == "trl":
+        integration.patch_model(model)
+        assert {"rms_norm", "rope"}.isdisjoint(fastalign.patching.patched_pieces(model))
+        assert set(fastalign.patching.skipped_pieces(model)) == {"rms_norm", "rope"}
+    elif patch:
         fastalign.patch_model(model)
     extra = {}
     if lora:

@@ -218,6 +218,46 @@ def test_token_logprobs_without_entropy_backpropagates(backend):
     assert_close_to_reference("grad weight", weight.grad, w64.grad, torch.float32)
 
 
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logprobs", "entropy"])
+def test_rows_without_upstream_gradient_are_not_rebuilt_in_backward(backend, with_entropy, monkeypatch):
+    """TRL's fused head on CPU scores every position and zeroes the masked ones: rows whose upstream
+    gradients are all 0 add nothing, so backward rebuilds the logits of the other rows only, and the
+    gradients are still the reference's."""
+    from fastalign.ops import linear_cross_entropy_chunks as engine
+
+    swept = []
+    row_chunks = engine.loss_row_chunks
+
+    def counting(valid, chunk_size):
+        swept.append(int(valid.sum()))
+        return row_chunks(valid, chunk_size)
+
+    monkeypatch.setattr(engine, "loss_row_chunks", counting)
+    hidden, weight, bias, targets = make_inputs(torch.float32, bias=True, ignore_every=0)
+    outputs = token_logprobs(
+        hidden, weight, targets, bias, return_entropy=with_entropy, chunk_size=CHUNK, backend=backend
+    )
+    logprobs, entropy = outputs if with_entropy else (outputs, None)
+    masked = torch.zeros(targets.shape, dtype=torch.bool, device=DEVICE)
+    masked[:, :5] = True  # a prompt's positions
+    masked[1, -3:] = True  # padding
+    up_logprobs = torch.randn(targets.shape, device=DEVICE).masked_fill(masked, 0.0)
+    up_entropy = torch.randn(targets.shape, device=DEVICE).masked_fill(masked, 0.0)
+    loss = (logprobs * up_logprobs).sum() + ((entropy * up_entropy).sum() if with_entropy else 0)
+    loss.backward()
+    assert swept == [targets.numel(), int((~masked).sum())]
+
+    logits, leaves = float64_logits(hidden, weight, bias)
+    log_p = logits.log_softmax(-1)
+    ref = (log_p.gather(-1, targets[..., None]).squeeze(-1) * up_logprobs.double()).sum()
+    if with_entropy:
+        ref = ref + (-(log_p.exp() * log_p).sum(-1) * up_entropy.double()).sum()
+    ref.backward()
+    for name, tensor, leaf in zip(("hidden", "weight", "bias"), (hidden, weight, bias), leaves, strict=True):
+        assert_close_to_reference(f"grad {name}", tensor.grad, leaf.grad, torch.float32)
+    assert not hidden.grad[masked].any()
+
+
 def test_extreme_logits_do_not_overflow(backend):
     """Logits of magnitude ~1e4: the online logsumexp must neither overflow nor lose fp32 accuracy."""
     hidden, weight, _, targets = make_inputs(torch.float32, scale=1e4 / 3)

@@ -192,6 +192,36 @@ def test_patch_twice_options_and_unpatch():
     torch.testing.assert_close(model(**batch).loss, before)
 
 
+def test_skip_slower_on_cpu_leaves_the_measured_losers_the_models_own(caplog):
+    """On a CPU model with backend 'auto', ``skip_slower_on_cpu`` leaves out the pieces of ``CPU_SLOWER``
+    (logged, and returned by ``skipped_pieces`` with the reason); the rest is patched and the loss is the
+    unpatched model's. An explicit backend, or the default, patches everything."""
+    from fastalign.patching import skipped_pieces
+    from fastalign.patching.patch import CPU_SLOWER
+
+    original = tiny_model("llama", seed=0)
+    model = copy.deepcopy(original)
+    with caplog.at_level("INFO", logger="fastalign.patching.patch"):
+        fastalign.patch_model(model, skip_slower_on_cpu=True)
+    everything = {"rms_norm": 5, "mlp": 2, "rope": 2, "loss": 1, "linear": 14}
+    assert skipped_pieces(model) == CPU_SLOWER and set(CPU_SLOWER) == {"rms_norm", "rope"}
+    assert patched_pieces(model) == {k: v for k, v in everything.items() if k not in CPU_SLOWER}
+    for piece, why in CPU_SLOWER.items():
+        assert f"on CPU the model keeps its own {piece}: {why}" in caplog.text
+    ids = torch.randint(3, original.config.vocab_size, (2, 12))
+    torch.testing.assert_close(model(ids, labels=ids).loss, original(ids, labels=ids).loss)
+
+    fastalign.patch_model(model, skip_slower_on_cpu=True, backend="torch")  # asked for: patched
+    assert patched_pieces(model) == everything and skipped_pieces(model) == {}
+    fastalign.patch_model(model)
+    assert patched_pieces(model) == everything and skipped_pieces(model) == {}
+    fastalign.patch_model(model, skip_slower_on_cpu=True, rms_norm=False, rope=False)  # nothing to skip
+    assert skipped_pieces(model) == {}
+    fastalign.patch_model(model, skip_slower_on_cpu=True)
+    unpatch_model(model)
+    assert patched_pieces(model) == {} and skipped_pieces(model) == {}
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("linear", [True, False], ids=["linears-patched", "linears-own"])
 def test_gated_mlp_down_projection_is_glu_linear(linear, autocast, monkeypatch):
