@@ -12,7 +12,7 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: The provider other rows of a run are compared with: the first of these that the run has.
-BASELINES = ("torch-eager", "trl", "fastalign-unpatched")
+BASELINES = ("torch-eager", "trl", "fastalign-unpatched", "generate")
 #: A row's time: the first of these it has (its spread is the same name with ``_spread``).
 TIME_KEYS = ("fwd_bwd_ms", "step_ms")
 #: A row's memory: the first of these it has, with its unit's size in MiB.

@@ -48,6 +48,9 @@ SUITES = (
           "SFT training, fastalign vs TRL's SFTTrainer", quick=("--preset", "cpu", "--smoke")),
     Suite("e2e_real_trl", "e2e", "benchmarks/e2e/bench_real_trl.py",
           "SFT, DPO (full, LoRA), KTO, GRPO on SmolLM2-135M: `fastalign train` vs TRL's trainers"),
+    Suite("e2e_generation", "e2e", "benchmarks/e2e/bench_generation.py",
+          "rollout generation on SmolLM2-135M: the engine vs generate and continuous batching",
+          quick=("--preset", "quick")),
 )  # fmt: skip
 BY_NAME = {suite.name: suite for suite in SUITES}
 
