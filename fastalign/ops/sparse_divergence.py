@@ -31,14 +31,18 @@ from typing import NamedTuple
 
 import torch
 
-from fastalign.ops.chunked_head import GradientInForward, InputGrads, input_grads_needed, loss_row_chunks
+from fastalign.ops.chunked_head import (
+    GradientInForward,
+    InputGrads,
+    input_grads_needed,
+    loss_row_chunks,
+    upcasts_for_fp32_sum,
+)
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 from fastalign.ops.linear_divergence import _fp32_logits
 
 #: TRL's clamp of the top-k mass's log below 0 (``_add_tail_bucket``): the tail stays a real log.
 TAIL_CLAMP = -1e-7
-#: fp32 [C, V] buffers a chunk holds at once: the logits, the softmax and the gradient.
-_CHUNK_BUFFERS = 3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,6 +99,17 @@ def sparse_divergence_rows(
 # The student's fused head.
 
 
+def logit_bytes(dtype: torch.dtype, device: torch.device, with_entropy: bool) -> int:
+    """Bytes a chunk holds at once per element of its [C, V] logits, for the workspace budget
+    (``fastalign.ops.head_workspace``): the fp32 logits, which become exp(z − max), the softmax and the
+    gradient in place (an fp32 head's chunk: 4 bytes, as ``linear_cross_entropy``'s); the gradient's
+    copy in a low-precision head's dtype and its fp32 copy where the weight gradient's sum upcasts
+    (``upcasts_for_fp32_sum``); with the entropy, the x·log x temporary."""
+    size = 4 + (dtype.itemsize if dtype != torch.float32 else 0)
+    size += 4 if upcasts_for_fp32_sum(device, dtype) else 0
+    return size + (4 if with_entropy else 0)
+
+
 class _Sparse(NamedTuple):
     """What no gradient reaches: the support and the teacher's side of it."""
 
@@ -119,10 +134,23 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
     grads = InputGrads(hidden, weight, bias, needs) if upstream is not None and any(needs) else None
     for rows in loss_row_chunks(sparse.valid, spec.chunk_size)[1]:
         hidden_chunk = hidden[rows]
-        logits = _fp32_logits(hidden_chunk, weight, bias).mul_(spec.inv_temperature)
-        lse = torch.logsumexp(logits, dim=-1)
+        # One [C, V] fp32 buffer, turned in place into exp(z − max), the softmax, then the gradient.
+        logits = _fp32_logits(hidden_chunk, weight, bias)
+        if spec.inv_temperature != 1.0:
+            logits.mul_(spec.inv_temperature)
         ids = sparse.support_ids[rows]
-        at_support = (logits.gather(1, ids) - lse[:, None]).detach().requires_grad_(grads is not None)
+        at_ids = logits.gather(1, ids)
+        top = logits.amax(dim=-1, keepdim=True)
+        shifted = logits.sub_(top).exp_()  # exp(z − max), in place
+        total = shifted.sum(dim=-1, keepdim=True)
+        log_total = total.log()
+        if spec.with_entropy:
+            # H = log Σe − Σ e·log e / Σe with e = exp(z − max) (e·log e: z − max is log e)
+            entropy[rows] = (log_total - torch.xlogy(shifted, shifted).sum(-1, keepdim=True) / total).squeeze(
+                1
+            )
+        lse = top + log_total
+        at_support = (at_ids - lse).requires_grad_(grads is not None)
         with torch.enable_grad():
             div = sparse_divergence_rows(
                 at_support,
@@ -134,17 +162,15 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
             if grads is not None:
                 (g_support,) = torch.autograd.grad((div * upstream[rows]).sum(), at_support)
         token_loss[rows] = div.detach()
-        log_probs = logits.sub_(lse[:, None])  # in place: log-softmax at the temperature
-        if spec.with_entropy:
-            entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
-        probs = log_probs.exp_()
         if grads is not None:
             # d(log p_j)/dz = onehot_j − softmax: the gradient w.r.t. the chunk's logits, then /T
-            grad = probs.mul_(-g_support.sum(-1, keepdim=True))
+            grad = shifted.mul_(-g_support.sum(-1, keepdim=True) / total)
             grad.scatter_add_(1, ids, g_support)
-            grad.mul_(spec.inv_temperature)
+            if spec.inv_temperature != 1.0:
+                grad.mul_(spec.inv_temperature)
             grads.add_chunk(rows, grad.to(weight.dtype), hidden_chunk, weight)
-        del logits, log_probs, probs
+            del grad
+        del logits, shifted
     finished = grads.finish(weight, bias) if grads is not None else (None,) * 3
     return token_loss, entropy, finished
 
@@ -214,7 +240,7 @@ def linear_sparse_divergence(
         float(beta),
         1.0 / temperature,
         bool(add_tail),
-        chunk_rows(vocab, 4 * _CHUNK_BUFFERS, budget),
+        chunk_rows(vocab, logit_bytes(weight.dtype, weight.device, bool(return_entropy)), budget),
         bool(return_entropy),
     )
     sparse = _Sparse(ids, teacher_logprobs.reshape(n, k), mask, valid)
