@@ -99,15 +99,20 @@ def sparse_divergence_rows(
 # The student's fused head.
 
 
-def logit_bytes(dtype: torch.dtype, device: torch.device, with_entropy: bool) -> int:
+#: Rows of the entropy's exp block (its one temporary beyond the chunk's buffer).
+ENTROPY_BLOCK_ROWS = 16
+
+
+def logit_bytes(dtype: torch.dtype, device: torch.device) -> int:
     """Bytes a chunk holds at once per element of its [C, V] logits, for the workspace budget
     (``fastalign.ops.head_workspace``): the fp32 logits, which become exp(z − max), the softmax and the
     gradient in place (an fp32 head's chunk: 4 bytes, as ``linear_cross_entropy``'s); the gradient's
     copy in a low-precision head's dtype and its fp32 copy where the weight gradient's sum upcasts
-    (``upcasts_for_fp32_sum``); with the entropy, the x·log x temporary."""
+    (``upcasts_for_fp32_sum``). Not counted, as the per-token outputs are not: the entropy's fp32 [16, V]
+    exp block (``ENTROPY_BLOCK_ROWS``; 3 MiB at V = 49,152), one tenth of a 160-row CPU chunk."""
     size = 4 + (dtype.itemsize if dtype != torch.float32 else 0)
     size += 4 if upcasts_for_fp32_sum(device, dtype) else 0
-    return size + (4 if with_entropy else 0)
+    return size
 
 
 class _Sparse(NamedTuple):
@@ -141,14 +146,22 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
         ids = sparse.support_ids[rows]
         at_ids = logits.gather(1, ids)
         top = logits.amax(dim=-1, keepdim=True)
-        shifted = logits.sub_(top).exp_()  # exp(z − max), in place
+        shifted = logits.sub_(top)  # x = z − max, in place
+        if spec.with_entropy:
+            # H = log Σe − Σ e·x / Σe, e = exp(x): Σ e·x needs x and e at once, so e is formed a block of
+            # rows at a time (a [16, V] temporary) and copied over x
+            e_dot_x = torch.empty_like(top)
+            for block in range(0, shifted.shape[0], ENTROPY_BLOCK_ROWS):
+                x = shifted[block : block + ENTROPY_BLOCK_ROWS]
+                e = x.exp()
+                e_dot_x[block : block + ENTROPY_BLOCK_ROWS] = torch.bmm(e[:, None], x[:, :, None])[:, 0]
+                x.copy_(e)
+        else:
+            shifted.exp_()  # e = exp(x), in place
         total = shifted.sum(dim=-1, keepdim=True)
         log_total = total.log()
         if spec.with_entropy:
-            # H = log Σe − Σ e·log e / Σe with e = exp(z − max) (e·log e: z − max is log e)
-            entropy[rows] = (log_total - torch.xlogy(shifted, shifted).sum(-1, keepdim=True) / total).squeeze(
-                1
-            )
+            entropy[rows] = (log_total - e_dot_x / total).squeeze(1)
         lse = top + log_total
         at_support = (at_ids - lse).requires_grad_(grads is not None)
         with torch.enable_grad():
@@ -240,7 +253,7 @@ def linear_sparse_divergence(
         float(beta),
         1.0 / temperature,
         bool(add_tail),
-        chunk_rows(vocab, logit_bytes(weight.dtype, weight.device, bool(return_entropy)), budget),
+        chunk_rows(vocab, logit_bytes(weight.dtype, weight.device), budget),
         bool(return_entropy),
     )
     sparse = _Sparse(ids, teacher_logprobs.reshape(n, k), mask, valid)
