@@ -16,8 +16,9 @@ built in fp32, reduced to the log-sum-exp and the logits at the K support ids, t
 its gradient w.r.t. those K + 1 numbers are taken with autograd on the small [C, K] tensors, and the
 gradient w.r.t. the logits, ``g_lse·softmax + scatter(g_support)``, formed in place in the logits' one
 buffer (4 bytes per logit of an fp32 head, as ``linear_cross_entropy``'s chunk: the same chunk size),
-becomes the gradients of the hidden states, weight and bias by two matmuls (gradient in forward, as ``linear_cross_entropy``: the logits are
-built once, 6·N·V·D FLOPs, an SFT step's head). No [N, V] tensor exists.
+becomes the gradients of the hidden states, weight and bias by two matmuls (gradient in forward, as
+``linear_cross_entropy``: the logits are built once, 6·N·V·D FLOPs, an SFT step's head).
+No [N, V] tensor exists.
 
 ``linear_topk_logprobs`` is the teacher's scoring pass: per token, its top-k token ids and log-probs at a
 temperature, the log of the mass outside them and the log-prob of a given token (the completion's),
