@@ -80,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--kl-at", default="", help="also the KL parts after these steps (e.g. 10,20,40)")
     parser.add_argument("--memory", choices=("sft", "offline"), help="only the peak of one step (a child)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -191,14 +192,19 @@ def main() -> None:
         return kl_parts(model)[0]
 
     results = {"initial_full_kl": full_kl(student0)}
+    checkpoints = {int(step) for step in args.kl_at.split(",") if step}
+    by_steps: dict[int, dict[str, tuple[float, float]]] = {}
     for name, loss_fn in (("offline_top32_tail", offline_loss), ("full_logit", full_loss)):
         model = copy.deepcopy(student0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
-        for _ in range(args.steps):
+        for done in range(1, args.steps + 1):
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model).backward()
             optimizer.step()
+            if done in checkpoints and done != args.steps:
+                by_steps.setdefault(done, {})[name] = kl_parts(model)
         results[f"{name}_full_kl"], results[f"{name}_bucket_kl"] = kl_parts(model)
+        by_steps.setdefault(args.steps, {})[name] = (results[f"{name}_full_kl"], results[f"{name}_bucket_kl"])
     results |= {
         "teacher_tail_mass": float(t_tail.exp().mean()),
         "rows": int(mask.shape[0]),
@@ -215,6 +221,8 @@ def main() -> None:
         "scoring_speed_over_plain": plain_s / scoring_s,
         "offline_kl_over_full_logit_kl": results["offline_top32_tail_full_kl"]
         / results["full_logit_full_kl"],
+        # per step count: [full KL, KL over the 33 buckets] of each run (the rest is within the tail)
+        "kl_full_and_buckets_by_steps": {str(step): by_steps[step] for step in sorted(by_steps)},
     }
     print(json.dumps(results, indent=2))
 
