@@ -14,9 +14,11 @@ The student's log-probs at the support need its log-sum-exp over the whole vocab
 walked in chunks of C rows (``fastalign.ops.chunked_head``); for each, the chunk's [C, V] logits are
 built in fp32, reduced to the log-sum-exp and the logits at the K support ids, the sparse divergence and
 its gradient w.r.t. those K + 1 numbers are taken with autograd on the small [C, K] tensors, and the
-gradient w.r.t. the logits, ``g_lse·softmax + scatter(g_support)``, becomes the gradients of the hidden
-states, weight and bias by two matmuls (gradient in forward, as ``linear_cross_entropy``: the logits are
-built once, 6·N·V·D FLOPs, an SFT step's head). No [N, V] tensor exists.
+gradient w.r.t. the logits, ``g_lse·softmax + scatter(g_support)``, formed in place in the logits' one
+buffer (4 bytes per logit of an fp32 head, as ``linear_cross_entropy``'s chunk: the same chunk size),
+becomes the gradients of the hidden states, weight and bias by two matmuls (gradient in forward, as
+``linear_cross_entropy``: the logits are built once, 6·N·V·D FLOPs, an SFT step's head).
+No [N, V] tensor exists.
 
 ``linear_topk_logprobs`` is the teacher's scoring pass: per token, its top-k token ids and log-probs at a
 temperature, the log of the mass outside them and the log-prob of a given token (the completion's),
@@ -31,14 +33,18 @@ from typing import NamedTuple
 
 import torch
 
-from fastalign.ops.chunked_head import GradientInForward, InputGrads, input_grads_needed, loss_row_chunks
+from fastalign.ops.chunked_head import (
+    GradientInForward,
+    InputGrads,
+    input_grads_needed,
+    loss_row_chunks,
+    upcasts_for_fp32_sum,
+)
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 from fastalign.ops.linear_divergence import _fp32_logits
 
 #: TRL's clamp of the top-k mass's log below 0 (``_add_tail_bucket``): the tail stays a real log.
 TAIL_CLAMP = -1e-7
-#: fp32 [C, V] buffers a chunk holds at once: the logits, the softmax and the gradient.
-_CHUNK_BUFFERS = 3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,6 +101,22 @@ def sparse_divergence_rows(
 # The student's fused head.
 
 
+#: Rows of the entropy's exp block (its one temporary beyond the chunk's buffer).
+ENTROPY_BLOCK_ROWS = 16
+
+
+def logit_bytes(dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes a chunk holds at once per element of its [C, V] logits, for the workspace budget
+    (``fastalign.ops.head_workspace``): the fp32 logits, which become exp(z − max), the softmax and the
+    gradient in place (an fp32 head's chunk: 4 bytes, as ``linear_cross_entropy``'s); the gradient's
+    copy in a low-precision head's dtype and its fp32 copy where the weight gradient's sum upcasts
+    (``upcasts_for_fp32_sum``). Not counted, as the per-token outputs are not: the entropy's fp32 [16, V]
+    exp block (``ENTROPY_BLOCK_ROWS``; 3 MiB at V = 49,152), one tenth of a 160-row CPU chunk."""
+    size = 4 + (dtype.itemsize if dtype != torch.float32 else 0)
+    size += 4 if upcasts_for_fp32_sum(device, dtype) else 0
+    return size
+
+
 class _Sparse(NamedTuple):
     """What no gradient reaches: the support and the teacher's side of it."""
 
@@ -119,10 +141,31 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
     grads = InputGrads(hidden, weight, bias, needs) if upstream is not None and any(needs) else None
     for rows in loss_row_chunks(sparse.valid, spec.chunk_size)[1]:
         hidden_chunk = hidden[rows]
-        logits = _fp32_logits(hidden_chunk, weight, bias).mul_(spec.inv_temperature)
-        lse = torch.logsumexp(logits, dim=-1)
+        # One [C, V] fp32 buffer, turned in place into exp(z − max), the softmax, then the gradient.
+        logits = _fp32_logits(hidden_chunk, weight, bias)
+        if spec.inv_temperature != 1.0:
+            logits.mul_(spec.inv_temperature)
         ids = sparse.support_ids[rows]
-        at_support = (logits.gather(1, ids) - lse[:, None]).detach().requires_grad_(grads is not None)
+        at_ids = logits.gather(1, ids)
+        top = logits.amax(dim=-1, keepdim=True)
+        shifted = logits.sub_(top)  # x = z − max, in place
+        if spec.with_entropy:
+            # H = log Σe − Σ e·x / Σe, e = exp(x): Σ e·x needs x and e at once, so e is formed a block of
+            # rows at a time (a [16, V] temporary) and copied over x
+            e_dot_x = torch.empty_like(top)
+            for block in range(0, shifted.shape[0], ENTROPY_BLOCK_ROWS):
+                x = shifted[block : block + ENTROPY_BLOCK_ROWS]
+                e = x.exp()
+                e_dot_x[block : block + ENTROPY_BLOCK_ROWS] = torch.bmm(e[:, None], x[:, :, None])[:, 0]
+                x.copy_(e)
+        else:
+            shifted.exp_()  # e = exp(x), in place
+        total = shifted.sum(dim=-1, keepdim=True)
+        log_total = total.log()
+        if spec.with_entropy:
+            entropy[rows] = (log_total - e_dot_x / total).squeeze(1)
+        lse = top + log_total
+        at_support = (at_ids - lse).requires_grad_(grads is not None)
         with torch.enable_grad():
             div = sparse_divergence_rows(
                 at_support,
@@ -134,17 +177,15 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
             if grads is not None:
                 (g_support,) = torch.autograd.grad((div * upstream[rows]).sum(), at_support)
         token_loss[rows] = div.detach()
-        log_probs = logits.sub_(lse[:, None])  # in place: log-softmax at the temperature
-        if spec.with_entropy:
-            entropy[rows] = -(log_probs.exp() * log_probs).sum(-1)
-        probs = log_probs.exp_()
         if grads is not None:
             # d(log p_j)/dz = onehot_j − softmax: the gradient w.r.t. the chunk's logits, then /T
-            grad = probs.mul_(-g_support.sum(-1, keepdim=True))
+            grad = shifted.mul_(-g_support.sum(-1, keepdim=True) / total)
             grad.scatter_add_(1, ids, g_support)
-            grad.mul_(spec.inv_temperature)
+            if spec.inv_temperature != 1.0:
+                grad.mul_(spec.inv_temperature)
             grads.add_chunk(rows, grad.to(weight.dtype), hidden_chunk, weight)
-        del logits, log_probs, probs
+            del grad
+        del logits, shifted
     finished = grads.finish(weight, bias) if grads is not None else (None,) * 3
     return token_loss, entropy, finished
 
@@ -214,7 +255,7 @@ def linear_sparse_divergence(
         float(beta),
         1.0 / temperature,
         bool(add_tail),
-        chunk_rows(vocab, 4 * _CHUNK_BUFFERS, budget),
+        chunk_rows(vocab, logit_bytes(weight.dtype, weight.device), budget),
         bool(return_entropy),
     )
     sparse = _Sparse(ids, teacher_logprobs.reshape(n, k), mask, valid)
