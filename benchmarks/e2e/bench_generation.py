@@ -1,7 +1,7 @@
 """Rollout generation: fastalign's engine against ``model.generate`` and transformers' continuous batching.
 
     python benchmarks/e2e/bench_generation.py --preset cpu      # SmolLM2-135M-Instruct, 64 and 256 tokens
-    python benchmarks/e2e/bench_generation.py --preset gpu-1b   # Llama-3.2-1B shape, random weights, bf16
+    python benchmarks/e2e/bench_generation.py --preset gpu      # Llama-3.2-1B shape, random weights, bf16
     python benchmarks/e2e/bench_generation.py --preset quick    # a tiny random model: it works
 
 What GRPO's rollout asks for: ``prompts`` chat prompts (questions about the Python documentation's
@@ -44,7 +44,7 @@ PROVIDERS = ("generate", "fastalign", "continuous")
 PRESETS = {
     "cpu": {"model": "smollm2", "prompts": 4, "group": 8, "lengths": [64, 256], "repeats": 2,
             "dtype": "float32", "continuous_lengths": [64]},
-    "gpu-1b": {"model": "llama-3.2-1b", "prompts": 8, "group": 8, "lengths": [128], "repeats": 1,
+    "gpu": {"model": "llama-3.2-1b", "prompts": 8, "group": 8, "lengths": [128], "repeats": 1,
                "dtype": "bfloat16"},
     "quick": {"model": "tiny-llama", "prompts": 2, "group": 2, "lengths": [8], "repeats": 1,
               "dtype": "float32"},
@@ -128,6 +128,10 @@ def sample(provider: str, model, ids, mask, group: int, options: dict) -> list[l
     return [list(output.generated_tokens) for output in outputs.values()]
 
 
+def _shape(preset: dict, length: int) -> str:
+    return f"{preset['model']}, {preset['prompts']} prompts × {preset['group']}, ≤ {length} tokens"
+
+
 def _continuous_runs(preset: dict, length: int, repeat: int) -> bool:
     """Whether continuous batching runs at this length and repeat: on a CPU (``continuous_lengths``) one
     timed call at the shortest length, without a warm-up (a call takes over ten minutes there)."""
@@ -177,8 +181,8 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                     continue
                 seconds, tokens = statistics.median(got["seconds"]), statistics.median(got["tokens"])
                 row = {
-                    "provider": provider, "max_new_tokens": length, "prompts": preset["prompts"],
-                    "group": preset["group"], "seconds": round(seconds, 3),
+                    "provider": provider, "shape": _shape(preset, length), "max_new_tokens": length,
+                    "prompts": preset["prompts"], "group": preset["group"], "seconds": round(seconds, 3),
                     "cpu_seconds": round(statistics.median(got["cpu"]), 3),
                     "completion_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                 }  # fmt: skip

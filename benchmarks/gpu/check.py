@@ -281,7 +281,7 @@ def phase_generation_1b(ctx: Context, cap: float) -> dict:
     args = [
         "benchmarks/e2e/bench_generation.py",
         "--preset",
-        "quick" if ctx.smoke else "gpu-1b",
+        "quick" if ctx.smoke else "gpu",
         "--out",
         str(ctx.out),
     ]
