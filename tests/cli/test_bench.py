@@ -64,6 +64,7 @@ def test_selection(capsys):
         "e2e_ppo_step",
         "e2e_sft",
         "e2e_real_trl",
+        "e2e_generation",
     ]
     assert main(["bench", "kernels", "--only", "e2e_sft"]) == 2
     assert "no kernels benchmark named e2e_sft" in capsys.readouterr().err
