@@ -139,7 +139,10 @@ def generate_completions(
     kwargs = options.generate_kwargs(tokenizer)
     refusal = engine_refusal(model, kwargs) if options.engine == "fastalign" else None
     if refusal is not None:
-        _say_once(f"fastalign: sampling with model.generate: the rollout engine cannot run here ({refusal})")
+        _say_once(
+            f"fastalign: sampling with model.generate, as the rollout engine cannot run here ({refusal}); "
+            "generation_engine: generate says so and silences this"
+        )
     was_training = model.training
     model.eval()
     try:
