@@ -276,19 +276,13 @@ def phase_loss_heads(ctx: Context, cap: float) -> dict:
     return {"files": files, "skipped": skipped}
 
 
-def phase_generation_1b(ctx: Context, cap: float) -> dict:
-    before = set(ctx.out.glob("e2e_generation-*.json"))
-    args = [
-        "benchmarks/e2e/bench_generation.py",
-        "--preset",
-        "quick" if ctx.smoke else "gpu",
-        "--out",
-        str(ctx.out),
-    ]
+def _script_phase(ctx: Context, cap: float, script: str, kernel: str, preset: str, smoke_preset: str) -> dict:
+    """Run one benchmark script under the phase's cap: the result files it wrote, and why it stopped
+    early if it did."""
+    before = set(ctx.out.glob(f"{kernel}-*.json"))
+    args = [script, "--preset", smoke_preset if ctx.smoke else preset, "--out", str(ctx.out)]
     status, tail = _python(args, cap)
-    result: dict = {
-        "files": sorted(path.name for path in set(ctx.out.glob("e2e_generation-*.json")) - before)
-    }
+    result: dict = {"files": sorted(path.name for path in set(ctx.out.glob(f"{kernel}-*.json")) - before)}
     if status != 0:
         result["skipped"] = {
             "rest": "stopped at the phase's time cap"
@@ -296,29 +290,18 @@ def phase_generation_1b(ctx: Context, cap: float) -> dict:
             else tail.strip().splitlines()[-1][:300]
         }
     return result
+
+
+def phase_generation_1b(ctx: Context, cap: float) -> dict:
+    return _script_phase(ctx, cap, "benchmarks/e2e/bench_generation.py", "e2e_generation", "gpu", "quick")
 
 
 def phase_trl_1b(ctx: Context, cap: float) -> dict:
     if not _installed("trl"):
         return {"skipped": {"all": "trl not installed"}}
-    before = set(ctx.out.glob("e2e_real_trl-*.json"))
-    args = [
-        "benchmarks/e2e/bench_real_trl.py",
-        "--preset",
-        "smoke-random" if ctx.smoke else "gpu-1b",
-        "--out",
-        str(ctx.out),
-    ]
-    status, tail = _python(args, cap)
-    files = sorted(path.name for path in set(ctx.out.glob("e2e_real_trl-*.json")) - before)
-    result: dict = {"files": files}
-    if status != 0:
-        result["skipped"] = {
-            "rest": "stopped at the phase's time cap"
-            if status == "timeout"
-            else tail.strip().splitlines()[-1][:300]
-        }
-    return result
+    return _script_phase(
+        ctx, cap, "benchmarks/e2e/bench_real_trl.py", "e2e_real_trl", "gpu-1b", "smoke-random"
+    )
 
 
 PHASES = (
