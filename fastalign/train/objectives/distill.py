@@ -461,9 +461,7 @@ class DistillObjective(Objective):
                 return_entropy=True,
             )
 
-        loss, entropy = model(**inputs, head_fn=head).head_output
-        count = num_items_in_batch.to(loss.device)
-        return loss / count, {"entropy": entropy.sum() / count}
+        return _divergence_loss(model, inputs, head, num_items_in_batch)
 
     def _offline_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
         """TRL's server-distillation loss on the stored top-k: β 0 over the teacher's top-k ids, β > 0
@@ -500,9 +498,7 @@ class DistillObjective(Objective):
                 return_entropy=True,
             )
 
-        loss, entropy = model(**inputs, head_fn=head).head_output
-        count = num_items_in_batch.to(loss.device)
-        return loss / count, {"entropy": entropy.sum() / count}
+        return _divergence_loss(model, inputs, head, num_items_in_batch)
 
     def _teacher_head(self, width: int):
         """The teacher's ``head_fn``: the final hidden states of the positions that predict the
@@ -546,3 +542,11 @@ def open_teacher_logprobs(options: DistillOptions, tokenizer, k: int) -> Teacher
             f"({manifest.temperature})"
         )
     return stored
+
+
+def _divergence_loss(model, inputs: dict, head, num_items_in_batch: torch.Tensor):
+    """The student's forward with the divergence ``head`` inside it: the loss summed over the completion
+    tokens over the step's count of them, and the student's mean entropy (TRL's metric)."""
+    loss, entropy = model(**inputs, head_fn=head).head_output
+    count = num_items_in_batch.to(loss.device)
+    return loss / count, {"entropy": entropy.sum() / count}
