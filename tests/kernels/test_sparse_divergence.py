@@ -45,6 +45,16 @@ def grads_of(loss, tensors):
     return torch.autograd.grad(loss, tensors)
 
 
+def assert_equals_trls(ours, theirs, k: int, add_tail: bool, tensors) -> None:
+    """Loss and gradients of ``tensors`` equal TRL's; the loss is 0 exactly when k is 1 without the tail
+    (one renormalised entry: why TRL adds the tail), positive otherwise."""
+    trivial = k == 1 and not add_tail
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-7)
+    assert (float(theirs.detach()) == 0) if trivial else (float(theirs.detach()) > 0)
+    for mine, ref in zip(grads_of(ours, tensors), grads_of(theirs, tensors), strict=True):
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-6)
+
+
 def student_log_probs(hidden, weight, bias, temperature):
     logits = hidden @ weight.t() + (bias if bias is not None else 0)
     return torch.log_softmax(logits / temperature, dim=-1)
@@ -81,12 +91,7 @@ def test_forward_kl_equals_trls_server_path(k, add_tail):
         reduction="mean",
         workspace_bytes=8 * V * 4,  # chunks of 8 rows: several
     )
-    trivial = k == 1 and not add_tail  # one renormalised entry: 0 (why TRL adds the tail)
-    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-7)
-    assert (float(theirs.detach()) == 0) if trivial else (float(theirs.detach()) > 0)
-    tensors = leaves(hidden, weight, bias)
-    for mine, ref in zip(grads_of(ours, tensors), grads_of(theirs, tensors), strict=True):
-        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-6)
+    assert_equals_trls(ours, theirs, k, add_tail, leaves(hidden, weight, bias))
 
 
 @pytest.mark.parametrize("beta", [0.5, 1.0])
@@ -167,12 +172,7 @@ def test_jsd_on_top_k_equals_trls_functions(k, add_tail):
         temperature=temperature,
         add_tail=add_tail,
     )
-    trivial = k == 1 and not add_tail
-    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-7)
-    assert (float(theirs.detach()) == 0) if trivial else (float(theirs.detach()) > 0)
-    tensors = leaves(hidden, weight, bias)
-    for mine, ref in zip(grads_of(ours, tensors), grads_of(theirs, tensors), strict=True):
-        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-6)
+    assert_equals_trls(ours, theirs, k, add_tail, leaves(hidden, weight, bias))
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5])
