@@ -191,7 +191,7 @@ def sample_groups(
     for layer in cache.layers:
         if isinstance(layer, _ReservedLayer):
             layer.reserve(config.max_new_tokens)
-    ids = prompt_ids.repeat_interleave(group, 0)
+    prompts = ids = prompt_ids.repeat_interleave(group, 0)  # ids grows (and loses ended rows); prompts stays
     mask = prompt_mask.repeat_interleave(group, 0)
     total = ids.shape[0]
     rows = torch.arange(total, device=device)  # each batch row's index among all rows
@@ -229,7 +229,6 @@ def sample_groups(
             logits_to_keep=1,
         )
         logits = output.logits[:, -1].float()
-    prompts = prompt_ids.repeat_interleave(group, 0)
     return torch.cat([prompts, completions[:, :steps]], dim=1)
 
 
