@@ -14,6 +14,7 @@ import os
 import platform
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -141,6 +142,28 @@ def git_commit() -> str:
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def error_line(output: str, default: str) -> str:
+    """The line of a failed child process's output that says why, for a row or a report: its last line
+    naming an exception type before any colon (a traceback ends with ``SomeError: message``; warnings
+    and log lines do not), else its last non-blank line, else ``default``; at most 300 characters."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":")[0]]
+    return (errors or lines or [default])[-1][:300]
+
+
+def run_worker(script: str, spec: dict, timeout: float, cwd: Path | None = None) -> dict:
+    """Run ``python script --worker <spec as JSON>`` in a fresh process (its peak memory is its own) and
+    return the JSON the worker wrote to ``spec["result"]``; a failed worker raises ``RuntimeError`` with
+    its ``error_line``."""
+    proc = subprocess.run(
+        [sys.executable, script, "--worker", json.dumps(spec)], capture_output=True, text=True,
+        timeout=timeout, cwd=cwd,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(error_line(proc.stderr, "the worker failed"))
+    return json.loads(Path(spec["result"]).read_text())
 
 
 def _host_memory_gib() -> float | None:

@@ -357,20 +357,9 @@ def worker(spec: dict) -> None:
 # The parent process
 
 
-def _in_subprocess(spec: dict, timeout: float) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-        timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line.split(":")[0]]
-        raise RuntimeError((errors or lines or ["the worker failed"])[-1][:300])
-    return json.loads(Path(spec["result"]).read_text())
-
-
 def measure(spec: dict, attempts: int, timeout: float) -> dict:
     """The least disturbed of up to ``attempts`` runs (each after waiting for a quiet machine)."""
+    from benchmarks import common
     from benchmarks.e2e.bench_sft_trl import CONTENDED, wait_for_quiet_machine
 
     best, attempt = None, 0
@@ -378,7 +367,7 @@ def measure(spec: dict, attempts: int, timeout: float) -> dict:
         attempt += 1
         if attempts > 1:
             wait_for_quiet_machine()
-        run = _in_subprocess(spec, timeout)
+        run = common.run_worker(__file__, spec, timeout, cwd=ROOT)
         if best is None or (run["other_cpu_load"] or 0.0) < (best["other_cpu_load"] or 0.0):
             best = run
         if (best["other_cpu_load"] or 0.0) <= CONTENDED:

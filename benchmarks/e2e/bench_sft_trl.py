@@ -411,18 +411,6 @@ def worker(spec: dict) -> None:
 # The parent process
 
 
-def _in_subprocess(spec: dict, timeout: float) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line.split(":")[0]]
-        raise RuntimeError((errors or lines or ["the worker failed"])[-1][:300])
-    return json.loads(Path(spec["result"]).read_text())
-
-
 def measure_provider(spec: dict, device: torch.device, timeout: float, attempts: int) -> dict:
     """The provider's figures from fresh processes: timed, and on CPU the workspace from another one.
 
@@ -432,7 +420,7 @@ def measure_provider(spec: dict, device: torch.device, timeout: float, attempts:
     while runs < attempts:
         if device.type == "cpu" and attempts > 1:
             wait_for_quiet_machine()
-        run = _in_subprocess(spec | {"part": "time"}, timeout)
+        run = common.run_worker(__file__, spec | {"part": "time"}, timeout)
         runs += 1
         if row is None or (run["other_cpu_load"] or 0.0) < (row["other_cpu_load"] or 0.0):
             row = run
@@ -440,7 +428,7 @@ def measure_provider(spec: dict, device: torch.device, timeout: float, attempts:
             break
     row["timed_runs"] = runs
     if device.type == "cpu":
-        memory = _in_subprocess(spec | {"part": "memory", "steps": spec["warmup"] + 2}, timeout)
+        memory = common.run_worker(__file__, spec | {"part": "memory", "steps": spec["warmup"] + 2}, timeout)
         row["peak_extra_mib"] = memory["peak_extra_mib"]
     return row
 

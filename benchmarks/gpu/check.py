@@ -159,8 +159,7 @@ def _lora_worker(ctx: Context, spec: dict, deadline: float) -> tuple[list[dict],
         return rows, killed[0]
     if status == "timeout":
         return rows, "stopped at the phase's time cap"
-    errors = [line for line in tail.splitlines() if "Error" in line.split(":")[0]]
-    return rows, (errors or tail.strip().splitlines() or [f"exit status {status}"])[-1][:300]
+    return rows, common.error_line(tail, f"exit status {status}")
 
 
 def _smoke_settings(settings: list[dict]) -> list[dict]:
