@@ -31,6 +31,18 @@ class BandwidthBenchmark:
     requires: dict[str, str] = field(default_factory=dict)  # CUDA-only provider → module it needs, or 'cuda'
 
 
+def matrix_passes(forward: int, backward: int) -> Callable[[tuple, torch.dtype], tuple[int, int]]:
+    """``bytes_moved`` of an op whose size is (tokens, width) and whose every tensor worth counting is
+    [tokens, width]: ``forward`` such tensors read or written by the forward, ``backward`` by the
+    backward (each op's docstring names them)."""
+
+    def bytes_moved(size: tuple, dtype: torch.dtype) -> tuple[int, int]:
+        one = size[0] * size[1] * dtype.itemsize
+        return forward * one, backward * one
+
+    return bytes_moved
+
+
 def _unavailable(bench: BandwidthBenchmark, name: str, device: torch.device) -> str:
     """Why a provider cannot run here ('' when it can). Every required provider is CUDA-only."""
     need = bench.requires.get(name)

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels.bandwidth_suite import BandwidthBenchmark, run
+from benchmarks.kernels.bandwidth_suite import BandwidthBenchmark, matrix_passes, run
 from fastalign.ops import rms_norm
 from fastalign.ops.rms_norm import rms_norm_reference
 
@@ -41,10 +41,7 @@ BENCH = BandwidthBenchmark(
         "quick": [(256, 512)],
     },
     make_inputs=make_inputs,
-    bytes_moved=lambda size, dtype: (
-        2 * size[0] * size[1] * dtype.itemsize,
-        3 * size[0] * size[1] * dtype.itemsize,
-    ),
+    bytes_moved=matrix_passes(2, 3),
     describe=lambda size: f"tokens={size[0]} hidden={size[1]}",
     providers={
         "fastalign-triton": lambda x, w: rms_norm(x, w, EPS, backend="triton"),

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels.bandwidth_suite import BandwidthBenchmark, run
+from benchmarks.kernels.bandwidth_suite import BandwidthBenchmark, matrix_passes, run
 from fastalign.ops import swiglu
 from fastalign.ops.swiglu import glu_reference
 
@@ -39,10 +39,7 @@ BENCH = BandwidthBenchmark(
         "quick": [(256, 1024)],
     },
     make_inputs=make_inputs,
-    bytes_moved=lambda size, dtype: (
-        3 * size[0] * size[1] * dtype.itemsize,
-        5 * size[0] * size[1] * dtype.itemsize,
-    ),
+    bytes_moved=matrix_passes(3, 5),
     describe=lambda size: f"tokens={size[0]} intermediate={size[1]}",
     providers={
         "fastalign-triton": lambda gate, up: swiglu(gate, up, backend="triton"),
