@@ -162,10 +162,10 @@ def test_matches_trl_formulas_fp32(backend, loss_type, level, beta, with_old):
     assert out.per_token_logps.shape == (B, T) and not out.per_token_logps.requires_grad
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_matches_trl_formulas_bf16(backend, loss_type):
-    hidden, weight, ids, mask, advantages, old, ref = make_batch(torch.bfloat16, seed=1)
-    options = dict(loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28)
+def assert_matches_trl_formulas_bf16(backend, seed: int, options: dict) -> None:
+    """A bf16 batch at token level: ``GRPOLoss(**options)``'s loss and gradients are TRL's formulas' within
+    bf16's tolerance."""
+    hidden, weight, ids, mask, advantages, old, ref = make_batch(torch.bfloat16, seed=seed)
     loss_fn = GRPOLoss(**options, temperature=TEMPERATURE, backend=backend)
     out = loss_fn(hidden, weight, ids, mask, advantages, old_per_token_logps=old, ref_per_token_logps=ref)
     out.loss.backward()
@@ -175,6 +175,12 @@ def test_matches_trl_formulas_bf16(backend, loss_type):
     assert_close_to_reference("loss", out.loss.detach(), ref_loss.detach(), torch.bfloat16)
     assert_close_to_reference("grad hidden", hidden.grad, ref_h, torch.bfloat16)
     assert_close_to_reference("grad weight", weight.grad, ref_w, torch.bfloat16)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_matches_trl_formulas_bf16(backend, loss_type):
+    options = dict(loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28)
+    assert_matches_trl_formulas_bf16(backend, 1, options)
 
 
 def test_delta_two_sided_clip(backend):
@@ -296,17 +302,8 @@ def test_entropy_mask_matches_trl_formulas_fp32(backend, loss_type, level, beta,
 
 
 def test_entropy_mask_matches_trl_formulas_bf16(backend):
-    hidden, weight, ids, mask, advantages, old, ref = make_batch(torch.bfloat16, seed=4)
     options = dict(loss_type="dapo", beta=0.04, epsilon=0.2, epsilon_high=0.28, top_entropy_quantile=0.2)
-    loss_fn = GRPOLoss(**options, temperature=TEMPERATURE, backend=backend)
-    out = loss_fn(hidden, weight, ids, mask, advantages, old_per_token_logps=old, ref_per_token_logps=ref)
-    out.loss.backward()
-    ref_loss, _, ref_h, ref_w = trl_reference(
-        hidden, weight, ids, mask, advantages, old, ref, level="token", **options
-    )
-    assert_close_to_reference("loss", out.loss.detach(), ref_loss.detach(), torch.bfloat16)
-    assert_close_to_reference("grad hidden", hidden.grad, ref_h, torch.bfloat16)
-    assert_close_to_reference("grad weight", weight.grad, ref_w, torch.bfloat16)
+    assert_matches_trl_formulas_bf16(backend, 4, options)
 
 
 def test_entropy_mask_with_no_kept_token_is_zero_without_nan(backend):
