@@ -428,7 +428,13 @@ def measure_provider(spec: dict, device: torch.device, timeout: float, attempts:
             break
     row["timed_runs"] = runs
     if device.type == "cpu":
-        memory = common.run_worker(__file__, spec | {"part": "memory", "steps": spec["warmup"] + 2}, timeout)
+        # its own output_dir: fastalign refuses to train into the timed run's (not empty)
+        memory_spec = spec | {
+            "part": "memory",
+            "steps": spec["warmup"] + 2,
+            "output_dir": f"{spec['output_dir']}-memory",
+        }
+        memory = common.run_worker(__file__, memory_spec, timeout)
         row["peak_extra_mib"] = memory["peak_extra_mib"]
     return row
 

@@ -161,8 +161,8 @@ def prepare(
     """Validate everything (the caller's ``checks`` of tensor values too, in the call's one host sync);
     return hidden [N, D], targets [N] and the call's ``ChunkSpec``.
 
-    The options every public op shares come positionally, in one order, so that each op states its call
-    in one line."""
+    The options every public op shares come positionally, in one order: each op passes them on as its
+    signature lists them."""
     checks = validation.DeferredChecks() if checks is None else checks
     flat_hidden, flat_targets = _validate(hidden, weight, targets, bias, ignore_index, checks)
     temperature = validation.positive_finite("temperature", temperature)
