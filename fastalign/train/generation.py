@@ -27,8 +27,8 @@ every supported version (``tests/train/test_generation.py`` runs in the lowest-v
 
 Under FSDP2 (``synced``) a rank whose rows have all ended keeps stepping one row until every rank's have:
 the sharded layers' all-gathers are collective. A model or an option the engine cannot run (an
-encoder-decoder, beam search, a streamer, stop strings, ...) is sampled by ``generate``, said once in
-one log line (``engine_refusal``).
+encoder-decoder, beam search, a streamer, stop strings, a cache with linear-attention or conv states,
+...) is sampled by ``generate``, said once in one log line (``engine_refusal``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+try:  # transformers >= 5.23: the layers of a model's layers without attention
+    from transformers.cache_utils import DummyLayer
+except ImportError:
+    DummyLayer = None
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,10 @@ _INERT_OPTIONS = frozenset(
         "disable_compile", "low_memory", "length_penalty", "early_stopping", "num_beam_groups",
     }
 )  # fmt: skip
+#: Cache layers whose state is all keys and values along the batch (``batch_repeat_interleave`` and
+#: ``batch_select_indices`` repeat and select all of it). A linear-attention layer's conv and recurrent
+#: states, or a hybrid layer's, are not; such a model samples with ``generate``.
+_BATCHED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer) + ((DummyLayer,) if DummyLayer else ())
 #: Rows that have ended, as a share of the batch, above which the batch is compacted (each compaction
 #: copies the KV cache of the rows that remain; each decode step runs every row in the batch).
 COMPACT_SHARE = 1 / 8
@@ -81,6 +90,21 @@ def merged_generation_config(model: torch.nn.Module, kwargs: dict[str, Any]):
     config = copy.deepcopy(model.generation_config)
     unused = config.update(**kwargs)
     return config, unused
+
+
+def reads_prompt_padding(model: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether a logits processor of these options sees the prompts' left padding (an absolute
+    ``min_length``, which counts it; a repetition penalty, n-gram or bad-word rule over the prompt's ids,
+    pad ids included): then prompts padded to another width sample otherwise, and the rollout samples
+    each width of micro-batch in a call of its own."""
+    config, _ = merged_generation_config(model, kwargs)
+    return bool(
+        (config.min_length and config.min_new_tokens is None)
+        or config.repetition_penalty not in (None, 1.0)
+        or config.no_repeat_ngram_size
+        or config.bad_words_ids
+        or config.sequence_bias
+    )
 
 
 def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None:
@@ -96,6 +120,13 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None
         return f"num_beams is {config.num_beams} (beam search)"
     if config.use_cache is False:
         return "use_cache is false"
+    if config.max_new_tokens is None:
+        return "max_new_tokens is not set"
+    if hasattr(model, "_supports_default_dynamic_cache") and not model._supports_default_dynamic_cache():
+        return f"{type(model).__name__} does not use transformers' DynamicCache"
+    for layer in DynamicCache(config=model.config).layers:
+        if type(layer) not in _BATCHED_LAYERS:  # e.g. linear attention: conv and recurrent states
+            return f"its cache has {type(layer).__name__} layers, which the engine cannot repeat"
     default = type(config)()
     known = _DECODING_OPTIONS | _PROCESSOR_OPTIONS | _INERT_OPTIONS
     for name, value in config.to_dict().items():
@@ -139,7 +170,8 @@ class _ReservedLayer(DynamicLayer):
 
 def _decode_cache(model: torch.nn.Module) -> DynamicCache:
     """The model's ``DynamicCache`` with each plain full-attention layer a ``_ReservedLayer`` (sliding
-    window and linear-attention layers are bounded, and kept as transformers makes them)."""
+    window layers are bounded, and kept as transformers makes them; ``engine_refusal`` has ruled out any
+    other kind)."""
     cache = DynamicCache(config=model.config)
     cache.layers = [_ReservedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # layers made on first use
@@ -170,6 +202,10 @@ def sample_groups(
     pad = config.pad_token_id if config.pad_token_id is not None else int(eos[0])
     config._eos_token_tensor = eos  # what generate's _prepare_special_tokens sets; processors read it
     width = prompt_ids.shape[1]
+    # generate's _prepare_generated_length: lengths count the (padded) prompt; processors read them
+    config.max_length = width + config.max_new_tokens
+    if config.min_new_tokens is not None:
+        config.min_length = width + config.min_new_tokens
 
     def processors(mask: torch.Tensor):
         return model._get_logits_processor(
@@ -253,9 +289,11 @@ def _uniforms(total: int, group: int, generators: list | None, device: torch.dev
 
 def _draw(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row from softmax(``scores``), by inverse CDF: the first token whose cumulated
-    probability exceeds the row's ``uniform`` number (a token of probability 0 never is: its cumulated
-    value equals its predecessor's)."""
-    cumulated = torch.softmax(scores, dim=-1).cumsum(-1)
+    probability exceeds the row's ``uniform`` number. A token of probability 0 (cut by top-k, top-p, a
+    bad word) never is: its cumulated value is set to its predecessor's, since a GPU's parallel scan may
+    otherwise give it an interval an ulp wide (and the running maximum keeps the values sorted)."""
+    probabilities = torch.softmax(scores, dim=-1)
+    cumulated = probabilities.cumsum(-1).masked_fill_(probabilities == 0, 0).cummax(-1).values
     target = uniform[:, None].to(cumulated.dtype) * cumulated[:, -1:]
     return torch.searchsorted(cumulated, target, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import combine_rewards
 from fastalign.train.distributed import DistributedContext
-from fastalign.train.generation import engine_refusal, sample_groups
+from fastalign.train.generation import engine_refusal, reads_prompt_padding, sample_groups
 from fastalign.train.rewards import RewardFunction, compute_rewards, reward_metrics
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,25 @@ def _generate(model, prompts: dict, options: SamplingOptions, kwargs: dict, toke
 
 def _engine_completions(model, prompts: list[dict], options, kwargs, tokenizer, ctx, seeds) -> list:
     """Every micro-batch's completions from one call of the engine: the prompts left-padded to a common
-    width, each prompt seeded by its micro-batch's seed and its place in it (or the random state)."""
+    width, each prompt seeded by its micro-batch's seed and its place in it (or the random state). Where
+    a logits processor sees the padding (``reads_prompt_padding``), one call per width of micro-batch
+    instead, so that each samples as it would alone."""
+    if len(prompts) > 1 and reads_prompt_padding(model, kwargs):
+        widths = [batch["input_ids"].shape[1] for batch in prompts]
+        done: dict[int, Completions] = {}
+        for width in dict.fromkeys(widths):
+            same = [index for index, w in enumerate(widths) if w == width]
+            got = _engine_call(
+                model, [prompts[i] for i in same], options, kwargs, tokenizer, ctx,
+                None if seeds is None else [seeds[i] for i in same],
+            )  # fmt: skip
+            done.update(zip(same, got, strict=True))
+        return [done[index] for index in range(len(prompts))]
+    return _engine_call(model, prompts, options, kwargs, tokenizer, ctx, seeds)
+
+
+def _engine_call(model, prompts: list[dict], options, kwargs, tokenizer, ctx, seeds) -> list:
+    """``_engine_completions`` of micro-batches sampled in one call."""
     width = max(batch["input_ids"].shape[1] for batch in prompts)
     ids = torch.cat([_left_pad(batch["input_ids"], width, tokenizer.pad_token_id) for batch in prompts])
     mask = torch.cat([_left_pad(batch["attention_mask"], width, 0) for batch in prompts])

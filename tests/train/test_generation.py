@@ -105,6 +105,54 @@ def test_generates_logits_processors_apply(monkeypatch):
         )
 
 
+def test_lengths_count_the_prompt_as_generates_do():
+    """``forced_eos_token_id`` (at max_length − 1) and ``min_new_tokens`` read the lengths generate sets
+    from the prompt's width and max/min_new_tokens."""
+    model = tiny_model("llama", seed=2).eval()
+    ids, mask = left_padded([4, 7], seed=11)
+    eos = an_eos_that_ends_some_rows(model, ids, mask, steps=6)
+    options = dict(
+        do_sample=False, max_new_tokens=6, min_new_tokens=2, forced_eos_token_id=eos, eos_token_id=eos,
+        pad_token_id=PAD,
+    )  # fmt: skip
+    with torch.no_grad():
+        ours, expected = sample_groups(model, ids, mask, 2, options), generate(model, ids, mask, 2, **options)
+    assert torch.equal(ours, expected)
+    assert (ours[:, ids.shape[1] :] == eos).any(-1).all()  # the forced EOS ended every row
+
+
+def test_draws_never_take_a_token_of_probability_zero(monkeypatch):
+    """A GPU's parallel scan may give a token cut by top-k a cumulated value an ulp above its
+    predecessor's; a draw on that boundary must still not take it (simulated here on the CPU)."""
+    scores = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf"), 0.0]]).repeat(3, 1)
+    cumsum = torch.Tensor.cumsum
+
+    def scan_with_ulps(self, dim):  # each step's sum an ulp larger, as a reassociated scan may give
+        out = cumsum(self, dim)
+        return out + torch.arange(out.shape[-1]) * torch.finfo(out.dtype).eps
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", scan_with_ulps)
+    third = torch.tensor(1 / 3)
+    boundaries = torch.stack([third, torch.nextafter(third, torch.tensor(1.0)), 2 * third])
+    drawn = generation._draw(scores, boundaries)
+    assert bool((scores.gather(1, drawn[:, None]) == 0).all()), drawn
+
+
+def test_a_cache_the_engine_cannot_repeat_is_sampled_by_generate():
+    """Linear attention keeps conv and recurrent states that ``batch_repeat_interleave`` does not repeat:
+    such a model (LFM2's conv layers here) is refused, and the rollout samples it with generate."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "lfm2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, layer_types=["conv", "full_attention"], pad_token_id=PAD,
+        eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    refusal = engine_refusal(model, {"do_sample": False, "max_new_tokens": 3})
+    assert refusal is not None and "cannot repeat" in refusal
+
+
 def test_lora_and_patched_models_decode_as_generate():
     from peft import LoraConfig, get_peft_model
 
@@ -209,11 +257,29 @@ def test_generation_batches_sample_as_each_micro_batch_alone():
         assert torch.equal(together[index].truncated, alone.truncated)
 
 
+def test_micro_batches_whose_padding_a_processor_reads_sample_as_alone():
+    """An absolute ``min_length`` counts the prompt's padding: micro-batches of other widths are sampled
+    in calls of their own, so each equals its call alone."""
+    model = tiny_model("llama", seed=6).eval()
+    first, second = left_padded([3, 2], seed=12), left_padded([9, 8], seed=13)
+    batches = [{"input_ids": ids, "attention_mask": mask} for ids, mask in (first, second)]
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
+    eos = an_eos_that_ends_some_rows(model, *first, steps=8)
+    tokenizer.eos_token_id = eos
+    options = SamplingOptions(2, 8, top_k=1, generation_kwargs={"min_length": 6})
+    assert generation.reads_prompt_padding(model, options.generate_kwargs(tokenizer))
+    together = generate_completions(model, batches, options, tokenizer, CPU, seeds=[3, 4])
+    for index, batch in enumerate(batches):
+        (alone,) = generate_completions(model, [batch], options, tokenizer, CPU, seeds=[[3, 4][index]])
+        assert torch.equal(together[index].completion_ids, alone.completion_ids)
+
+
 def test_what_the_engine_cannot_run_is_named():
     model = tiny_model("llama")
     assert "num_beams" in engine_refusal(model, {"num_beams": 2, "max_new_tokens": 2})
     assert "'no_such_option'" in engine_refusal(model, {"no_such_option": 1})
     assert "'stop_strings'" in engine_refusal(model, {"stop_strings": ["."], "max_new_tokens": 2})
+    assert "max_new_tokens" in engine_refusal(model, {"do_sample": True})
     assert engine_refusal(model, {"do_sample": True, "top_k": 5, "max_new_tokens": 2}) is None
 
 
