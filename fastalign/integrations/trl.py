@@ -79,7 +79,8 @@ class FusedLogProbs:
             args = (hidden, weight, bias, targets, temperature, chunk_size)
             return _trl_function.apply(*args, final_logit_softcapping, logit_scale, outputs)
         if not torch.is_autocast_enabled(hidden.device.type) and weight.dtype != hidden.dtype:
-            # `cast_lm_head_to_fp32`: TRL runs the projection in the hidden states' dtype (fp32)
+            # `cast_lm_head_to_fp32`: TRL runs the projection in the hidden states' dtype (fp32). It casts
+            # one vocabulary chunk at a time; this whole-weight copy costs V·H·4 bytes more (docs/trl.md)
             weight = weight.to(hidden.dtype)
             bias = None if bias is None else bias.to(hidden.dtype)
         if logit_scale != 1.0:
