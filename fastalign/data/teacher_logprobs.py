@@ -10,10 +10,11 @@ own token (fp32):
 - ``row_hashes`` uint8 [R, 32] (sha256), ``offsets`` int64 [R + 1] (each row's tokens),
 - ``ids`` int32 [T, k], ``logprobs`` [T, k], ``tail`` fp32 [T], ``token_logprobs`` fp32 [T].
 
-Every file is written atomically (a temporary file in the same directory, then ``os.replace``): a shard
-that exists is complete, so a killed run resumes from the shards it finished. The manifest names what was
-scored (teacher and revision, tokenizer hash, k, dtype, temperature, the data set's hash, row count) and
-says ``complete`` once every shard is written. Readers match rows by their content hash, not position.
+Every file is written atomically (a temporary file in the same directory, then ``os.replace``), with the
+mode a plain ``open`` gives (0o666 less the umask): a shard that exists is complete, so a killed run
+resumes from the shards it finished. The manifest names what was scored (teacher and revision, tokenizer
+hash, k, dtype, temperature, the data set's hash, row count) and says ``complete`` once every shard is
+written. Readers match rows by their content hash, not position.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -98,12 +100,34 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
+def _create_temporary(path: Path) -> tuple[str, int]:
+    """A new empty file beside ``path`` (a hidden, unique name) and its permission bits. It is created
+    with mode 0o666, so the kernel applies the process's umask (and a directory's default ACL) as it does
+    to a plain ``open(..., "w")``: the umask is neither read nor changed (``os.umask`` can only read it
+    by setting it, which would race with other threads)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            return str(tmp), stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+    raise FileExistsError(f"{path.parent}: no free temporary name for {path.name}")
+
+
 def atomic_write(path: Path, write) -> None:
-    """``write(temporary_path)`` then rename it onto ``path`` (same directory: an atomic replace)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    """``write(temporary_path)`` then rename it onto ``path`` (same directory: an atomic replace). The
+    file gets the mode a plain ``open(path, "w")`` would give it (0o666 less the umask), set again after
+    ``write``, which may replace the file (safetensors' ``save_file`` leaves 0600): ``tempfile.mkstemp``'s
+    0600, which ``os.replace`` keeps, would shut out a reader under another uid (shared storage,
+    containers)."""
+    tmp, mode = _create_temporary(path)
     try:
         write(tmp)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

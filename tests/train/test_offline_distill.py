@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -289,3 +291,21 @@ def test_scoring_pass_holds_no_full_logits():
     out = linear_topk_logprobs(hidden, weight, 4, vocab_slice=32, workspace_bytes=4 * 32 * 8)
     full = (hidden @ weight.t()).log_softmax(-1)
     torch.testing.assert_close(out.logprobs, full.topk(4).values)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_files_get_the_mode_open_gives_them(tmp_path, teacher_dir, umask, mode):
+    """Shards and the manifest are 0o666 less the umask, as a plain ``open`` makes them, not a temporary
+    file's 0600 (nor safetensors' own): a trainer under another uid can read them."""
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(4))
+    previous = os.umask(umask)
+    try:
+        score_teacher(config, ScoringOptions(shard_rows=2))
+    finally:
+        os.umask(previous)
+    files = [path for path in Path(config.output_dir).rglob("*") if path.is_file()]
+    assert len(files) == 3  # a manifest and 2 shards
+    modes = {
+        str(path.relative_to(config.output_dir)): oct(stat.S_IMODE(path.stat().st_mode)) for path in files
+    }
+    assert modes == {name: oct(mode) for name in modes}
