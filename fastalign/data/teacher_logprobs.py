@@ -12,9 +12,10 @@ own token (fp32):
 
 Every file is written atomically (a temporary file in the same directory, then ``os.replace``), with the
 mode a plain ``open`` gives (0o666 less the umask): a shard that exists is complete, so a killed run
-resumes from the shards it finished. The manifest names what was scored (teacher and revision, tokenizer
-hash, k, dtype, temperature, the data set's hash, row count) and says ``complete`` once every shard is
-written. Readers match rows by their content hash, not position.
+resumes from the shards it finished. The manifest names what was scored (teacher, revision and a
+fingerprint of its weights, whether fastalign patched it, tokenizer hash, k, dtype, temperature, the data
+set's hash, row count) and says ``complete`` once every shard is written. Readers match rows by their
+content hash, not position.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 import torch
 
 MANIFEST = "manifest.json"
+#: The weight files whose names, sizes and mtimes fingerprint a local teacher.
+WEIGHT_FILES = ("*.safetensors", "*.bin")
 FORMAT = "fastalign-teacher-logprobs/1"
 #: Stored log-prob dtypes, and their bytes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +62,19 @@ def dataset_hash(hashes: Iterable[bytes]) -> str:
     return digest.hexdigest()
 
 
+def weights_fingerprint(directory: str | Path) -> str:
+    """A cheap fingerprint of a local model directory's weights (no file is read): the sha256 of each
+    top-level ``WEIGHT_FILES`` file's name, size and ``st_mtime_ns``, so retraining the directory in
+    place (or touching a weight file) changes it."""
+    directory = Path(directory)
+    files = sorted({path for pattern in WEIGHT_FILES for path in directory.glob(pattern) if path.is_file()})
+    digest = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return f"files:{len(files)}:{digest.hexdigest()[:16]}"
+
+
 def tokenizer_hash(tokenizer) -> str:
     """The sha256 of a tokenizer's vocabulary, special tokens and chat template: what decides the ids."""
     payload = {
@@ -84,6 +100,10 @@ class Manifest:
     rows: int
     shard_rows: int
     shards: int
+    # what identifies the teacher's weights (``weights_fingerprint``) and whether fastalign patched it
+    # (use_liger_kernel: slightly other numerics); None in a manifest written before they were recorded
+    teacher_weights: str | None = None
+    teacher_patched: bool | None = None
     complete: bool = False
     tokens: int | None = None  # completion tokens scored, once complete
     format: str = FORMAT

@@ -9,7 +9,10 @@ running top-``top_k`` and log-sum-exp (no [tokens, vocab] logits), at ``temperat
 of ``shard_rows`` (``fastalign.data.teacher_logprobs``), each written atomically once its rows are scored;
 under ``torchrun`` rank r scores shards r, r + world, ... (a whole teacher on each process, no
 collective during scoring). A rerun on the same directory skips the shards that exist: a killed run
-resumes from its last complete shard. Memory holds one batch's activations and one shard's scores.
+resumes from its last complete shard. A rerun whose teacher (its weights' fingerprint: a local
+directory's weight files' names, sizes and mtimes, a Hub model's resolved commit; and whether it is
+patched: ``use_liger_kernel``), data or keys differ from the directory's manifest is refused. Memory
+holds one batch's activations and one shard's scores.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fastalign.data.teacher_logprobs import (
     row_hash,
     shard_name,
     tokenizer_hash,
+    weights_fingerprint,
     write_manifest,
     write_shard,
 )
@@ -88,6 +92,17 @@ def score_teacher(config: TrainConfig, scoring: ScoringOptions = ScoringOptions(
         shutdown_distributed()
 
 
+def teacher_weights(config: TrainConfig, path: Path | str) -> str:
+    """What identifies the teacher's weights (``path``: ``resolve_model``'s answer): a Hub model's
+    resolved commit, a built-in model's name (its weights are fixed), else the fingerprint of a local
+    directory's weight files (names, sizes, mtimes: ``weights_fingerprint``)."""
+    if isinstance(path, str):
+        return f"built-in {path}"
+    if not Path(config.model_name_or_path).exists():  # a Hub id: its snapshot directory is the commit's
+        return f"revision {path.name}"
+    return weights_fingerprint(path)
+
+
 def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext) -> ScoringReport:
     started = time.perf_counter()
     out = Path(config.output_dir)
@@ -113,6 +128,8 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         rows=len(examples),
         shard_rows=scoring.shard_rows,
         shards=max(1, math.ceil(len(examples) / scoring.shard_rows)),
+        teacher_weights=teacher_weights(config, path),
+        teacher_patched=config.use_liger_kernel,
     )
     earlier = read_manifest(out)
     if earlier is not None and earlier.run_keys() != manifest.run_keys():

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import shutil
 import stat
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from fastalign.data.teacher_logprobs import (
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.objectives.distill import DistillObjective
-from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher
+from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher, teacher_weights
 from tests import torchrun
 from tests.train.runs import logged, short_config
 
@@ -220,6 +221,22 @@ def test_offline_loss_equals_the_op_on_the_teachers_own_scores(tmp_path, teacher
         assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-4)
 
 
+def cli_args(command: list[str], config: TrainConfig) -> list[str]:
+    """``command`` with ``config``'s keys that differ from the defaults as command-line options."""
+    args = list(command)
+    for key, value in dataclasses.asdict(config).items():
+        if value != getattr(TrainConfig(), key) and value is not None:
+            args += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
+    return args
+
+
+def one_line_error(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
 def test_manifest_mismatches_are_one_line_errors(tmp_path, teacher_dir, capsys):
     rows = tiny_sft_rows(4)
     config = scoring_config(tmp_path, teacher_dir, rows)
@@ -230,14 +247,7 @@ def test_manifest_mismatches_are_one_line_errors(tmp_path, teacher_dir, capsys):
         directory = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         directory.mkdir()
         train = offline_config(directory, scores, rows, **options)
-        args = ["train", "distill"]
-        for key, value in dataclasses.asdict(train).items():
-            if value != getattr(TrainConfig(), key) and value is not None:
-                args += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
-        assert main(args) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1, err
-        return err
+        return one_line_error(cli_args(["train", "distill"], train), capsys)
 
     assert f"'teacher_model_name_or_path' ('other') is not the teacher of {scores}" in error(
         teacher_model_name_or_path="other"
@@ -309,3 +319,37 @@ def test_files_get_the_mode_open_gives_them(tmp_path, teacher_dir, umask, mode):
         str(path.relative_to(config.output_dir)): oct(stat.S_IMODE(path.stat().st_mode)) for path in files
     }
     assert modes == {name: oct(mode) for name in modes}
+
+
+def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir, capsys):
+    """The manifest fingerprints a local teacher's weight files (names, sizes, mtimes) and records
+    whether it was patched: a rerun after the weights changed, or with use_liger_kernel off, is refused in
+    one line naming both values; the same teacher resumes (nothing left to score)."""
+    teacher = Path(shutil.copytree(teacher_dir, tmp_path / "teacher"))
+    config = scoring_config(tmp_path, teacher, tiny_sft_rows(4))
+    score_teacher(config)
+    manifest = read_manifest(config.output_dir)
+    assert manifest.teacher_weights.startswith("files:1:") and manifest.teacher_patched is True
+    args = cli_args(["teacher-logprobs"], config)
+    assert main(args) == 0 and "0 shards written, 1 already there" in capsys.readouterr().out
+
+    err = one_line_error([*args, "--use_liger_kernel", "false"], capsys)
+    assert "(teacher_patched True there, False now)" in err
+
+    weights = teacher / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # retrained in place: the same size, a new mtime
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000_000))
+    err = one_line_error(args, capsys)
+    now = teacher_weights(config, teacher)
+    assert now != manifest.teacher_weights
+    assert f"(teacher_weights {manifest.teacher_weights!r} there, {now!r} now): use another directory" in err
+
+
+def test_teacher_weights_of_hub_and_builtin_models():
+    """A Hub id is identified by the commit its revision resolved to (its snapshot directory), a
+    built-in model by its name."""
+    snapshot = Path("/cache/models--org--name/snapshots/0123abcd")
+    assert teacher_weights(TrainConfig(model_name_or_path="org/name"), snapshot) == "revision 0123abcd"
+    assert (
+        teacher_weights(TrainConfig(model_name_or_path="tiny-llama"), "tiny-llama") == "built-in tiny-llama"
+    )
