@@ -16,6 +16,9 @@ resumes from the shards it finished. The manifest names what was scored (teacher
 fingerprint of its weights, whether fastalign patched it, tokenizer hash, k, dtype, temperature, the data
 set's hash, row count) and says ``complete`` once every shard is written. Readers match rows by their
 content hash, not position.
+
+The evaluation rows (``eval_dataset_name``) are scored into the sub-directory ``eval`` (``EVAL_DIR``), the
+same layout with its own manifest: scoring them later leaves the training rows' shards as they are.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 MANIFEST = "manifest.json"
+#: The sub-directory of an ``eval_dataset_name``'s scores.
+EVAL_DIR = "eval"
 #: The weight files whose names, sizes and mtimes fingerprint a local teacher.
 WEIGHT_FILES = ("*.safetensors", "*.bin")
 FORMAT = "fastalign-teacher-logprobs/1"
@@ -223,15 +229,17 @@ class TeacherLogprobs:
                 "(rerun fastalign teacher-logprobs on it to finish the missing shards)"
             )
         self.manifest = manifest
-        self._index: dict[bytes, tuple[int, int, int]] = {}
-        self._files = {}
+        self._index: dict[bytes, tuple[Any, int, int]] = {}  # row hash: its shard's handle, token range
         for shard in range(manifest.shards):
             handle = safe_open(str(self.directory / shard_name(shard)), framework="pt")
-            self._files[shard] = handle
             hashes = handle.get_tensor("row_hashes")
             offsets = handle.get_tensor("offsets").tolist()
             for row, value in enumerate(hashes):
-                self._index[bytes(value.tolist())] = (shard, offsets[row], offsets[row + 1])
+                self._index[bytes(value.tolist())] = (handle, offsets[row], offsets[row + 1])
+
+    def include(self, other: TeacherLogprobs) -> None:
+        """Also look up ``other``'s rows (the evaluation rows' scores beside the training rows')."""
+        self._index.update(other._index)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
@@ -240,6 +248,5 @@ class TeacherLogprobs:
         return len(self._index)
 
     def get(self, key: bytes) -> dict[str, torch.Tensor]:
-        shard, start, end = self._index[key]
-        handle = self._files[shard]
+        handle, start, end = self._index[key]
         return {name: handle.get_slice(name)[start:end] for name in self.KEYS}

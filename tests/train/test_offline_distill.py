@@ -1,6 +1,7 @@
-"""Offline distillation: ``fastalign teacher-logprobs`` (shards, manifest, atomic writes, resume, ranks)
-and ``fastalign train distill --teacher_logprobs_path`` (the teacher never loaded, rows matched by hash,
-the manifest's checks)."""
+"""Offline distillation: ``fastalign teacher-logprobs`` (shards, manifest, atomic writes and their mode,
+resume, the teacher's fingerprint, ranks, an eval data set into ``eval/``) and ``fastalign train distill
+--teacher_logprobs_path`` (the teacher never loaded, rows matched by hash, the manifest's checks,
+evaluation on the eval data set's scores)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from fastalign.builtin import tiny_model, tiny_sft_rows, tiny_tokenizer
 from fastalign.cli.main import main
 from fastalign.data.teacher_logprobs import (
+    EVAL_DIR,
     MANIFEST,
     TeacherLogprobs,
     disk_bytes_per_token,
@@ -30,6 +32,7 @@ from fastalign.data.teacher_logprobs import (
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.objectives.distill import DistillObjective
+from fastalign.train.run import run_training
 from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher, teacher_weights
 from tests import torchrun
 from tests.train.runs import logged, short_config
@@ -45,9 +48,13 @@ def teacher_dir(tmp_path_factory) -> Path:
     return directory
 
 
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def scoring_config(tmp_path: Path, teacher: Path, rows: list[dict], **options) -> TrainConfig:
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = write_rows(tmp_path / "rows.jsonl", rows)
     defaults = dict(
         model_name_or_path=str(teacher),
         dataset_name=str(data),
@@ -166,8 +173,6 @@ def test_training_never_loads_the_teacher_and_learns(tmp_path, teacher_dir, monk
         raise AssertionError("the teacher was loaded")
 
     monkeypatch.setattr("fastalign.train.run.load_frozen_model", no_teacher)
-    from fastalign.train.run import run_training
-
     (tmp_path / "t").mkdir()
     train = offline_config(tmp_path / "t", config.output_dir, rows[::-1], max_steps=3)
     run_training(train, "distill")
@@ -305,20 +310,87 @@ def test_scoring_pass_holds_no_full_logits():
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
 def test_files_get_the_mode_open_gives_them(tmp_path, teacher_dir, umask, mode):
-    """Shards and the manifest are 0o666 less the umask, as a plain ``open`` makes them, not a temporary
-    file's 0600 (nor safetensors' own): a trainer under another uid can read them."""
-    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(4))
+    """Shards and manifests (the evaluation rows' too) are 0o666 less the umask, as a plain ``open``
+    makes them, not a temporary file's 0600 (nor safetensors' own): a trainer under another uid can read
+    them."""
+    held_out = write_rows(tmp_path / "held_out.jsonl", tiny_sft_rows(6)[4:])
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(4), eval_dataset_name=str(held_out))
     previous = os.umask(umask)
     try:
         score_teacher(config, ScoringOptions(shard_rows=2))
     finally:
         os.umask(previous)
     files = [path for path in Path(config.output_dir).rglob("*") if path.is_file()]
-    assert len(files) == 3  # a manifest and 2 shards
+    assert len(files) == 5  # a manifest and 2 shards, a manifest and 1 shard in eval/
     modes = {
         str(path.relative_to(config.output_dir)): oct(stat.S_IMODE(path.stat().st_mode)) for path in files
     }
     assert modes == {name: oct(mode) for name in modes}
+
+
+def test_eval_dataset_is_scored_into_eval_and_evaluated_on(tmp_path, teacher_dir, capsys):
+    """``teacher-logprobs --eval_dataset_name`` scores the held-out rows into DIR/eval (a directory whose
+    training rows are scored already scores only those), and ``train distill`` evaluates on them; before
+    that, or with rows DIR/eval lacks, the error says what to run, in one line."""
+    rows, held_out = tiny_sft_rows(10)[:6], tiny_sft_rows(10)[6:]
+    held_out_file = write_rows(tmp_path / "held_out.jsonl", held_out)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(shard_rows=3))
+    scores = Path(config.output_dir)
+    (tmp_path / "t").mkdir()
+    train = offline_config(
+        tmp_path / "t", str(scores), rows, eval_dataset_name=str(held_out_file), eval_strategy="steps"
+    )
+    err = one_line_error(cli_args(["train", "distill"], train), capsys)
+    assert (
+        f"'eval_dataset_name' ({str(held_out_file)!r})" in err
+        and f"{scores / EVAL_DIR / MANIFEST} is missing" in err
+    )
+    assert (
+        f"teacher-logprobs with this run's keys, eval_dataset_name included, and --output_dir {scores}" in err
+    )
+
+    first = (scores / shard_name(0)).stat().st_mtime_ns
+    scoring = cli_args(
+        ["teacher-logprobs", "--shard_rows", "3"],
+        dataclasses.replace(config, eval_dataset_name=str(held_out_file)),
+    )
+    assert main(scoring) == 0
+    out = capsys.readouterr().out
+    assert f"scored 6 rows into {scores} and 4 eval rows into {scores / EVAL_DIR}" in out
+    assert "2 shards written, 2 already there" in out  # the training rows' shards kept
+    assert (scores / shard_name(0)).stat().st_mtime_ns == first
+    manifest = read_manifest(scores / EVAL_DIR)
+    assert manifest.complete and manifest.rows == 4 and manifest.shards == 2
+    assert manifest.teacher_weights == read_manifest(scores).teacher_weights
+
+    run_training(train, "distill")
+    capsys.readouterr()  # its progress bar
+    evaluations = [row["eval_loss"] for row in logged(train.output_dir) if "eval_loss" in row]
+    assert evaluations and all(math.isfinite(loss) and loss > 0 for loss in evaluations)
+
+    (tmp_path / "u").mkdir()  # a held-out row DIR/eval lacks
+    other = write_rows(tmp_path / "other.jsonl", tiny_sft_rows(12)[6:])
+    unscored = dataclasses.replace(
+        train, eval_dataset_name=str(other), output_dir=str(tmp_path / "u" / "run")
+    )
+    err = one_line_error(cli_args(["train", "distill"], unscored), capsys)
+    assert (
+        f"no teacher log-probs in {scores / EVAL_DIR} for this row of eval_dataset_name {str(other)!r}" in err
+    )
+    assert "remove it, then score them" in err
+
+    data = json.loads((scores / EVAL_DIR / MANIFEST).read_text())  # scored by another teacher than DIR
+    (scores / EVAL_DIR / MANIFEST).write_text(json.dumps(data | {"teacher_weights": "files:1:0123"}))
+    (tmp_path / "v").mkdir()
+    err = one_line_error(
+        cli_args(["train", "distill"], dataclasses.replace(train, output_dir=str(tmp_path / "v" / "run"))),
+        capsys,
+    )
+    assert (
+        f"{scores / EVAL_DIR} was scored by another teacher than {scores} (teacher_weights 'files:1:0123'"
+        in err
+    )
 
 
 def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir, capsys):
