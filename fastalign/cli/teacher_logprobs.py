@@ -4,7 +4,8 @@ the teacher's top-k log-probs of a data set's completions, stored once for ``fas
 
 Other keys are ``TrainConfig``'s, as ``train distill`` reads them (``max_length``, ``truncation``,
 ``truncation_mode``, ``chat_template_kwargs``, ``temperature``, ``per_device_eval_batch_size``, the
-dataset keys); ``--config FILE`` reads them from YAML first.
+dataset keys); ``--config FILE`` reads them from YAML first. ``--eval_dataset_name EVAL`` scores its rows
+too, into ``DIR/eval``, where ``train distill --eval_dataset_name EVAL`` finds them.
 """
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="store a teacher's top-k log-probs of a data set, for offline distillation",
         description="Scores every completion token of the data (the formats train distill reads) with the "
         "teacher and writes its top-k token ids and log-probs, sharded, beside a manifest. Keys are "
-        "TrainConfig fields; a rerun on the same output_dir resumes from its complete shards.",
+        "TrainConfig fields, read as train distill reads them (max_length, truncation, chat template, "
+        "dataset keys): pass the training run's. --eval_dataset_name EVAL (a Hub dataset's "
+        "dataset_test_split) also scores the evaluation rows, into OUTPUT_DIR/eval, where train distill "
+        "with the same eval_dataset_name finds them (eval_split_ratio holds out training rows: nothing "
+        "more to score). A rerun on the same output_dir resumes from its complete shards (adding "
+        "eval_dataset_name later scores only its rows); one with another teacher (a local directory's "
+        "weight files changed: names, sizes, mtimes), use_liger_kernel, data or keys is refused.",
         epilog="example: fastalign teacher-logprobs --model_name_or_path TEACHER --dataset_name data.jsonl "
-        "--top_k 32 --output_dir teacher_lp; then fastalign train distill --teacher_logprobs_path "
-        "teacher_lp --beta 0 ...",
+        "--eval_dataset_name held_out.jsonl --top_k 32 --output_dir teacher_lp; then fastalign train "
+        "distill --teacher_logprobs_path teacher_lp --dataset_name data.jsonl --eval_dataset_name "
+        "held_out.jsonl --beta 0 ...",
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML config (TrainConfig keys)")
@@ -42,15 +50,20 @@ def run(args: argparse.Namespace) -> int:
     from fastalign.train.config import load_config
 
     try:
-        config = load_config(args.config, getattr(args, "extra", ()))
+        config = load_config(args.config, getattr(args, "extra", ()), evaluates=False)
         from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher
 
         report = score_teacher(config, ScoringOptions(args.shard_rows, args.logprobs_dtype))
     except (ValueError, OSError, MemoryError) as error:
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
+    from fastalign.data.teacher_logprobs import EVAL_DIR
+
+    evaluation = (
+        f" and {report.eval_rows} eval rows into {report.output_dir / EVAL_DIR}" if report.eval_rows else ""
+    )
     print(
-        f"scored {report.rows} rows into {report.output_dir} ({report.shards_written} shards written, "
-        f"{report.shards_skipped} already there, {report.tokens} tokens, {report.seconds:.1f} s)"
+        f"scored {report.rows} rows into {report.output_dir}{evaluation} ({report.shards_written} shards "
+        f"written, {report.shards_skipped} already there, {report.tokens} tokens, {report.seconds:.1f} s)"
     )
     return 0

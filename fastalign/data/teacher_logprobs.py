@@ -10,10 +10,15 @@ own token (fp32):
 - ``row_hashes`` uint8 [R, 32] (sha256), ``offsets`` int64 [R + 1] (each row's tokens),
 - ``ids`` int32 [T, k], ``logprobs`` [T, k], ``tail`` fp32 [T], ``token_logprobs`` fp32 [T].
 
-Every file is written atomically (a temporary file in the same directory, then ``os.replace``): a shard
-that exists is complete, so a killed run resumes from the shards it finished. The manifest names what was
-scored (teacher and revision, tokenizer hash, k, dtype, temperature, the data set's hash, row count) and
-says ``complete`` once every shard is written. Readers match rows by their content hash, not position.
+Every file is written atomically (a temporary file in the same directory, then ``os.replace``), with the
+mode a plain ``open`` gives (0o666 less the umask): a shard that exists is complete, so a killed run
+resumes from the shards it finished. The manifest names what was scored (teacher, revision and a
+fingerprint of its weights, whether fastalign patched it, tokenizer hash, k, dtype, temperature, the data
+set's hash, row count) and says ``complete`` once every shard is written. Readers match rows by their
+content hash, not position.
+
+The evaluation rows (``eval_dataset_name``) are scored into the sub-directory ``eval`` (``EVAL_DIR``), the
+same layout with its own manifest: scoring them later leaves the training rows' shards as they are.
 """
 
 from __future__ import annotations
@@ -22,14 +27,20 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 MANIFEST = "manifest.json"
+#: The sub-directory of an ``eval_dataset_name``'s scores.
+EVAL_DIR = "eval"
+#: The weight files whose names, sizes and mtimes fingerprint a local teacher.
+WEIGHT_FILES = ("*.safetensors", "*.bin")
 FORMAT = "fastalign-teacher-logprobs/1"
 #: Stored log-prob dtypes, and their bytes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,6 +68,19 @@ def dataset_hash(hashes: Iterable[bytes]) -> str:
     return digest.hexdigest()
 
 
+def weights_fingerprint(directory: str | Path) -> str:
+    """A cheap fingerprint of a local model directory's weights (no file is read): the sha256 of each
+    top-level ``WEIGHT_FILES`` file's name, size and ``st_mtime_ns``, so retraining the directory in
+    place (or touching a weight file) changes it."""
+    directory = Path(directory)
+    files = sorted({path for pattern in WEIGHT_FILES for path in directory.glob(pattern) if path.is_file()})
+    digest = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return f"files:{len(files)}:{digest.hexdigest()[:16]}"
+
+
 def tokenizer_hash(tokenizer) -> str:
     """The sha256 of a tokenizer's vocabulary, special tokens and chat template: what decides the ids."""
     payload = {
@@ -82,6 +106,10 @@ class Manifest:
     rows: int
     shard_rows: int
     shards: int
+    # what identifies the teacher's weights (``weights_fingerprint``) and whether fastalign patched it
+    # (use_liger_kernel: slightly other numerics); None in a manifest written before they were recorded
+    teacher_weights: str | None = None
+    teacher_patched: bool | None = None
     complete: bool = False
     tokens: int | None = None  # completion tokens scored, once complete
     format: str = FORMAT
@@ -98,12 +126,34 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
+def _create_temporary(path: Path) -> tuple[str, int]:
+    """A new empty file beside ``path`` (a hidden, unique name) and its permission bits. It is created
+    with mode 0o666, so the kernel applies the process's umask (and a directory's default ACL) as it does
+    to a plain ``open(..., "w")``: the umask is neither read nor changed (``os.umask`` can only read it
+    by setting it, which would race with other threads)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            return str(tmp), stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+    raise FileExistsError(f"{path.parent}: no free temporary name for {path.name}")
+
+
 def atomic_write(path: Path, write) -> None:
-    """``write(temporary_path)`` then rename it onto ``path`` (same directory: an atomic replace)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    """``write(temporary_path)`` then rename it onto ``path`` (same directory: an atomic replace). The
+    file gets the mode a plain ``open(path, "w")`` would give it (0o666 less the umask), set again after
+    ``write``, which may replace the file (safetensors' ``save_file`` leaves 0600): ``tempfile.mkstemp``'s
+    0600, which ``os.replace`` keeps, would shut out a reader under another uid (shared storage,
+    containers)."""
+    tmp, mode = _create_temporary(path)
     try:
         write(tmp)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -179,15 +229,17 @@ class TeacherLogprobs:
                 "(rerun fastalign teacher-logprobs on it to finish the missing shards)"
             )
         self.manifest = manifest
-        self._index: dict[bytes, tuple[int, int, int]] = {}
-        self._files = {}
+        self._index: dict[bytes, tuple[Any, int, int]] = {}  # row hash: its shard's handle, token range
         for shard in range(manifest.shards):
             handle = safe_open(str(self.directory / shard_name(shard)), framework="pt")
-            self._files[shard] = handle
             hashes = handle.get_tensor("row_hashes")
             offsets = handle.get_tensor("offsets").tolist()
             for row, value in enumerate(hashes):
-                self._index[bytes(value.tolist())] = (shard, offsets[row], offsets[row + 1])
+                self._index[bytes(value.tolist())] = (handle, offsets[row], offsets[row + 1])
+
+    def include(self, other: TeacherLogprobs) -> None:
+        """Also look up ``other``'s rows (the evaluation rows' scores beside the training rows')."""
+        self._index.update(other._index)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
@@ -196,6 +248,5 @@ class TeacherLogprobs:
         return len(self._index)
 
     def get(self, key: bytes) -> dict[str, torch.Tensor]:
-        shard, start, end = self._index[key]
-        handle = self._files[shard]
+        handle, start, end = self._index[key]
         return {name: handle.get_slice(name)[start:end] for name in self.KEYS}

@@ -500,11 +500,15 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, evaluates: bool = True
+) -> TrainConfig:
     """Defaults, then the YAML mapping at ``path``, then ``--key value`` / ``--key=value`` overrides.
 
     Keys and types come from the ``TrainConfig`` fields, so a new field is configurable with no other change;
-    every problem is a one-line ``ConfigError`` naming the key and where it was set.
+    every problem is a one-line ``ConfigError`` naming the key and where it was set. ``evaluates`` False
+    (a command that reads the held-out data but runs no evaluation: ``fastalign teacher-logprobs``) lets
+    ``eval_dataset_name`` / ``eval_split_ratio`` go without an ``eval_strategy``.
     """
     values: dict[str, tuple[object, str | None]] = {}  # key → (raw value, file it came from; None: a flag)
     if path is not None:
@@ -529,7 +533,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
                 f"got {raw!r} ({type(raw).__name__})"
             ) from None
     config = TrainConfig(**kwargs)
-    _check(config, where)
+    _check(config, where, evaluates)
     return config
 
 
@@ -727,7 +731,7 @@ def _fail(where: dict[str, str], key: str, message: str) -> typing.NoReturn:
     raise ConfigError(f"config key {key!r}{f' ({where[key]})' if key in where else ''} {message}")
 
 
-def _check(config: TrainConfig, where: dict[str, str]) -> None:
+def _check(config: TrainConfig, where: dict[str, str], evaluates: bool = True) -> None:
     """Values that have the right type but cannot work, named with where they were set."""
     for key, test, wanted in _VALUE_CHECKS:
         value = getattr(config, key)
@@ -758,7 +762,7 @@ def _check(config: TrainConfig, where: dict[str, str]) -> None:
             for key in ("max_steps", "num_train_epochs")
         )
         raise ConfigError(f"config key 'max_steps' or 'num_train_epochs' must be positive, got {got}")
-    _check_evaluation_and_saving(config, where)
+    _check_evaluation_and_saving(config, where, evaluates)
 
 
 def _check_truncation_mode(config: TrainConfig, where: dict[str, str]) -> None:
@@ -851,9 +855,10 @@ def _check_model_options(config: TrainConfig, where: dict[str, str]) -> None:
         )
 
 
-def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str]) -> None:
+def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str], evaluates: bool = True) -> None:
     """Strategies, precision and the best model, as transformers' ``TrainingArguments`` checks them, and
-    a step count or metric that the strategies would leave unread (an error, not silently ignored)."""
+    a step count or metric that the strategies would leave unread (an error, not silently ignored; held-out
+    data without an evaluation only where the command ``evaluates``)."""
 
     if config.fp16 and config.bf16:
         _fail(where, "fp16", "and 'bf16' are both true: set at most one (transformers allows only one)")
@@ -870,7 +875,8 @@ def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str]) -> 
                 f"({getattr(config, key)!r}) needs held-out data: set eval_dataset_name or eval_split_ratio",
             )
     if (
-        has_eval_data
+        evaluates
+        and has_eval_data
         and config.eval_strategy == "no"
         and not (config.eval_on_start or config.load_best_model_at_end)
     ):

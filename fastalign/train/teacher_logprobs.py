@@ -3,13 +3,19 @@ distillation (``fastalign train distill --teacher_logprobs_path``).
 
 The rows are read and tokenized as ``train distill`` reads them (prompt-completion, conversational or
 messages rows; the same ``max_length``, ``truncation`` and chat template keys); prompt-only rows have
-nothing to score and are left out. The teacher (``model_name_or_path``) runs in eval mode, patched, its
+nothing to score and are left out. ``dataset_name``'s rows (a Hub dataset's ``dataset_train_split``) go to
+``output_dir``, ``eval_dataset_name``'s (its ``dataset_test_split``), when set, to ``output_dir/eval`` with
+their own manifest, where ``train distill`` looks for its evaluation rows (``eval_split_ratio`` holds out
+training rows, which are scored already). The teacher (``model_name_or_path``) runs in eval mode, patched, its
 head fused: per completion token, ``linear_topk_logprobs`` walks the vocabulary in slices and keeps a
 running top-``top_k`` and log-sum-exp (no [tokens, vocab] logits), at ``temperature``. Rows go to shards
 of ``shard_rows`` (``fastalign.data.teacher_logprobs``), each written atomically once its rows are scored;
 under ``torchrun`` rank r scores shards r, r + world, ... (a whole teacher on each process, no
 collective during scoring). A rerun on the same directory skips the shards that exist: a killed run
-resumes from its last complete shard. Memory holds one batch's activations and one shard's scores.
+resumes from its last complete shard, and adding ``eval_dataset_name`` later scores only its rows. A rerun
+whose teacher (its weights' fingerprint: a local directory's weight files' names, sizes and mtimes, a Hub
+model's resolved commit; and whether it is patched: ``use_liger_kernel``), data or keys differ from the
+directory's manifest is refused. Memory holds one batch's activations and one shard's scores.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 import fastalign
 from fastalign.data.teacher_logprobs import (
     DTYPES,
+    EVAL_DIR,
     Manifest,
     ScoredRow,
     dataset_hash,
@@ -32,6 +39,7 @@ from fastalign.data.teacher_logprobs import (
     row_hash,
     shard_name,
     tokenizer_hash,
+    weights_fingerprint,
     write_manifest,
     write_shard,
 )
@@ -69,16 +77,28 @@ class ScoringOptions:
 @dataclass(frozen=True)
 class ScoringReport:
     output_dir: Path
-    rows: int
-    shards_written: int
+    rows: int  # the training rows (dataset_name's)
+    shards_written: int  # of both data sets
     shards_skipped: int
     tokens: int
     seconds: float
+    eval_rows: int = 0  # eval_dataset_name's rows, scored into output_dir / EVAL_DIR
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One data set's scoring: its rows, their hashes and the manifest of the directory they go to."""
+
+    directory: Path
+    examples: list[DistillExample]
+    hashes: list[bytes]
+    manifest: Manifest
 
 
 def score_teacher(config: TrainConfig, scoring: ScoringOptions = ScoringOptions()) -> ScoringReport:
     """Score ``config.dataset_name``'s completions with ``config.model_name_or_path`` (the teacher), its
-    ``top_k`` log-probs into ``config.output_dir``; returns what was done (this rank's part)."""
+    ``top_k`` log-probs into ``config.output_dir``, and ``config.eval_dataset_name``'s (when set) into its
+    ``EVAL_DIR`` sub-directory; returns what was done (this rank's part)."""
     if config.top_k < 1:
         raise ConfigError("config key 'top_k' must be positive: how many of the teacher's log-probs to store")
     ctx = init_distributed()
@@ -88,6 +108,17 @@ def score_teacher(config: TrainConfig, scoring: ScoringOptions = ScoringOptions(
         shutdown_distributed()
 
 
+def teacher_weights(config: TrainConfig, path: Path | str) -> str:
+    """What identifies the teacher's weights (``path``: ``resolve_model``'s answer): a Hub model's
+    resolved commit, a built-in model's name (its weights are fixed), else the fingerprint of a local
+    directory's weight files (names, sizes, mtimes: ``weights_fingerprint``)."""
+    if isinstance(path, str):
+        return f"built-in {path}"
+    if not Path(config.model_name_or_path).exists():  # a Hub id: its snapshot directory is the commit's
+        return f"revision {path.name}"
+    return weights_fingerprint(path)
+
+
 def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext) -> ScoringReport:
     started = time.perf_counter()
     out = Path(config.output_dir)
@@ -95,36 +126,32 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     model, tokenizer = load_model_and_tokenizer(path, None, ctx.device, materialize=False)
     model = materialize_model(model, path, None, ctx.device, config.seed)
     override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
-    examples = _examples(config, tokenizer)
-    if not examples:
-        raise ValueError(f"dataset {config.dataset_name!r}: no row has a completion to score")
-    hashes = [row_hash(e.prompt_ids, e.completion_ids) for e in examples]
     vocab = model.get_output_embeddings().weight.shape[0]
     if config.top_k > vocab:
         raise ConfigError(f"config key 'top_k' ({config.top_k}) is over the teacher's vocabulary ({vocab})")
-    manifest = Manifest(
+    teacher = dict(  # the manifest's keys that both data sets share
         teacher=config.model_name_or_path,
         teacher_revision=config.model_revision,
+        teacher_weights=teacher_weights(config, path),
+        teacher_patched=config.use_liger_kernel,
         tokenizer_hash=tokenizer_hash(tokenizer),
         k=config.top_k,
         dtype=scoring.logprobs_dtype,
         temperature=config.temperature,
-        dataset_hash=dataset_hash(hashes),
-        rows=len(examples),
         shard_rows=scoring.shard_rows,
-        shards=max(1, math.ceil(len(examples) / scoring.shard_rows)),
     )
-    earlier = read_manifest(out)
-    if earlier is not None and earlier.run_keys() != manifest.run_keys():
-        key = next(k for k, v in manifest.run_keys().items() if earlier.run_keys()[k] != v)
-        raise ConfigError(
-            f"config key 'output_dir': {out} holds teacher log-probs of another scoring ({key} "
-            f"{earlier.run_keys()[key]!r} there, {manifest.run_keys()[key]!r} now): use another directory"
-        )
+    train_name = config.dataset_name or DistillObjective.default_dataset
+    parts = [_part(out, _examples(config, tokenizer, train_name, "dataset_name"), teacher, scoring)]
+    if config.eval_dataset_name:
+        eval_examples = _examples(config, tokenizer, config.eval_dataset_name, "eval_dataset_name")
+        parts.append(_part(out / EVAL_DIR, eval_examples, teacher, scoring))
+    for part in parts:  # every directory checked before any scoring
+        _check_earlier(part)
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if earlier is None:
-            write_manifest(out, manifest)
+        for part in parts:
+            part.directory.mkdir(parents=True, exist_ok=True)
+            if read_manifest(part.directory) is None:
+                write_manifest(part.directory, part.manifest)
     if ctx.enabled:
         torch.distributed.barrier()
 
@@ -136,46 +163,86 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     model.requires_grad_(False).eval().to(ctx.device)
     collate = CompletionCollator(tokenizer.pad_token_id)
     written = skipped = tokens = 0
-    for shard in range(ctx.rank, manifest.shards, ctx.world_size):
-        if (out / shard_name(shard)).exists():  # written atomically: complete
-            skipped += 1
-            continue
-        rows = range(shard * scoring.shard_rows, min(len(examples), (shard + 1) * scoring.shard_rows))
-        scored: list[ScoredRow] = []
-        for start in range(rows.start, rows.stop, config.per_device_eval_batch_size):
-            batch_rows = range(start, min(rows.stop, start + config.per_device_eval_batch_size))
-            batch_examples = [examples[i] for i in batch_rows]
-            scores_of_rows = _score_batch(model, collate(batch_examples), config, ctx)
-            for index, scores in zip(batch_rows, scores_of_rows, strict=True):
-                scored.append(ScoredRow(hashes[index], *scores))
-        tokens += sum(row.ids.shape[0] for row in scored)
-        write_shard(out, shard, scored, scoring.logprobs_dtype)
-        written += 1
+    for part in parts:
+        for shard in range(ctx.rank, part.manifest.shards, ctx.world_size):
+            if (part.directory / shard_name(shard)).exists():  # written atomically: complete
+                skipped += 1
+                continue
+            tokens += _score_shard(model, collate, part, shard, config, scoring, ctx)
+            written += 1
     if ctx.enabled:
         torch.distributed.barrier()
     if ctx.is_main:
-        missing = [i for i in range(manifest.shards) if not (out / shard_name(i)).exists()]
-        if missing:
-            raise RuntimeError(f"{out}: shards {missing[:5]} were not written")
-        total = _count_tokens(out, manifest.shards)
-        write_manifest(out, dataclasses.replace(manifest, complete=True, tokens=total))
-    return ScoringReport(out, len(examples), written, skipped, tokens, time.perf_counter() - started)
+        for part in parts:
+            shards = range(part.manifest.shards)
+            missing = [i for i in shards if not (part.directory / shard_name(i)).exists()]
+            if missing:
+                raise RuntimeError(f"{part.directory}: shards {missing[:5]} were not written")
+            total = _count_tokens(part.directory, part.manifest.shards)
+            write_manifest(part.directory, dataclasses.replace(part.manifest, complete=True, tokens=total))
+    eval_rows = len(parts[1].examples) if len(parts) > 1 else 0
+    seconds = time.perf_counter() - started
+    return ScoringReport(out, len(parts[0].examples), written, skipped, tokens, seconds, eval_rows)
 
 
-def _examples(config: TrainConfig, tokenizer) -> list[DistillExample]:
-    """The data's rows as ``train distill`` tokenizes them; prompt-only rows (nothing to score) left out."""
-    name = config.dataset_name or DistillObjective.default_dataset
+def _part(directory: Path, examples: list[DistillExample], teacher: dict, scoring: ScoringOptions) -> _Part:
+    hashes = [row_hash(e.prompt_ids, e.completion_ids) for e in examples]
+    manifest = Manifest(
+        **teacher,
+        dataset_hash=dataset_hash(hashes),
+        rows=len(examples),
+        shards=max(1, math.ceil(len(examples) / scoring.shard_rows)),
+    )
+    return _Part(directory, examples, hashes, manifest)
+
+
+def _check_earlier(part: _Part) -> None:
+    """A directory that holds another scoring (another teacher, its weights, data, k, ...) is refused,
+    naming the first key that differs and both values."""
+    earlier = read_manifest(part.directory)
+    if earlier is None or earlier.run_keys() == part.manifest.run_keys():
+        return
+    now, there = part.manifest.run_keys(), earlier.run_keys()
+    key = next(k for k, v in now.items() if there[k] != v)
+    raise ConfigError(
+        f"config key 'output_dir': {part.directory} holds teacher log-probs of another scoring ({key} "
+        f"{there[key]!r} there, {now[key]!r} now): use another directory"
+    )
+
+
+def _score_shard(
+    model, collate, part: _Part, shard: int, config: TrainConfig, scoring: ScoringOptions, ctx
+) -> int:
+    """Score shard ``shard`` of ``part`` and write it; returns its completion tokens."""
+    rows = range(shard * scoring.shard_rows, min(len(part.examples), (shard + 1) * scoring.shard_rows))
+    scored: list[ScoredRow] = []
+    for start in range(rows.start, rows.stop, config.per_device_eval_batch_size):
+        batch_rows = range(start, min(rows.stop, start + config.per_device_eval_batch_size))
+        batch_examples = [part.examples[i] for i in batch_rows]
+        scores_of_rows = _score_batch(model, collate(batch_examples), config, ctx)
+        for index, scores in zip(batch_rows, scores_of_rows, strict=True):
+            scored.append(ScoredRow(part.hashes[index], *scores))
+    write_shard(part.directory, shard, scored, scoring.logprobs_dtype)
+    return sum(row.ids.shape[0] for row in scored)
+
+
+def _examples(config: TrainConfig, tokenizer, name: str, key: str) -> list[DistillExample]:
+    """The rows of data set ``name`` (config key ``key``) as ``train distill`` tokenizes them (a Hub
+    dataset's ``dataset_train_split`` for training, ``dataset_test_split`` for evaluation); prompt-only
+    rows (nothing to score) left out."""
     if is_hub_dataset(name):
-        rows = load_dataset_rows(
-            name, config.dataset_train_split, config.dataset_config, config.dataset_revision
-        )
+        split = config.dataset_train_split if key == "dataset_name" else config.dataset_test_split
+        rows = load_dataset_rows(name, split, config.dataset_config, config.dataset_revision, key=key)
     else:
-        rows = load_dataset_rows(name)
+        rows = load_dataset_rows(name, key=key)
     scoring_config = dataclasses.replace(
         config, teacher_model_name_or_path=config.model_name_or_path, lmbda=0.0, top_k=0
     )
     objective = DistillObjective.from_config("distill", scoring_config, DistributedContext(0, 1, 0, "cpu"))
-    return [e for e in objective.tokenize(rows, tokenizer) if e.completion_ids]
+    examples = [e for e in objective.tokenize(rows, tokenizer) if e.completion_ids]
+    if not examples:
+        raise ValueError(f"{key} {name!r}: no row has a completion to score")
+    return examples
 
 
 @torch.no_grad()

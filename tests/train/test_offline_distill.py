@@ -1,13 +1,17 @@
-"""Offline distillation: ``fastalign teacher-logprobs`` (shards, manifest, atomic writes, resume, ranks)
-and ``fastalign train distill --teacher_logprobs_path`` (the teacher never loaded, rows matched by hash,
-the manifest's checks)."""
+"""Offline distillation: ``fastalign teacher-logprobs`` (shards, manifest, atomic writes and their mode,
+resume, the teacher's fingerprint, ranks, an eval data set into ``eval/``) and ``fastalign train distill
+--teacher_logprobs_path`` (the teacher never loaded, rows matched by hash, the manifest's checks,
+evaluation on the eval data set's scores)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 import random
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from safetensors import safe_open
 from fastalign.builtin import tiny_model, tiny_sft_rows, tiny_tokenizer
 from fastalign.cli.main import main
 from fastalign.data.teacher_logprobs import (
+    EVAL_DIR,
     MANIFEST,
     TeacherLogprobs,
     disk_bytes_per_token,
@@ -27,7 +32,8 @@ from fastalign.data.teacher_logprobs import (
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.objectives.distill import DistillObjective
-from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher
+from fastalign.train.run import run_training
+from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher, teacher_weights
 from tests import torchrun
 from tests.train.runs import logged, short_config
 
@@ -42,9 +48,13 @@ def teacher_dir(tmp_path_factory) -> Path:
     return directory
 
 
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def scoring_config(tmp_path: Path, teacher: Path, rows: list[dict], **options) -> TrainConfig:
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = write_rows(tmp_path / "rows.jsonl", rows)
     defaults = dict(
         model_name_or_path=str(teacher),
         dataset_name=str(data),
@@ -163,8 +173,6 @@ def test_training_never_loads_the_teacher_and_learns(tmp_path, teacher_dir, monk
         raise AssertionError("the teacher was loaded")
 
     monkeypatch.setattr("fastalign.train.run.load_frozen_model", no_teacher)
-    from fastalign.train.run import run_training
-
     (tmp_path / "t").mkdir()
     train = offline_config(tmp_path / "t", config.output_dir, rows[::-1], max_steps=3)
     run_training(train, "distill")
@@ -218,6 +226,22 @@ def test_offline_loss_equals_the_op_on_the_teachers_own_scores(tmp_path, teacher
         assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-4)
 
 
+def cli_args(command: list[str], config: TrainConfig) -> list[str]:
+    """``command`` with ``config``'s keys that differ from the defaults as command-line options."""
+    args = list(command)
+    for key, value in dataclasses.asdict(config).items():
+        if value != getattr(TrainConfig(), key) and value is not None:
+            args += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
+    return args
+
+
+def one_line_error(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
 def test_manifest_mismatches_are_one_line_errors(tmp_path, teacher_dir, capsys):
     rows = tiny_sft_rows(4)
     config = scoring_config(tmp_path, teacher_dir, rows)
@@ -228,14 +252,7 @@ def test_manifest_mismatches_are_one_line_errors(tmp_path, teacher_dir, capsys):
         directory = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         directory.mkdir()
         train = offline_config(directory, scores, rows, **options)
-        args = ["train", "distill"]
-        for key, value in dataclasses.asdict(train).items():
-            if value != getattr(TrainConfig(), key) and value is not None:
-                args += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
-        assert main(args) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1, err
-        return err
+        return one_line_error(cli_args(["train", "distill"], train), capsys)
 
     assert f"'teacher_model_name_or_path' ('other') is not the teacher of {scores}" in error(
         teacher_model_name_or_path="other"
@@ -289,3 +306,122 @@ def test_scoring_pass_holds_no_full_logits():
     out = linear_topk_logprobs(hidden, weight, 4, vocab_slice=32, workspace_bytes=4 * 32 * 8)
     full = (hidden @ weight.t()).log_softmax(-1)
     torch.testing.assert_close(out.logprobs, full.topk(4).values)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_files_get_the_mode_open_gives_them(tmp_path, teacher_dir, umask, mode):
+    """Shards and manifests (the evaluation rows' too) are 0o666 less the umask, as a plain ``open``
+    makes them, not a temporary file's 0600 (nor safetensors' own): a trainer under another uid can read
+    them."""
+    held_out = write_rows(tmp_path / "held_out.jsonl", tiny_sft_rows(6)[4:])
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(4), eval_dataset_name=str(held_out))
+    previous = os.umask(umask)
+    try:
+        score_teacher(config, ScoringOptions(shard_rows=2))
+    finally:
+        os.umask(previous)
+    files = [path for path in Path(config.output_dir).rglob("*") if path.is_file()]
+    assert len(files) == 5  # a manifest and 2 shards, a manifest and 1 shard in eval/
+    modes = {
+        str(path.relative_to(config.output_dir)): oct(stat.S_IMODE(path.stat().st_mode)) for path in files
+    }
+    assert modes == {name: oct(mode) for name in modes}
+
+
+def test_eval_dataset_is_scored_into_eval_and_evaluated_on(tmp_path, teacher_dir, capsys):
+    """``teacher-logprobs --eval_dataset_name`` scores the held-out rows into DIR/eval (a directory whose
+    training rows are scored already scores only those), and ``train distill`` evaluates on them; before
+    that, or with rows DIR/eval lacks, the error says what to run, in one line."""
+    rows, held_out = tiny_sft_rows(10)[:6], tiny_sft_rows(10)[6:]
+    held_out_file = write_rows(tmp_path / "held_out.jsonl", held_out)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(shard_rows=3))
+    scores = Path(config.output_dir)
+    (tmp_path / "t").mkdir()
+    train = offline_config(
+        tmp_path / "t", str(scores), rows, eval_dataset_name=str(held_out_file), eval_strategy="steps"
+    )
+    err = one_line_error(cli_args(["train", "distill"], train), capsys)
+    assert (
+        f"'eval_dataset_name' ({str(held_out_file)!r})" in err
+        and f"{scores / EVAL_DIR / MANIFEST} is missing" in err
+    )
+    assert (
+        f"teacher-logprobs with this run's keys, eval_dataset_name included, and --output_dir {scores}" in err
+    )
+
+    first = (scores / shard_name(0)).stat().st_mtime_ns
+    scoring = cli_args(
+        ["teacher-logprobs", "--shard_rows", "3"],
+        dataclasses.replace(config, eval_dataset_name=str(held_out_file)),
+    )
+    assert main(scoring) == 0
+    out = capsys.readouterr().out
+    assert f"scored 6 rows into {scores} and 4 eval rows into {scores / EVAL_DIR}" in out
+    assert "2 shards written, 2 already there" in out  # the training rows' shards kept
+    assert (scores / shard_name(0)).stat().st_mtime_ns == first
+    manifest = read_manifest(scores / EVAL_DIR)
+    assert manifest.complete and manifest.rows == 4 and manifest.shards == 2
+    assert manifest.teacher_weights == read_manifest(scores).teacher_weights
+
+    run_training(train, "distill")
+    capsys.readouterr()  # its progress bar
+    evaluations = [row["eval_loss"] for row in logged(train.output_dir) if "eval_loss" in row]
+    assert evaluations and all(math.isfinite(loss) and loss > 0 for loss in evaluations)
+
+    (tmp_path / "u").mkdir()  # a held-out row DIR/eval lacks
+    other = write_rows(tmp_path / "other.jsonl", tiny_sft_rows(12)[6:])
+    unscored = dataclasses.replace(
+        train, eval_dataset_name=str(other), output_dir=str(tmp_path / "u" / "run")
+    )
+    err = one_line_error(cli_args(["train", "distill"], unscored), capsys)
+    assert (
+        f"no teacher log-probs in {scores / EVAL_DIR} for this row of eval_dataset_name {str(other)!r}" in err
+    )
+    assert "remove it, then score them" in err
+
+    data = json.loads((scores / EVAL_DIR / MANIFEST).read_text())  # scored by another teacher than DIR
+    (scores / EVAL_DIR / MANIFEST).write_text(json.dumps(data | {"teacher_weights": "files:1:0123"}))
+    (tmp_path / "v").mkdir()
+    err = one_line_error(
+        cli_args(["train", "distill"], dataclasses.replace(train, output_dir=str(tmp_path / "v" / "run"))),
+        capsys,
+    )
+    assert (
+        f"{scores / EVAL_DIR} was scored by another teacher than {scores} (teacher_weights 'files:1:0123'"
+        in err
+    )
+
+
+def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir, capsys):
+    """The manifest fingerprints a local teacher's weight files (names, sizes, mtimes) and records
+    whether it was patched: a rerun after the weights changed, or with use_liger_kernel off, is refused in
+    one line naming both values; the same teacher resumes (nothing left to score)."""
+    teacher = Path(shutil.copytree(teacher_dir, tmp_path / "teacher"))
+    config = scoring_config(tmp_path, teacher, tiny_sft_rows(4))
+    score_teacher(config)
+    manifest = read_manifest(config.output_dir)
+    assert manifest.teacher_weights.startswith("files:1:") and manifest.teacher_patched is True
+    args = cli_args(["teacher-logprobs"], config)
+    assert main(args) == 0 and "0 shards written, 1 already there" in capsys.readouterr().out
+
+    err = one_line_error([*args, "--use_liger_kernel", "false"], capsys)
+    assert "(teacher_patched True there, False now)" in err
+
+    weights = teacher / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # retrained in place: the same size, a new mtime
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000_000))
+    err = one_line_error(args, capsys)
+    now = teacher_weights(config, teacher)
+    assert now != manifest.teacher_weights
+    assert f"(teacher_weights {manifest.teacher_weights!r} there, {now!r} now): use another directory" in err
+
+
+def test_teacher_weights_of_hub_and_builtin_models():
+    """A Hub id is identified by the commit its revision resolved to (its snapshot directory), a
+    built-in model by its name."""
+    snapshot = Path("/cache/models--org--name/snapshots/0123abcd")
+    assert teacher_weights(TrainConfig(model_name_or_path="org/name"), snapshot) == "revision 0123abcd"
+    assert (
+        teacher_weights(TrainConfig(model_name_or_path="tiny-llama"), "tiny-llama") == "built-in tiny-llama"
+    )

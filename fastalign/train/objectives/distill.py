@@ -41,7 +41,9 @@ support of the teacher's top token and the completion's own), through the fused
 support from one pass of its head). Only the data's completions have stored scores: ``lmbda`` is 0 and
 ``seq_kd`` off. Rows are matched to the stored ones by the hash of their tokens; a row without scores, or
 a tokenizer, teacher or temperature other than the manifest's, or a k over its, is a one-line error
-naming both.
+naming both. An ``eval_dataset_name``'s rows are looked for in the directory's ``eval`` sub-directory
+(``fastalign teacher-logprobs --eval_dataset_name`` writes it), scored by the same teacher; held-out
+training rows (``eval_split_ratio``) in the directory itself.
 The loss is summed over the completion tokens and divided by the step's count of them on all ranks
 (TRL's server path divides by its micro-batch's count: the same with one micro-batch on one process).
 """
@@ -51,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +61,14 @@ import torch
 from fastalign.data import tokenize_prompt_dataset, tokenize_sft_dataset
 from fastalign.data.formats import check_messages
 from fastalign.data.sources import Rows, row_origins
-from fastalign.data.teacher_logprobs import TeacherLogprobs, row_hash, tokenizer_hash
+from fastalign.data.teacher_logprobs import (
+    EVAL_DIR,
+    MANIFEST,
+    TeacherLogprobs,
+    read_manifest,
+    row_hash,
+    tokenizer_hash,
+)
 from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.ops import linear_divergence
 from fastalign.ops.sparse_divergence import linear_sparse_divergence
@@ -252,16 +262,23 @@ class DistillObjective(Objective):
 
     default_dataset = "tiny-sft"
 
-    def __init__(self, options: DistillOptions, ctx: DistributedContext | None = None):
+    def __init__(
+        self,
+        options: DistillOptions,
+        ctx: DistributedContext | None = None,
+        eval_dataset_name: str | None = None,
+    ):
         super().__init__(ctx)
         self.options = options
+        # where the evaluation rows come from (offline: their scores are in teacher_logprobs_path/eval)
+        self.eval_dataset_name = eval_dataset_name
         self.teacher: torch.nn.Module | None = None
         self.teacher_logprobs: TeacherLogprobs | None = None
         self.tokenizer = None
 
     @classmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> DistillObjective:
-        return cls(DistillOptions.from_config(config), ctx)
+        return cls(DistillOptions.from_config(config), ctx, config.eval_dataset_name)
 
     @classmethod
     def config_keys(cls, name: str) -> frozenset[str]:
@@ -373,12 +390,19 @@ class DistillObjective(Objective):
         if options.offline:  # the teacher is never loaded
             self.tokenizer = parts.tokenizer
             self.teacher_logprobs = open_teacher_logprobs(options, parts.tokenizer, self.loss_top_k)
-            for example in (*train, *evaluation):
-                if row_hash(example.prompt_ids, example.completion_ids) not in self.teacher_logprobs:
-                    raise ValueError(
-                        f"{example.where}: no teacher log-probs in {options.teacher_logprobs_path} for this "
-                        "row (score the same data with the same max_length, truncation and chat template)"
+            separate = self.eval_dataset_name is not None and bool(evaluation)
+            if separate:  # eval_dataset_name's rows: scored into the eval sub-directory
+                self.teacher_logprobs.include(
+                    open_eval_teacher_logprobs(
+                        options,
+                        parts.tokenizer,
+                        self.loss_top_k,
+                        self.eval_dataset_name,
+                        self.teacher_logprobs,
                     )
+                )
+            self._check_scored(train, None)
+            self._check_scored(evaluation, self.eval_dataset_name if separate else None)
             return Prepared(train, evaluation)
         self.teacher = parts.load_frozen_model(options.teacher_model_name_or_path)
         self.tokenizer = parts.tokenizer
@@ -390,6 +414,26 @@ class DistillObjective(Objective):
                 f"not the student's ({student}): distillation compares their next-token distributions"
             )
         return Prepared(train, evaluation)
+
+    def _check_scored(self, examples: list[DistillExample], eval_dataset_name: str | None) -> None:
+        """A ValueError naming the first of ``examples`` without stored scores, and what to run (the
+        rows of ``eval_dataset_name``, when given, are looked for in the eval sub-directory)."""
+        path = self.options.teacher_logprobs_path
+        for example in examples:
+            if row_hash(example.prompt_ids, example.completion_ids) in self.teacher_logprobs:
+                continue
+            if eval_dataset_name is None:
+                raise ValueError(
+                    f"{example.where}: no teacher log-probs in {path} for this row (score the same data with "
+                    "the same max_length, truncation and chat template: fastalign teacher-logprobs with this "
+                    f"run's keys and --output_dir {path})"
+                )
+            raise ValueError(
+                f"{example.where}: no teacher log-probs in {Path(path) / EVAL_DIR} for this row of "
+                f"eval_dataset_name {eval_dataset_name!r} (it holds other evaluation rows' scores: remove "
+                "it, then score them with the same max_length, truncation and chat template: fastalign "
+                f"teacher-logprobs with this run's keys, eval_dataset_name included, and --output_dir {path})"
+            )
 
     # --- a step ------------------------------------------------------------------------------------
     def loss_tokens(self, batch: dict) -> int:
@@ -540,6 +584,40 @@ def open_teacher_logprobs(options: DistillOptions, tokenizer, k: int) -> Teacher
         raise ConfigError(
             f"config key 'temperature' ({options.temperature}) is not the one {where} was scored at "
             f"({manifest.temperature})"
+        )
+    return stored
+
+
+#: The manifest keys that say which teacher scored: the training and evaluation rows' must agree.
+TEACHER_KEYS = ("teacher", "teacher_revision", "teacher_weights", "teacher_patched", "tokenizer_hash")
+
+
+def open_eval_teacher_logprobs(
+    options: DistillOptions, tokenizer, k: int, eval_dataset_name: str, train: TeacherLogprobs
+) -> TeacherLogprobs:
+    """The stored log-probs of ``eval_dataset_name``'s rows (``teacher_logprobs_path``'s ``EVAL_DIR``),
+    checked as the training rows' are, and scored by the same teacher as those (``train``)."""
+    path = Path(options.teacher_logprobs_path)
+    directory = path / EVAL_DIR
+    manifest = read_manifest(directory)
+    if manifest is None or not manifest.complete:
+        what = f"{directory / MANIFEST} is missing" if manifest is None else f"{directory} is incomplete"
+        raise ConfigError(
+            f"config key 'eval_dataset_name' ({eval_dataset_name!r}): {path} has no teacher log-probs of the "
+            f"evaluation rows ({what}): run fastalign teacher-logprobs with this run's keys, "
+            f"eval_dataset_name included, and --output_dir {path} (it scores them into {directory}, "
+            "keeping the training rows' shards)"
+        )
+    stored = open_teacher_logprobs(
+        dataclasses.replace(options, teacher_logprobs_path=str(directory)), tokenizer, k
+    )
+    ours, theirs = dataclasses.asdict(stored.manifest), dataclasses.asdict(train.manifest)
+    key = next((key for key in TEACHER_KEYS if ours[key] != theirs[key]), None)
+    if key is not None:
+        raise ConfigError(
+            f"config key 'teacher_logprobs_path': {directory} was scored by another teacher than {path} "
+            f"({key} {ours[key]!r} there, {theirs[key]!r} in {path}): remove {directory} and score "
+            f"eval_dataset_name {eval_dataset_name!r} again (fastalign teacher-logprobs --output_dir {path})"
         )
     return stored
 
