@@ -20,9 +20,16 @@ Every provider runs the same prompts, seeds and options, interleaved (each repea
 turn), in one process. A row: ``seconds`` (median wall time of a call), ``cpu_seconds`` (median CPU time
 of this process: on a CPU shared with other work it moves less than the wall time),
 ``completion_tokens`` (completion tokens up to and including the EOS, summed over the rows, median),
-``tokens_per_s`` = completion_tokens / seconds, and ``speedup`` = tokens_per_s over ``generate``'s.
-Floor: none stated; decoding is bound by the weights' and the KV cache's reads per step, which depend on
-the rows a step decodes, and the providers decode different rows.
+``tokens_per_s`` = completion_tokens / seconds, ``speedup`` = tokens_per_s over ``generate``'s, and
+``model_tokens``: the token positions the provider ran through the model (prefill tokens, padding
+included, plus one per row and decode step), its work.
+
+Floor: exact sampling leaves no FLOP of a forward out, so an engine gains only by running fewer token
+positions. ``work_bound`` (generate's ``model_tokens`` over the provider's, times the completion tokens'
+ratio) is the speedup it would reach at generate's cost per position; it reaches less where its decode
+steps hold fewer rows (a step's cost per row falls as its rows grow, down to the GEMMs' compute ceiling;
+a step of a few rows costs one read of the weights). On a CPU the decode GEMMs run near the core's FMA
+ceiling above ~32 rows, so the work bound is the ceiling of the speedup there.
 """
 
 from __future__ import annotations
@@ -46,19 +53,28 @@ PRESETS = {
             "dtype": "float32", "continuous_lengths": [64]},
     "gpu": {"model": "llama-3.2-1b", "prompts": 8, "group": 8, "lengths": [128], "repeats": 1,
                "dtype": "bfloat16"},
+    "cpu-long": {"model": "smollm2", "prompts": 4, "group": 8, "lengths": [64], "repeats": 2,
+                 "dtype": "float32", "context_words": 400, "continuous_lengths": []},
     "quick": {"model": "tiny-llama", "prompts": 2, "group": 2, "lengths": [8], "repeats": 1,
               "dtype": "float32"},
 }  # fmt: skip
 
 
-def questions(count: int) -> list[str]:
-    """Chat questions about the first ``count`` topics of the Python documentation."""
+def questions(count: int, context_words: int = 0) -> list[str]:
+    """Chat questions about the first ``count`` topics of the Python documentation; with
+    ``context_words``, each preceded by the topic's text, cut to that many words (a long prompt, as a
+    retrieval-augmented or few-shot rollout has)."""
     from pydoc_data.topics import topics
 
     names = sorted(topics)[:count]
-    return [
-        f"In a few sentences, what does the Python documentation's topic '{name}' cover?" for name in names
-    ]
+    texts = []
+    for name in names:
+        question = f"In a few sentences, what does the Python documentation's topic '{name}' cover?"
+        if context_words:
+            passage = " ".join(topics[name].split()[:context_words])
+            question = f"Documentation:\n{passage}\n\n{question}"
+        texts.append(question)
+    return texts
 
 
 def load(preset: dict, device: torch.device):
@@ -128,8 +144,28 @@ def sample(provider: str, model, ids, mask, group: int, options: dict) -> list[l
     return [list(output.generated_tokens) for output in outputs.values()]
 
 
-def _shape(preset: dict, length: int) -> str:
-    return f"{preset['model']}, {preset['prompts']} prompts × {preset['group']}, ≤ {length} tokens"
+class TokenCounter:
+    """Counts the token positions every forward of ``model`` runs (``input_ids``' elements)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.count = 0
+        self.handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.count += ids.numel()
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+
+def _shape(preset: dict, length: int, prompt_tokens: int) -> str:
+    return (
+        f"{preset['model']}, {preset['prompts']} prompts of ≤ {prompt_tokens} tokens × {preset['group']}, "
+        f"≤ {length} tokens"
+    )
 
 
 def _continuous_runs(preset: dict, length: int, repeat: int) -> bool:
@@ -143,9 +179,11 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
     preset = PRESETS[preset_name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load(preset, device)
-    ids, mask = (t.to(device) for t in encode(tokenizer, questions(preset["prompts"])))
+    texts = questions(preset["prompts"], preset.get("context_words", 0))
+    ids, mask = (t.to(device) for t in encode(tokenizer, texts))
     eos = tokenizer.eos_token_id
     rows, skipped = [], {}
+    counter = TokenCounter(model)
     with keep_rows_on_termination(skipped), torch.no_grad():
         for length in preset["lengths"]:
             options = dict(
@@ -153,7 +191,7 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                 eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
             )  # fmt: skip
             figures: dict[str, dict[str, list]] = {
-                p: {"seconds": [], "cpu": [], "tokens": []} for p in providers
+                p: {"seconds": [], "cpu": [], "tokens": [], "work": []} for p in providers
             }
             for repeat in range(preset["repeats"] + 1):  # the first repeat warms up
                 for provider in providers:
@@ -163,6 +201,7 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     wall, cpu = time.perf_counter(), time.process_time()
+                    counter.take()
                     try:
                         completions = sample(provider, model, ids, mask, preset["group"], options)
                     except Exception as failure:  # a provider that fails is a skipped row
@@ -174,6 +213,7 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                         figures[provider]["seconds"].append(time.perf_counter() - wall)
                         figures[provider]["cpu"].append(time.process_time() - cpu)
                         figures[provider]["tokens"].append(completion_tokens(completions, eos))
+                        figures[provider]["work"].append(counter.take())
             base = None
             for provider in providers:
                 got = figures[provider]
@@ -181,18 +221,28 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                     continue
                 seconds, tokens = statistics.median(got["seconds"]), statistics.median(got["tokens"])
                 row = {
-                    "provider": provider, "shape": _shape(preset, length), "max_new_tokens": length,
+                    "provider": provider, "shape": _shape(preset, length, ids.shape[1]),
+                    "max_new_tokens": length,
                     "prompts": preset["prompts"], "group": preset["group"], "seconds": round(seconds, 3),
                     "cpu_seconds": round(statistics.median(got["cpu"]), 3),
                     "completion_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                    "model_tokens": statistics.median(got["work"]),
                 }  # fmt: skip
                 if provider == "generate":
-                    base = row["tokens_per_s"]
+                    base = row
                 if base:
-                    row["speedup"] = round(row["tokens_per_s"] / base, 3)
+                    row["speedup"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+                    row["work_bound"] = round(
+                        base["model_tokens"] / row["model_tokens"] * tokens / base["completion_tokens"], 3
+                    )
                 rows.append(row)
                 print(row, flush=True)
-    floor = "none stated: decoding reads the weights and KV cache per step; providers decode different rows"
+    counter.handle.remove()
+    floor = (
+        "work: exact sampling runs every FLOP of each forward, so a provider's speedup over generate is at "
+        "most work_bound (generate's model_tokens over its own, per completion token) at generate's cost per "
+        "token position; steps of fewer rows cost more per row (down to one read of the weights a step)"
+    )
     return record(
         suite="e2e", kernel=KERNEL, preset=preset_name, floor=floor, ceiling={}, device=device,
         rows=rows, skipped=skipped, out_dir=out,

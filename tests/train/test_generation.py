@@ -18,6 +18,7 @@ from fastalign.builtin.models import TINY_MODEL_TYPES
 from fastalign.train import generation
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.generation import engine_refusal, sample_groups
+from fastalign.train.prefix_attention import SharedPrefixLayer
 from fastalign.train.rollout import SamplingOptions, generate_completions
 
 PAD = 0
@@ -59,18 +60,26 @@ def an_eos_that_ends_some_rows(model, ids, mask, steps: int) -> int:
 def compactions(monkeypatch) -> list[int]:
     """The row counts the engine's KV cache was compacted to (a spy on its layers)."""
     seen: list[int] = []
-    select = generation._ReservedLayer.batch_select_indices
+    for layer in (generation._ReservedLayer, SharedPrefixLayer):
+        select = layer.batch_select_indices
 
-    def spy(self, indices):
-        seen.append(len(indices))
-        return select(self, indices)
+        def spy(self, indices, select=select):
+            seen.append(len(indices))
+            return select(self, indices)
 
-    monkeypatch.setattr(generation._ReservedLayer, "batch_select_indices", spy)
+        monkeypatch.setattr(layer, "batch_select_indices", spy)
     return seen
 
 
+def sharing(monkeypatch, shared: bool) -> None:
+    """Make the engine hold the prompts' KV once (``shared``) or repeat it, whatever their length."""
+    monkeypatch.setattr(generation, "SHARE_FROM", 0 if shared else 10**9)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["repeated", "shared"])
 @pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
-def test_greedy_tokens_equal_generates_on_every_family(model_type, monkeypatch):
+def test_greedy_tokens_equal_generates_on_every_family(model_type, shared, monkeypatch):
+    sharing(monkeypatch, shared)
     model = tiny_model(model_type, seed=1).eval()
     ids, mask = left_padded([5, 9, 3, 7])
     eos = an_eos_that_ends_some_rows(model, ids, mask, steps=12)
@@ -80,7 +89,7 @@ def test_greedy_tokens_equal_generates_on_every_family(model_type, monkeypatch):
         expected = generate(model, ids, mask, 2, **options)
         ours = sample_groups(model, ids, mask, 2, options)
     assert torch.equal(ours, expected)
-    if model_type != "gemma3_text":  # every layer a sliding-window one: no _ReservedLayer to spy on
+    if model_type != "gemma3_text":  # every layer a sliding-window one: no layer of fastalign's to spy on
         assert seen, "rows ended but the batch was never compacted"
 
 
@@ -103,6 +112,35 @@ def test_generates_logits_processors_apply(monkeypatch):
         assert torch.equal(
             sample_groups(model, ids, mask, 3, options), generate(model, ids, mask, 3, **options)
         )
+
+
+def test_a_shared_prefix_is_held_once_and_never_rebuilt(monkeypatch):
+    """With the prompts' KV shared, each full-attention layer holds B prompts (not B·G rows), every
+    decode step takes the shared computation (the repeated tensors are never rebuilt), and the tokens
+    equal generate's, through compactions, with GQA (4 query heads a key head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sharing(monkeypatch, True)
+    kept, rebuilt = [], []
+    share, full = SharedPrefixLayer.share, SharedPrefixLayer.full
+    monkeypatch.setattr(SharedPrefixLayer, "share", lambda self, *a: (kept.append(self), share(self, *a))[1])
+    monkeypatch.setattr(SharedPrefixLayer, "full", lambda self, *a: (rebuilt.append(1), full(self, *a))[1])
+    seen = compactions(monkeypatch)
+    torch.manual_seed(8)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, pad_token_id=PAD, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids, mask = left_padded([9, 4, 12], seed=14)
+    eos = an_eos_that_ends_some_rows(model, ids, mask, steps=10)
+    options = dict(do_sample=False, max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD)
+    with torch.no_grad():
+        ours = sample_groups(model, ids, mask, 3, options)
+        assert torch.equal(ours, generate(model, ids, mask, 3, **options))
+    assert len(kept) == 2 and all(layer.prefix_keys.shape[0] == 3 for layer in kept)
+    assert seen and not rebuilt
+    assert model.config._attn_implementation == "sdpa"  # restored after decoding
 
 
 def test_lengths_count_the_prompt_as_generates_do():

@@ -1,0 +1,154 @@
+"""Decode attention over a prompt's keys and values held once for its ``num_generations`` completions.
+
+Why: the rollout engine prefills each prompt once, but repeating its KV cache for the G rows that
+sample from it makes every decode step read the prompt's keys and values G times. With long prompts
+those reads outweigh the weights': SmolLM2-135M's cache is 46 KB a token, so 4 prompts of 550 tokens ×
+8 completions read 0.8 GB of prompt KV per decode step, against 0.54 GB of weights. Holding the prompt
+once (B rows, not B·G) cuts both the reads and the memory by G.
+
+How: each full-attention cache layer becomes a ``SharedPrefixLayer`` after the prefill (``share``): it
+keeps the prompts' keys and values [B, H, P, D] and, in a reserved buffer, each row's own decoded ones
+[R, H, T, D], and ``update`` returns the rows' own. The attention function registered with transformers
+as ``ATTENTION`` (in effect only inside ``shared_prefix_decoding``) gives each row one softmax over [its
+prompt's P keys; its own T]: a prompt's rows meet its prefix in one matmul, their queries stacked (the
+prefix read once per prompt), and their own keys in another. The model, its mask and every other layer
+run as with ``sdpa``: the mask is built for P + T positions (``get_seq_length`` counts the prefix), and a
+call this function does not cover (not a single-token decode, or an attention option it does not
+implement) runs ``sdpa`` on the prefix and the row's keys concatenated, which is the repeated cache's
+computation exactly.
+
+Only a model that attends with ``sdpa`` shares (``can_share``): eager attention takes another mask, the
+flash kernels another layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+#: The attention implementation name the engine sets on the model's config while it decodes.
+ATTENTION = "fastalign_shared_prefix"
+#: Keyword arguments of an attention call that do not change a single-token decode's attention; any
+#: other that is set (a softcap, a sliding window, sinks, a position bias, ...) takes the fallback.
+_INERT = frozenset(
+    {"dropout", "is_causal", "position_ids", "cache_position", "use_cache", "output_attentions"}
+    | {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+)
+
+_decoding: list = []  # the cache being decoded (at most one at a time: a stack for re-entrancy)
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """A full-attention cache layer holding its prompts once, after ``share``; before, a ``DynamicLayer``."""
+
+    shared = False
+
+    def share(self, group: int, prompt_mask: torch.Tensor, tokens: int) -> None:
+        """Keep the prefilled prompts' keys and values once for ``group`` rows each, with room for
+        ``tokens`` decoded ones per row. ``prompt_mask``: the prompts' [B, P] attention mask."""
+        self.prefix_keys, self.prefix_values = self.keys, self.values
+        self.prefix_mask = prompt_mask.bool()[:, None, None, :]  # [B, 1, 1, P]
+        batch, heads, _, dim = self.keys.shape
+        self._own_keys = self.keys.new_empty(batch * group, heads, tokens, dim)
+        self._own_values = self.values.new_empty(batch * group, heads, tokens, dim)
+        self.keys, self.values = self._own_keys[..., :0, :], self._own_values[..., :0, :]
+        self._place(torch.arange(batch, device=self.keys.device).repeat_interleave(group))
+        self.shared = True
+
+    def _place(self, prompt_of_row: torch.Tensor) -> None:
+        """Each row's prompt, and its slot among that prompt's rows (rows are grouped by prompt)."""
+        self.prompt_of_row = prompt_of_row
+        counts = torch.bincount(prompt_of_row, minlength=self.prefix_keys.shape[0])
+        starts = counts.cumsum(0) - counts
+        self.slot_of_row = (
+            torch.arange(len(prompt_of_row), device=prompt_of_row.device) - starts[prompt_of_row]
+        )
+        self.slots = int(counts.max()) if len(prompt_of_row) else 0  # one host sync per compaction
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.shared:
+            return super().update(key_states, value_states, *args, **kwargs)
+        start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        self._own_keys[..., start:end, :] = key_states
+        self._own_values[..., start:end, :] = value_states
+        self.keys, self.values = self._own_keys[..., :end, :], self._own_values[..., :end, :]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        own = super().get_seq_length()
+        return own + self.prefix_keys.shape[-2] if self.shared else own
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.shared:
+            return super().batch_select_indices(indices)
+        length = self.keys.shape[-2]
+        self._own_keys, self._own_values = self._own_keys[indices], self._own_values[indices]
+        self.keys, self.values = self._own_keys[..., :length, :], self._own_values[..., :length, :]
+        self._place(self.prompt_of_row[indices])
+
+    def full(self, own: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """The repeated cache's tensor: each row's prompt's prefix, then its own."""
+        return torch.cat([prefix[self.prompt_of_row], own], dim=-2)
+
+
+def can_share(model: torch.nn.Module) -> bool:
+    """Whether the model attends with ``sdpa`` (the function's fallback and mask are sdpa's)."""
+    return getattr(model.config, "_attn_implementation", None) == "sdpa"
+
+
+@contextlib.contextmanager
+def shared_prefix_decoding(model: torch.nn.Module, cache):
+    """The model attends with ``ATTENTION`` over ``cache`` inside the block, with its own after."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    _decoding.append(cache)
+    try:
+        yield
+    finally:
+        _decoding.pop()
+        config._attn_implementation = previous
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """``sdpa_attention_forward``'s contract (query [R, Hq, L, D], the cache's key and value
+    [R, Hkv, T, D]; returns [R, L, Hq, D] and no weights), over the prefix and the row's own keys."""
+    layer = _decoding[-1].layers[module.layer_idx] if _decoding else None
+    if not isinstance(layer, SharedPrefixLayer) or not layer.shared:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    unhandled = any(value is not None for name, value in kwargs.items() if name not in _INERT)
+    if query.shape[-2] != 1 or kwargs.get("dropout", 0.0) or unhandled:
+        key, value = layer.full(key, layer.prefix_keys), layer.full(value, layer.prefix_values)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    per_kv = heads // kv_heads  # query heads sharing a key head, adjacent (as repeat_kv lays them out)
+    scale = dim**-0.5 if scaling is None else scaling
+    query = query.reshape(rows, kv_heads, per_kv, dim)
+    prompts, slots = layer.prompt_of_row, layer.slot_of_row
+    batch, prefix = layer.prefix_keys.shape[0], layer.prefix_keys.shape[-2]
+
+    def stacked(per_row: torch.Tensor) -> torch.Tensor:  # [R, Hkv, per_kv, X] -> [B, Hkv, slots·per_kv, X]
+        out = per_row.new_zeros(batch, layer.slots, *per_row.shape[1:])
+        out[prompts, slots] = per_row
+        return out.transpose(1, 2).reshape(batch, kv_heads, layer.slots * per_kv, per_row.shape[-1])
+
+    def unstacked(per_prompt: torch.Tensor) -> torch.Tensor:  # the inverse
+        out = per_prompt.view(batch, kv_heads, layer.slots, per_kv, per_prompt.shape[-1]).transpose(1, 2)
+        return out[prompts, slots]
+
+    prefix_scores = stacked(query) @ layer.prefix_keys.transpose(-1, -2)  # [B, Hkv, slots·per_kv, P]
+    prefix_scores = prefix_scores.masked_fill(~layer.prefix_mask, float("-inf"))
+    scores = torch.cat([unstacked(prefix_scores), query @ key.transpose(-1, -2)], dim=-1) * scale
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    output = unstacked(stacked(weights[..., :prefix]) @ layer.prefix_values) + weights[..., prefix:] @ value
+    return output.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, shared_prefix_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
