@@ -191,8 +191,11 @@ def test_a_cache_the_engine_cannot_repeat_is_sampled_by_generate():
     assert refusal is not None and "cannot repeat" in refusal
 
 
-def test_lora_and_patched_models_decode_as_generate():
+@pytest.mark.parametrize("shared", [False, True], ids=["repeated", "shared"])
+def test_lora_and_patched_models_decode_as_generate(shared, monkeypatch):
     from peft import LoraConfig, get_peft_model
+
+    sharing(monkeypatch, shared)
 
     from fastalign import patch_model
 
