@@ -1,6 +1,7 @@
 """Rollout generation: fastalign's engine against ``model.generate`` and transformers' continuous batching.
 
     python benchmarks/e2e/bench_generation.py --preset cpu      # SmolLM2-135M-Instruct, 64 and 256 tokens
+    python benchmarks/e2e/bench_generation.py --preset cpu-long # the same with ~770-token prompts, 64 tokens
     python benchmarks/e2e/bench_generation.py --preset gpu      # Llama-3.2-1B shape, random weights, bf16
     python benchmarks/e2e/bench_generation.py --preset quick    # a tiny random model: it works
 
@@ -14,13 +15,15 @@ topics, ``pydoc_data``), ``group`` sampled completions of each (temperature 1, n
   ended rows dropped, inverse-CDF draws;
 - ``continuous``: transformers' continuous batching (``model.generate_batch``, paged attention; TRL's
   ``use_transformers_paged``), each completion a request (on a CPU one call, at the shortest length
-  only, without a warm-up: its warm-up call took 25 minutes on a 2-core CPU).
+  only, without a warm-up: a first call took 2.6 to 25 minutes on a shared 2-core CPU).
 
 Every provider runs the same prompts, seeds and options, interleaved (each repeat runs every provider in
 turn), in one process. A row: ``seconds`` (median wall time of a call), ``cpu_seconds`` (median CPU time
 of this process: on a CPU shared with other work it moves less than the wall time),
 ``completion_tokens`` (completion tokens up to and including the EOS, summed over the rows, median),
-``tokens_per_s`` = completion_tokens / seconds, ``speedup`` = tokens_per_s over ``generate``'s, and
+``tokens_per_s`` = completion_tokens / seconds, ``speedup`` = tokens_per_s over ``generate``'s,
+``tokens_per_cpu_s`` and ``cpu_speedup`` the same over CPU seconds (on a CPU shared with other work, at
+one thread, the figures to read: the wall time also counts the waits for a core), and
 ``model_tokens``: the token positions the provider ran through the model (prefill tokens, padding
 included, plus one per row and decode step), its work.
 
@@ -226,12 +229,14 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                     "prompts": preset["prompts"], "group": preset["group"], "seconds": round(seconds, 3),
                     "cpu_seconds": round(statistics.median(got["cpu"]), 3),
                     "completion_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                    "tokens_per_cpu_s": round(tokens / statistics.median(got["cpu"]), 1),
                     "model_tokens": statistics.median(got["work"]),
                 }  # fmt: skip
                 if provider == "generate":
                     base = row
                 if base:
                     row["speedup"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+                    row["cpu_speedup"] = round(row["tokens_per_cpu_s"] / base["tokens_per_cpu_s"], 3)
                     row["work_bound"] = round(
                         base["model_tokens"] / row["model_tokens"] * tokens / base["completion_tokens"], 3
                     )
