@@ -44,7 +44,8 @@ import torch.distributed as dist
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from fastalign.train.prefix_attention import SharedPrefixLayer, can_share, shared_prefix_decoding
+from fastalign.train.decode_cache import ReservedLayer, SharedPrefixLayer
+from fastalign.train.prefix_attention import can_share, shared_prefix_decoding
 
 try:  # transformers >= 5.23: the layers of a model's layers without attention
     from transformers.cache_utils import DummyLayer
@@ -147,42 +148,11 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None
     return None
 
 
-class _ReservedLayer(DynamicLayer):
-    """A full-attention cache layer that appends in place: ``DynamicLayer`` concatenates, copying the
-    whole cache at every decode step (at 256 completion tokens that copy outweighs the step's weights).
-    ``reserve`` moves the cache into a buffer with room for ``tokens`` more, and ``update`` then writes
-    each step's keys and values after the filled part and returns views of it."""
-
-    def reserve(self, tokens: int) -> None:
-        length = self.get_seq_length()
-        self._keys = self.keys.new_empty(*self.keys.shape[:-2], length + tokens, self.keys.shape[-1])
-        self._values = self.values.new_empty(*self.values.shape[:-2], length + tokens, self.values.shape[-1])
-        self._keys[..., :length, :] = self.keys
-        self._values[..., :length, :] = self.values
-        self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not hasattr(self, "_keys"):
-            return super().update(key_states, value_states, *args, **kwargs)
-        start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
-        self._keys[..., start:end, :] = key_states
-        self._values[..., start:end, :] = value_states
-        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not hasattr(self, "_keys"):
-            return super().batch_select_indices(indices)
-        length = self.keys.shape[-2]
-        self._keys, self._values = self._keys[indices], self._values[indices]
-        self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
-
-
 def _decode_cache(model: torch.nn.Module, shared: bool) -> DynamicCache:
-    """The model's ``DynamicCache`` with each plain full-attention layer a ``_ReservedLayer``, or with
+    """The model's ``DynamicCache`` with each plain full-attention layer a ``ReservedLayer``, or with
     ``shared`` a ``SharedPrefixLayer`` (sliding window layers are bounded, and kept as transformers makes
     them; ``engine_refusal`` has ruled out any other kind)."""
-    kind = SharedPrefixLayer if shared else _ReservedLayer
+    kind = SharedPrefixLayer if shared else ReservedLayer
     cache = DynamicCache(config=model.config)
     cache.layers = [kind() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # layers made on first use
@@ -192,13 +162,13 @@ def _decode_cache(model: torch.nn.Module, shared: bool) -> DynamicCache:
 
 def _for_the_group(cache: DynamicCache, group: int, prompt_mask: torch.Tensor, tokens: int) -> None:
     """The prefilled cache made ready for ``group`` rows per prompt and ``tokens`` decode steps: each
-    layer's prompts shared (``SharedPrefixLayer``) or repeated (and reserved: ``_ReservedLayer``)."""
+    layer's prompts shared (``SharedPrefixLayer``) or repeated (and reserved: ``ReservedLayer``)."""
     for layer in cache.layers:
         if isinstance(layer, SharedPrefixLayer):
             layer.share(group, prompt_mask, tokens)
             continue
         layer.batch_repeat_interleave(group)
-        if isinstance(layer, _ReservedLayer):
+        if isinstance(layer, ReservedLayer):
             layer.reserve(tokens)
 
 

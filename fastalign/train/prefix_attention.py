@@ -6,7 +6,8 @@ those reads outweigh the weights': SmolLM2-135M's cache is 46 KB a token, so 4 p
 8 completions read 0.8 GB of prompt KV per decode step, against 0.54 GB of weights. Holding the prompt
 once (B rows, not B·G) cuts both the reads and the memory by G.
 
-How: each full-attention cache layer becomes a ``SharedPrefixLayer`` after the prefill (``share``): it
+How: each full-attention cache layer is a ``SharedPrefixLayer`` (``fastalign.train.decode_cache``); after
+the prefill (``share``) it
 keeps the prompts' keys and values [B, H, P, D] and, in a reserved buffer, each row's own decoded ones
 [R, H, T, D], and ``update`` returns the rows' own. The attention function registered with transformers
 as ``ATTENTION`` (in effect only inside ``shared_prefix_decoding``) gives each row one softmax over [its
@@ -27,9 +28,10 @@ import contextlib
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from fastalign.train.decode_cache import SharedPrefixLayer
 
 #: The attention implementation name the engine sets on the model's config while it decodes.
 ATTENTION = "fastalign_shared_prefix"
@@ -41,59 +43,6 @@ _INERT = frozenset(
 )
 
 _decoding: list = []  # the cache being decoded (at most one at a time: a stack for re-entrancy)
-
-
-class SharedPrefixLayer(DynamicLayer):
-    """A full-attention cache layer holding its prompts once, after ``share``; before, a ``DynamicLayer``."""
-
-    shared = False
-
-    def share(self, group: int, prompt_mask: torch.Tensor, tokens: int) -> None:
-        """Keep the prefilled prompts' keys and values once for ``group`` rows each, with room for
-        ``tokens`` decoded ones per row. ``prompt_mask``: the prompts' [B, P] attention mask."""
-        self.prefix_keys, self.prefix_values = self.keys, self.values
-        self.prefix_mask = prompt_mask.bool()[:, None, None, :]  # [B, 1, 1, P]
-        batch, heads, _, dim = self.keys.shape
-        self._own_keys = self.keys.new_empty(batch * group, heads, tokens, dim)
-        self._own_values = self.values.new_empty(batch * group, heads, tokens, dim)
-        self.keys, self.values = self._own_keys[..., :0, :], self._own_values[..., :0, :]
-        self._place(torch.arange(batch, device=self.keys.device).repeat_interleave(group))
-        self.shared = True
-
-    def _place(self, prompt_of_row: torch.Tensor) -> None:
-        """Each row's prompt, and its slot among that prompt's rows (rows are grouped by prompt)."""
-        self.prompt_of_row = prompt_of_row
-        counts = torch.bincount(prompt_of_row, minlength=self.prefix_keys.shape[0])
-        starts = counts.cumsum(0) - counts
-        self.slot_of_row = (
-            torch.arange(len(prompt_of_row), device=prompt_of_row.device) - starts[prompt_of_row]
-        )
-        self.slots = int(counts.max()) if len(prompt_of_row) else 0  # one host sync per compaction
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.shared:
-            return super().update(key_states, value_states, *args, **kwargs)
-        start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
-        self._own_keys[..., start:end, :] = key_states
-        self._own_values[..., start:end, :] = value_states
-        self.keys, self.values = self._own_keys[..., :end, :], self._own_values[..., :end, :]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        own = super().get_seq_length()
-        return own + self.prefix_keys.shape[-2] if self.shared else own
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not self.shared:
-            return super().batch_select_indices(indices)
-        length = self.keys.shape[-2]
-        self._own_keys, self._own_values = self._own_keys[indices], self._own_values[indices]
-        self.keys, self.values = self._own_keys[..., :length, :], self._own_values[..., :length, :]
-        self._place(self.prompt_of_row[indices])
-
-    def full(self, own: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """The repeated cache's tensor: each row's prompt's prefix, then its own."""
-        return torch.cat([prefix[self.prompt_of_row], own], dim=-2)
 
 
 def can_share(model: torch.nn.Module) -> bool:

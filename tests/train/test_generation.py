@@ -16,9 +16,9 @@ import torch
 from fastalign.builtin import tiny_model
 from fastalign.builtin.models import TINY_MODEL_TYPES
 from fastalign.train import generation
+from fastalign.train.decode_cache import ReservedLayer, SharedPrefixLayer
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.generation import engine_refusal, sample_groups
-from fastalign.train.prefix_attention import SharedPrefixLayer
 from fastalign.train.rollout import SamplingOptions, generate_completions
 
 PAD = 0
@@ -60,7 +60,7 @@ def an_eos_that_ends_some_rows(model, ids, mask, steps: int) -> int:
 def compactions(monkeypatch) -> list[int]:
     """The row counts the engine's KV cache was compacted to (a spy on its layers)."""
     seen: list[int] = []
-    for layer in (generation._ReservedLayer, SharedPrefixLayer):
+    for layer in (ReservedLayer, SharedPrefixLayer):
         select = layer.batch_select_indices
 
         def spy(self, indices, select=select):
