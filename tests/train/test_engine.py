@@ -152,6 +152,21 @@ def test_kill_and_resume_gives_the_same_losses(tmp_path):
         assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, expected, got)
 
 
+def test_a_resume_between_log_lines_logs_the_same_means(tmp_path):
+    """save_steps 3, logging_steps 2: the checkpoint falls inside a log window (step 3 of the window 3-4);
+    the resumed run's log line at step 4 averages steps 3 and 4, as the uninterrupted run's does."""
+    options = dict(max_steps=6, save_steps=3, logging_steps=2, lr_scheduler_type="cosine")
+    reference = run_sft(config(tmp_path / "a", **options))
+    cfg = config(tmp_path / "b", **options)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg, callbacks=[_Crash(at=4)])
+    cfg.resume_from_checkpoint = "latest"
+    resumed = run_sft(cfg)
+    expected, got = train_losses(reference), train_losses(resumed)
+    for step in (4, 6):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, expected, got)
+
+
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     cfg = config(tmp_path, max_steps=4, save_steps=2)
     real_save = checkpoint_module.dcp.save
