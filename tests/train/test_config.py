@@ -87,7 +87,8 @@ def test_flag_values_keep_equals_signs_and_leading_minus():
     ],
 )
 def test_yaml_values_are_coerced_to_the_field_type(tmp_path, field, yaml_text, expected):
-    value = getattr(load_config(write(tmp_path, f"{field}: {yaml_text}\n")), field)
+    peft = "use_peft: true\n" if field.startswith("lora_") else ""  # a LoRA option needs it
+    value = getattr(load_config(write(tmp_path, f"{peft}{field}: {yaml_text}\n")), field)
     assert value == expected and type(value) is type(expected)
 
 
@@ -111,8 +112,16 @@ def test_yaml_values_are_coerced_to_the_field_type(tmp_path, field, yaml_text, e
         (["--resume_from_checkpoint", "latest"], "resume_from_checkpoint", "latest"),
         (["--completion_only_loss", "none"], "completion_only_loss", None),
         (["--completion_only_loss", "false"], "completion_only_loss", False),
-        (["--lora_target_modules", "q_proj,v_proj"], "lora_target_modules", ["q_proj", "v_proj"]),
-        (["--lora_target_modules", " q_proj , v_proj ,"], "lora_target_modules", ["q_proj", "v_proj"]),
+        (
+            ["--use_peft", "true", "--lora_target_modules", "q_proj,v_proj"],
+            "lora_target_modules",
+            ["q_proj", "v_proj"],
+        ),
+        (
+            ["--use_peft", "true", "--lora_target_modules", " q_proj , v_proj ,"],
+            "lora_target_modules",
+            ["q_proj", "v_proj"],
+        ),
         (["--report_to", "tensorboard"], "report_to", ["tensorboard"]),
         (["--report_to", ""], "report_to", []),
     ],

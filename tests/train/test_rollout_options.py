@@ -136,6 +136,14 @@ def test_rollout_options_that_cannot_work_are_refused(name, options, key):
         make_objective(name, TrainConfig(reward_funcs=[DIGITS], num_generations=2, **options), CPU)
 
 
+@pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
+def test_truncation_without_max_prompt_length_is_refused(name):
+    """Prompts are truncated to max_prompt_length only: without it, truncation would be ignored."""
+    with pytest.raises(ConfigError, match=r"config key 'truncation' .* only with max_prompt_length"):
+        make_objective(name, TrainConfig(reward_funcs=[DIGITS], truncation=True), CPU)
+    make_objective(name, TrainConfig(reward_funcs=[DIGITS], truncation=True, max_prompt_length=32), CPU)
+
+
 @pytest.mark.parametrize(
     ("name", "options", "served"),
     [

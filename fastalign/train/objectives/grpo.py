@@ -244,6 +244,11 @@ class RolloutOptions(SamplingKeys):
                 "whole optimizer steps"
             )
         check_generation_keys(self.use_vllm, self.generation_kwargs, self.reward_funcs, self.reward_weights)
+        if config.truncation and self.max_prompt_length is None:
+            raise ConfigError(
+                f"config key 'truncation' is read by {name} only with max_prompt_length (it truncates "
+                "prompts to that length): set max_prompt_length, or remove truncation"
+            )
         if config.save_strategy == "steps" and config.max_steps > 0:  # else once the run's length is known
             self.check_save_steps(name, config, config.max_steps)
 
