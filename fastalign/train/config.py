@@ -749,6 +749,9 @@ def _check(config: TrainConfig, where: dict[str, str], evaluates: bool = True) -
     if config.tiled_mlp and not config.use_liger_kernel:
         _fail(where, "tiled_mlp", "tiles the patched MLPs: it needs use_liger_kernel: true")
     _check_unread_options(config, where)
+    for name in config.report_to:
+        if name in REPORT_TO and not _installed(name):
+            _fail(where, "report_to", f"({name!r}) needs the {name} package: pip install {name}")
     bound = "epsilon_high" if config.epsilon_high is not None else "epsilon"  # as GRPOLoss clips
     if config.delta is not None and config.delta <= 1 + getattr(config, bound):
         _fail(
@@ -764,6 +767,11 @@ def _check(config: TrainConfig, where: dict[str, str], evaluates: bool = True) -
         )
         raise ConfigError(f"config key 'max_steps' or 'num_train_epochs' must be positive, got {got}")
     _check_evaluation_and_saving(config, where, evaluates)
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported (a ``report_to`` integration's)."""
+    return importlib.util.find_spec(package) is not None
 
 
 def _field_names() -> list[str]:

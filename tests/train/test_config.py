@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from fastalign.train.config import ConfigError, TrainConfig, load_config, save_config
+from fastalign.train import config as config_module
+from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config, save_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_tiny.yaml"
+
+
+@pytest.fixture(autouse=True)
+def integrations_installed(monkeypatch):
+    """report_to's packages count as installed here (each test that says otherwise patches it again)."""
+    monkeypatch.setattr(config_module, "_installed", lambda package: True)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -319,6 +326,18 @@ def test_report_to_takes_transformers_forms(tmp_path, yaml_text, flag, expected)
     """As ``TrainingArguments``: one name or a list, "none" for none (before: "none" was an error)."""
     assert load_config(write(tmp_path, f"report_to: {yaml_text}\n")).report_to == expected
     assert load_config(None, ["--report_to", flag]).report_to == expected
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb"])
+def test_report_to_a_package_not_installed_is_one_line_at_load(monkeypatch, name):
+    """Before: a traceback from the callback's import once the run had started (its config written)."""
+    monkeypatch.setattr(config_module, "_installed", lambda package: package != name)
+    assert config_error(None, ["--report_to", name]) == (
+        f"config key 'report_to' (on the command line) ({name!r}) needs the {name} package: "
+        f"pip install {name}"
+    )
+    with pytest.raises(ConfigError, match=f"needs the {name} package"):
+        check_config(TrainConfig(report_to=[name]))
 
 
 def test_report_to_in_code_takes_the_same_forms():
