@@ -280,3 +280,21 @@ def test_runs_from_a_checkpoint_are_sharded_before_their_weights_exist(tmp_path,
     two = train_losses(Path(cfg.output_dir))
     for step, loss in single.items():
         assert two[step] == pytest.approx(loss, rel=1e-5), (single, two)
+
+
+def test_a_checkpoint_restores_the_python_and_numpy_generators(tmp_path):
+    """Beside torch's: a reward function or data hook drawing from ``random``/``numpy`` resumes exactly."""
+    import random
+
+    import numpy as np
+
+    from fastalign.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model = tiny_model("llama")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1}, SINGLE, None)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    load_checkpoint(path, model, optimizer, SINGLE)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
