@@ -4,7 +4,8 @@ A checkpoint is a directory ``checkpoint-<step>`` holding the model (or, with Lo
 adapter weights) and optimizer state in ``torch.distributed.checkpoint`` format (each rank writes its
 own shards; loading re-shards), ``trainer_state.json`` (step, data position, scheduler, and under
 ``"config"`` the run's config as given: the fingerprint a resume is checked against) and one
-``rng-<rank>.pt`` of tensors per rank. It is written under ``.tmp-checkpoint-<step>`` and renamed when
+``rng-<rank>.pt`` per rank (torch's, Python's ``random`` and numpy's generators). It is written
+under ``.tmp-checkpoint-<step>`` and renamed when
 complete: a kill during a save leaves only a temporary directory, which resume never picks and the next
 save deletes; a disk that fills during a save is a one-line ``DiskFullError``, the partial directory
 removed. ``save_total_limit`` checkpoints are kept (None: all), as transformers rotates them: the newest
@@ -19,11 +20,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import re
 import shutil
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -126,11 +129,38 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
+def _rng_state() -> dict:
+    """torch's (CPU, CUDA), Python's ``random`` and numpy's global generators, in types that
+    ``torch.load(weights_only=True)`` reads back."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {
+        "cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def _set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    if "python" in rng:  # a checkpoint saved before they were kept has torch's only
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in rng:
+        kind, keys, position, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+
+
+def _save_durably(obj: object, path: Path) -> None:
+    """``torch.save``, flushed to disk before the directory holding it is renamed into place."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _barrier(ctx: DistributedContext) -> None:
@@ -171,7 +201,7 @@ def save_checkpoint(
         _quiet_dcp(dcp.save, {"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         if objective_state:
             _quiet_dcp(dcp.save, objective_state, checkpoint_id=str(tmp / OBJECTIVE_STATE))
-        torch.save(_rng_state(), tmp / f"rng-{ctx.rank}.pt")
+        _save_durably(_rng_state(), tmp / f"rng-{ctx.rank}.pt")
         _barrier(ctx)
         if ctx.is_main:
             _write_json(tmp / TRAINER_STATE, trainer_state)
@@ -264,10 +294,7 @@ def load_checkpoint(
     )
     rng_file = path / f"rng-{ctx.rank}.pt"
     if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        _set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / TRAINER_STATE).read_text())
 
 

@@ -748,6 +748,10 @@ def _check(config: TrainConfig, where: dict[str, str], evaluates: bool = True) -
         )
     if config.tiled_mlp and not config.use_liger_kernel:
         _fail(where, "tiled_mlp", "tiles the patched MLPs: it needs use_liger_kernel: true")
+    _check_unread_options(config, where)
+    for name in config.report_to:
+        if name in REPORT_TO and not _installed(name):
+            _fail(where, "report_to", f"({name!r}) needs the {name} package: pip install {name}")
     bound = "epsilon_high" if config.epsilon_high is not None else "epsilon"  # as GRPOLoss clips
     if config.delta is not None and config.delta <= 1 + getattr(config, bound):
         _fail(
@@ -763,6 +767,59 @@ def _check(config: TrainConfig, where: dict[str, str], evaluates: bool = True) -
         )
         raise ConfigError(f"config key 'max_steps' or 'num_train_epochs' must be positive, got {got}")
     _check_evaluation_and_saving(config, where, evaluates)
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported (a ``report_to`` integration's)."""
+    return importlib.util.find_spec(package) is not None
+
+
+def _field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+#: key → (the key or condition it needs, in words; whether the config has it): an option that only
+#: means something beside another, refused when set (away from its default) without it.
+_NEEDS: dict[str, tuple[str, Callable[[TrainConfig], bool]]] = {
+    **{
+        key: ("quantization (nf4 or fp4)", lambda config: config.quantization is not None)
+        for key in _field_names()
+        if key.startswith("bnb_4bit_")
+    },
+    "activation_offloading_keep_on_device": (
+        "activation_offloading: true",
+        lambda config: config.activation_offloading,
+    ),
+    "tiled_mlp_budget_mib": ("tiled_mlp: true", lambda config: config.tiled_mlp),
+    "save_total_limit": ("save_strategy steps or epoch", lambda config: config.save_strategy != "no"),
+    **{
+        key: ("sync_ref_model: true (TR-DPO)", lambda config: config.sync_ref_model)
+        for key in ("ref_model_mixup_alpha", "ref_model_sync_steps")
+    },
+    **{
+        key: (
+            "an Adam optimizer (optim adamw_torch_fused, adamw_torch, adamw_8bit or paged_adamw_8bit)",
+            lambda config: config.optim.startswith(("adamw", "paged_adamw")),
+        )
+        for key in ("adam_beta1", "adam_beta2", "adam_epsilon")
+    },
+}
+
+
+def _check_unread_options(config: TrainConfig, where: dict[str, str]) -> None:
+    """An option set (away from its default) that the run would not read, for want of the option it
+    qualifies (``_NEEDS``), or beside one that overrides it: a one-line error, never silently ignored."""
+    defaults = TrainConfig()
+    for key, (needs, has) in _NEEDS.items():
+        if getattr(config, key) != getattr(defaults, key) and not has(config):
+            _fail(where, key, f"({getattr(config, key)!r}) is read only with {needs}")
+    if config.warmup_ratio and config.warmup_steps:
+        _fail(
+            where,
+            "warmup_ratio",
+            f"({config.warmup_ratio!r}) is read only when warmup_steps is 0, and warmup_steps is "
+            f"{config.warmup_steps!r}: set one of them (warmup_steps below 1 is a ratio too)",
+        )
 
 
 def _check_truncation_mode(config: TrainConfig, where: dict[str, str]) -> None:
@@ -842,10 +899,11 @@ def _check_model_options(config: TrainConfig, where: dict[str, str]) -> None:
             "dtype",
             "float16 cannot train in full with fp16: its gradient scaler cannot unscale fp16 gradients",
         )
-    lora = {"use_rslora": False, "use_dora": False, "lora_modules_to_save": None}
-    for key, default in lora.items():
-        if getattr(config, key) != default and not config.use_peft:
-            _fail(where, key, "is a LoRA option: it needs use_peft: true")
+    defaults = TrainConfig()
+    lora = [key for key in _field_names() if key.startswith("lora_")] + ["use_rslora", "use_dora"]
+    for key in lora:
+        if getattr(config, key) != getattr(defaults, key) and not config.use_peft:
+            _fail(where, key, f"({getattr(config, key)!r}) is a LoRA option: it needs use_peft: true")
     if config.use_dora and config.quantization:
         _fail(
             where,

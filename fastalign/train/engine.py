@@ -32,6 +32,7 @@ Where metrics go (JSONL, progress bar, TensorBoard, W&B) and anything else users
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import shutil
@@ -74,6 +75,9 @@ class TrainerState:
     log_history: list[dict] = field(default_factory=list)
     best_metric: float | None = None  # load_best_model_at_end: the best checkpoint's metric and step
     best_step: int | None = None
+    # the steps since the last log line (their summed loss, tokens, seconds and objective metrics): a run
+    # resumed between two log lines logs the same means as one that was never stopped
+    log_window: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -202,6 +206,8 @@ class Engine:
         self.objective.load_state_dict(objective_state)
         self.state = TrainerState.from_dict(data)
         self.scheduler.load_state_dict(self.state.scheduler)
+        if self.state.log_window:  # a checkpoint saved before log_window was kept has none
+            self._window = copy.deepcopy(self.state.log_window)
         if self.scaler is not None and self.state.scaler:
             self.scaler.load_state_dict(self.state.scaler)
 
@@ -215,6 +221,7 @@ class Engine:
         self._note_best()
         self.state.scheduler = self.scheduler.state_dict()
         self.state.scaler = self.scaler.state_dict() if self.scaler is not None else {}
+        self.state.log_window = copy.deepcopy(self._window)
         trainer_state = self.state.to_dict()
         if self.run_config is not None:
             trainer_state[checkpoint.CONFIG_KEY] = self.run_config
@@ -371,7 +378,7 @@ class Engine:
         self._window["steps"] += 1
         self._window["grad_norm"], self._window["learning_rate"] = grad_norm, learning_rate
         for key, value in objective_metrics.items():
-            self._window["objective"][key] = self._window["objective"].get(key, 0.0) + value
+            self._window["objective"][key] = self._window["objective"].get(key, 0.0) + float(value)
         return metrics
 
     @torch.no_grad()

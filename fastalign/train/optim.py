@@ -15,6 +15,7 @@ imported in the functions that use them, so inside ``run_training``
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable
 
 import torch
@@ -90,11 +91,11 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 
 def warmup_steps(config: TrainConfig, max_steps: int) -> int:
-    """The warmup's length in steps: ``warmup_steps`` (below 1: a ratio of ``max_steps``), or else
-    ``warmup_ratio`` of ``max_steps``."""
+    """The warmup's length in steps: ``warmup_steps`` (below 1: a ratio of ``max_steps``, rounded up as
+    transformers' ``TrainingArguments.get_warmup_steps``), or else ``warmup_ratio`` of ``max_steps``."""
     if config.warmup_steps >= 1:
         return int(config.warmup_steps)
-    return round((config.warmup_steps or config.warmup_ratio) * max_steps)
+    return math.ceil((config.warmup_steps or config.warmup_ratio) * max_steps)
 
 
 def build_scheduler(

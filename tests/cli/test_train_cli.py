@@ -62,7 +62,21 @@ def test_config_and_overrides_reach_run_sft(tmp_path, capsys, fake_sft):
 
 def test_config_equals_form_and_hyphenated_overrides(tmp_path, fake_sft):
     cfg = write_config(tmp_path)
-    assert main(["train", "sft", f"--config={cfg}", "--max-steps=7", "--lora-target-modules", "q,v"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "sft",
+                f"--config={cfg}",
+                "--max-steps=7",
+                "--use-peft",
+                "true",
+                "--lora-target-modules",
+                "q,v",
+            ]
+        )
+        == 0
+    )
     (config,) = fake_sft.calls
     assert (config.max_steps, config.lora_target_modules) == (7, ["q", "v"])
 

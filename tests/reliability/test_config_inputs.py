@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import typing
 from pathlib import Path
@@ -457,3 +458,51 @@ def test_plan_bad_inputs_are_one_line(bad_input, flags, culprit):
 def test_plan_flag_without_its_value_is_one_line(capsys):
     """Before: argparse's usage text and "expected one argument", several lines."""
     assert "--gpu-memory" in usage_error(capsys, "plan", "--model", "llama-3-8b", "--gpu-memory")
+
+
+@pytest.mark.parametrize(
+    ("flags", "key", "needs"),
+    [
+        (["--lora_r", "8"], "lora_r", "use_peft: true"),
+        (["--lora_alpha", "8"], "lora_alpha", "use_peft: true"),
+        (["--lora_dropout", "0.1"], "lora_dropout", "use_peft: true"),
+        (["--lora_target_modules", "q_proj"], "lora_target_modules", "use_peft: true"),
+        (["--bnb_4bit_use_double_quant", "false"], "bnb_4bit_use_double_quant", "quantization"),
+        (
+            ["--activation_offloading_keep_on_device", "2"],
+            "activation_offloading_keep_on_device",
+            "activation_",
+        ),
+        (["--tiled_mlp_budget_mib", "64"], "tiled_mlp_budget_mib", "tiled_mlp: true"),
+        (["--save_strategy", "no", "--save_total_limit", "2"], "save_total_limit", "save_strategy steps"),
+        (["--warmup_steps", "2", "--warmup_ratio", "0.5"], "warmup_ratio", "warmup_steps is 0"),
+        (["--optim", "sgd", "--adam_beta1", "0.8"], "adam_beta1", "an Adam optimizer"),
+        (["--optim", "adafactor", "--adam_epsilon", "1e-6"], "adam_epsilon", "an Adam optimizer"),
+        (["--ref_model_mixup_alpha", "0.3"], "ref_model_mixup_alpha", "sync_ref_model: true"),
+        (["--ref_model_sync_steps", "10"], "ref_model_sync_steps", "sync_ref_model: true"),
+    ],
+)
+def test_an_option_without_what_it_qualifies_is_refused(flags, key, needs):
+    """Accepted before and silently ignored: now one line naming the key and what it needs."""
+    with pytest.raises(
+        ConfigError, match=rf"^config key '{key}' \(on the command line\) .*{re.escape(needs)}"
+    ):
+        load_config(None, flags)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use_peft", "true", "--lora_r", "8"],
+        ["--use_peft", "true", "--quantization", "nf4", "--bnb_4bit_use_double_quant", "false"],
+        ["--activation_offloading", "true", "--activation_offloading_keep_on_device", "2"],
+        ["--tiled_mlp", "true", "--tiled_mlp_budget_mib", "64"],
+        ["--save_total_limit", "2"],
+        ["--warmup_ratio", "0.5"],
+        ["--optim", "adamw_torch", "--adam_beta1", "0.8"],
+        ["--sync_ref_model", "true", "--ref_model_sync_steps", "10"],
+        ["--max_steps", "5", "--num_train_epochs", "2"],  # max_steps overrides, as transformers documents
+    ],
+)
+def test_an_option_with_what_it_qualifies_is_accepted(flags):
+    load_config(None, flags)

@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from fastalign.train.config import ConfigError, TrainConfig, load_config, save_config
+from fastalign.train import config as config_module
+from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config, save_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_tiny.yaml"
+
+
+@pytest.fixture(autouse=True)
+def integrations_installed(monkeypatch):
+    """report_to's packages count as installed here (each test that says otherwise patches it again)."""
+    monkeypatch.setattr(config_module, "_installed", lambda package: True)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -87,7 +94,8 @@ def test_flag_values_keep_equals_signs_and_leading_minus():
     ],
 )
 def test_yaml_values_are_coerced_to_the_field_type(tmp_path, field, yaml_text, expected):
-    value = getattr(load_config(write(tmp_path, f"{field}: {yaml_text}\n")), field)
+    peft = "use_peft: true\n" if field.startswith("lora_") else ""  # a LoRA option needs it
+    value = getattr(load_config(write(tmp_path, f"{peft}{field}: {yaml_text}\n")), field)
     assert value == expected and type(value) is type(expected)
 
 
@@ -111,8 +119,16 @@ def test_yaml_values_are_coerced_to_the_field_type(tmp_path, field, yaml_text, e
         (["--resume_from_checkpoint", "latest"], "resume_from_checkpoint", "latest"),
         (["--completion_only_loss", "none"], "completion_only_loss", None),
         (["--completion_only_loss", "false"], "completion_only_loss", False),
-        (["--lora_target_modules", "q_proj,v_proj"], "lora_target_modules", ["q_proj", "v_proj"]),
-        (["--lora_target_modules", " q_proj , v_proj ,"], "lora_target_modules", ["q_proj", "v_proj"]),
+        (
+            ["--use_peft", "true", "--lora_target_modules", "q_proj,v_proj"],
+            "lora_target_modules",
+            ["q_proj", "v_proj"],
+        ),
+        (
+            ["--use_peft", "true", "--lora_target_modules", " q_proj , v_proj ,"],
+            "lora_target_modules",
+            ["q_proj", "v_proj"],
+        ),
         (["--report_to", "tensorboard"], "report_to", ["tensorboard"]),
         (["--report_to", ""], "report_to", []),
     ],
@@ -310,6 +326,18 @@ def test_report_to_takes_transformers_forms(tmp_path, yaml_text, flag, expected)
     """As ``TrainingArguments``: one name or a list, "none" for none (before: "none" was an error)."""
     assert load_config(write(tmp_path, f"report_to: {yaml_text}\n")).report_to == expected
     assert load_config(None, ["--report_to", flag]).report_to == expected
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb"])
+def test_report_to_a_package_not_installed_is_one_line_at_load(monkeypatch, name):
+    """Before: a traceback from the callback's import once the run had started (its config written)."""
+    monkeypatch.setattr(config_module, "_installed", lambda package: package != name)
+    assert config_error(None, ["--report_to", name]) == (
+        f"config key 'report_to' (on the command line) ({name!r}) needs the {name} package: "
+        f"pip install {name}"
+    )
+    with pytest.raises(ConfigError, match=f"needs the {name} package"):
+        check_config(TrainConfig(report_to=[name]))
 
 
 def test_report_to_in_code_takes_the_same_forms():

@@ -152,6 +152,21 @@ def test_kill_and_resume_gives_the_same_losses(tmp_path):
         assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, expected, got)
 
 
+def test_a_resume_between_log_lines_logs_the_same_means(tmp_path):
+    """save_steps 3, logging_steps 2: the checkpoint falls inside a log window (step 3 of the window 3-4);
+    the resumed run's log line at step 4 averages steps 3 and 4, as the uninterrupted run's does."""
+    options = dict(max_steps=6, save_steps=3, logging_steps=2, lr_scheduler_type="cosine")
+    reference = run_sft(config(tmp_path / "a", **options))
+    cfg = config(tmp_path / "b", **options)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(cfg, callbacks=[_Crash(at=4)])
+    cfg.resume_from_checkpoint = "latest"
+    resumed = run_sft(cfg)
+    expected, got = train_losses(reference), train_losses(resumed)
+    for step in (4, 6):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), (step, expected, got)
+
+
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     cfg = config(tmp_path, max_steps=4, save_steps=2)
     real_save = checkpoint_module.dcp.save
@@ -265,3 +280,21 @@ def test_runs_from_a_checkpoint_are_sharded_before_their_weights_exist(tmp_path,
     two = train_losses(Path(cfg.output_dir))
     for step, loss in single.items():
         assert two[step] == pytest.approx(loss, rel=1e-5), (single, two)
+
+
+def test_a_checkpoint_restores_the_python_and_numpy_generators(tmp_path):
+    """Beside torch's: a reward function or data hook drawing from ``random``/``numpy`` resumes exactly."""
+    import random
+
+    import numpy as np
+
+    from fastalign.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model = tiny_model("llama")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1}, SINGLE, None)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    load_checkpoint(path, model, optimizer, SINGLE)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected

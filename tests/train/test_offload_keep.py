@@ -64,9 +64,9 @@ def test_auto_on_cuda_is_the_planners_choice_for_the_gpus_memory(monkeypatch):
 
 
 def test_the_config_key_takes_a_number_or_auto():
-    key = "--activation_offloading_keep_on_device"
-    assert load_config(overrides=[f"{key}=3"]).activation_offloading_keep_on_device == 3
-    assert load_config(overrides=[f"{key}=auto"]).activation_offloading_keep_on_device == "auto"
+    key, on = "--activation_offloading_keep_on_device", "--activation_offloading=true"
+    assert load_config(overrides=[on, f"{key}=3"]).activation_offloading_keep_on_device == 3
+    assert load_config(overrides=[on, f"{key}=auto"]).activation_offloading_keep_on_device == "auto"
     for value in ("-1", "all", "1.5"):
         with pytest.raises(ConfigError, match=r"must be a number of layers \(0 or more\) or \"auto\""):
-            load_config(overrides=[f"{key}={value}"])
+            load_config(overrides=[on, f"{key}={value}"])

@@ -85,6 +85,15 @@ def test_warmup_steps_below_one_is_a_ratio():
     assert warmup_steps(TrainConfig(warmup_ratio=0.1), max_steps=40) == 4
 
 
+@pytest.mark.parametrize(("ratio", "max_steps"), [(0.1, 15), (0.3, 5), (0.01, 10), (0.5, 7)])
+def test_a_warmup_ratio_rounds_up_as_transformers(ratio, max_steps):
+    from transformers import TrainingArguments
+
+    expected = TrainingArguments(output_dir="unused", warmup_steps=ratio).get_warmup_steps(max_steps)
+    assert warmup_steps(TrainConfig(warmup_steps=ratio), max_steps) == expected
+    assert warmup_steps(TrainConfig(warmup_ratio=ratio), max_steps) == expected
+
+
 def test_cosine_with_min_lr_reaches_its_floor_from_a_flag():
     config = load_config(
         None,

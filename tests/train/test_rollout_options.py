@@ -136,6 +136,46 @@ def test_rollout_options_that_cannot_work_are_refused(name, options, key):
         make_objective(name, TrainConfig(reward_funcs=[DIGITS], num_generations=2, **options), CPU)
 
 
+@pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
+def test_truncation_without_max_prompt_length_is_refused(name):
+    """Prompts are truncated to max_prompt_length only: without it, truncation would be ignored."""
+    with pytest.raises(ConfigError, match=r"config key 'truncation' .* only with max_prompt_length"):
+        make_objective(name, TrainConfig(reward_funcs=[DIGITS], truncation=True), CPU)
+    make_objective(name, TrainConfig(reward_funcs=[DIGITS], truncation=True, max_prompt_length=32), CPU)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "served"),
+    [
+        ("grpo", {"num_iterations": 2, "save_steps": 3}, 2),
+        ("rloo", {"steps_per_generation": 4, "gradient_accumulation_steps": 2, "save_steps": 5}, 2),
+        ("grpo", {"num_iterations": 3, "save_steps": 0.25}, 3),  # ceil(0.25 * 20) = 5 steps
+        ("ppo", {"num_ppo_epochs": 4, "num_mini_batches": 2, "save_steps": 4}, 8),
+    ],
+)
+def test_a_checkpoint_inside_a_generation_is_refused(name, options, served):
+    """Resumed there, the run would sample that generation again with the newer policy (not exact)."""
+    config = TrainConfig(reward_funcs=[DIGITS], num_generations=2, max_steps=20, **options)
+    if name == "ppo":
+        config.num_generations = None
+    with pytest.raises(ConfigError, match=rf"'save_steps' .* must be a multiple of {served}, the optimizer"):
+        make_objective(name, config, CPU)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("ppo", {}),  # TRL's defaults: 4 steps a generation, saves every 500 steps
+        ("grpo", {"num_iterations": 2, "save_steps": 4}),
+        ("grpo", {"num_iterations": 3}),  # the default save_steps (500) is past the run's end
+        ("grpo", {"num_iterations": 3, "save_steps": 7, "save_strategy": "epoch"}),
+    ],
+)
+def test_saves_at_generation_boundaries_are_accepted(name, options):
+    config = TrainConfig(reward_funcs=[DIGITS], max_steps=20, **options)
+    make_objective(name, config, CPU)
+
+
 def run(tmp_path: Path, name: str, **options) -> list[dict]:
     defaults = dict(reward_funcs=[DIGITS], num_generations=4, max_completion_length=6)
     config = short_config(tmp_path, tiny_prompt_rows(20), per_device_train_batch_size=8, **defaults | options)

@@ -155,6 +155,10 @@ class Objective(ABC):
         """Everything the objective needs besides the policy (a reference, a tokenizer to decode)."""
         return Prepared(train, evaluation)
 
+    def check_schedule(self, config: TrainConfig, max_steps: int) -> None:  # noqa: B027 (most need none)
+        """Once the run's length (``max_steps``) is known: a ``ConfigError`` for a schedule this objective
+        cannot keep (GRPO's checkpoints inside a generation)."""
+
     # --- a step ------------------------------------------------------------------------------------
     def prepare_step(
         self, model: torch.nn.Module, micro_batches: list[dict], step: int

@@ -17,8 +17,9 @@ time are kept as the old policy's (the importance ratio's denominator); otherwis
 they are not computed (as TRL).
 
 Sampling is seeded by the data position (``GenerationBatches``), so a run resumed from a checkpoint
-at a generation boundary continues exactly; one resumed in the middle of a generation's
-``num_iterations`` passes samples that generation again with the newer policy.
+at a generation boundary continues exactly. Checkpoints are saved only there: a ``save_steps`` that is
+not a multiple of the optimizer steps one generation serves (``num_iterations`` × its slices) is refused,
+since a run resumed in the middle of a generation would sample it again with the newer policy.
 
 Evaluation (as TRL): the held-out prompts are sampled ``num_generations_eval`` times each (one
 evaluation micro-batch is ``per_device_eval_batch_size`` completions), scored, and the loss and the
@@ -243,6 +244,41 @@ class RolloutOptions(SamplingKeys):
                 "whole optimizer steps"
             )
         check_generation_keys(self.use_vllm, self.generation_kwargs, self.reward_funcs, self.reward_weights)
+        if config.truncation and self.max_prompt_length is None:
+            raise ConfigError(
+                f"config key 'truncation' is read by {name} only with max_prompt_length (it truncates "
+                "prompts to that length): set max_prompt_length, or remove truncation"
+            )
+        if config.save_strategy == "steps" and config.max_steps > 0:  # else once the run's length is known
+            self.check_save_steps(name, config, config.max_steps)
+
+    def steps_per_generation_batch(self, config: TrainConfig) -> int:
+        """The optimizer steps one generation serves: its slices, ``num_iterations`` times."""
+        slices = (self.steps_per_generation or config.gradient_accumulation_steps) // (
+            config.gradient_accumulation_steps
+        )
+        return slices * self.num_iterations
+
+    def check_save_steps(self, name: str, config: TrainConfig, max_steps: int) -> None:
+        """A checkpoint only at a generation's boundary: one saved inside a generation would resume by
+        sampling that generation again with the newer policy (not exact), so ``save_steps`` (a ratio
+        resolved against ``max_steps``) must be a multiple of the steps one generation serves, unless the
+        run saves only at its end."""
+        value = config.save_steps
+        save_steps = int(value) if value >= 1 else math.ceil(max_steps * value)
+        served = self.steps_per_generation_batch(config)
+        if save_steps < max_steps and save_steps % served:
+            how = (
+                "num_ppo_epochs × num_mini_batches"
+                if name == "ppo"
+                else "num_iterations × steps_per_generation / gradient_accumulation_steps"
+            )
+            every = "" if value >= 1 else f": every {save_steps} of {max_steps} steps"
+            raise ConfigError(
+                f"config key 'save_steps' ({value!r}{every}) must be a multiple of {served}, the optimizer "
+                f"steps one generation serves ({how}): a checkpoint inside a generation would resume by "
+                "sampling it again with the newer policy"
+            )
 
 
 class PromptObjective(Objective):
@@ -401,6 +437,10 @@ class RolloutObjective(PromptObjective):
     def batch_loss_terms(self, batch: dict) -> int:
         """The loss terms of a training micro-batch: its completions (a subclass may count tokens)."""
         return batch["completion_mask"].shape[0]
+
+    def check_schedule(self, config: TrainConfig, max_steps: int) -> None:
+        if config.save_strategy == "steps":
+            self.options.check_save_steps(self.name, config, max_steps)
 
     def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
         generation, part, slices, _ = micro_batches[0][ROLLOUT_KEY]
