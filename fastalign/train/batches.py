@@ -8,6 +8,7 @@ so resuming needs two integers, not a pickled data loader.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ import torch
 
 from fastalign.data.collate import PackedCollator, PaddingCollator
 from fastalign.data.packing import pack_best_fit_decreasing
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +72,13 @@ class MicroBatches:
                 f"the training set has {len(self.units)} {unit}s, fewer than one step needs: "
                 f"per_device_train_batch_size={batch_size} × "
                 f"gradient_accumulation_steps={accumulation} × {world_size} process(es) = {per_step}"
+            )
+        left_out = len(self.units) % per_step
+        if left_out and rank == 0:
+            logger.warning(
+                f"fastalign: each epoch trains {len(self.units) - left_out} of the {len(self.units)} "
+                f"{unit}s: the {left_out} that do not fill a step of {per_step} are left out (others each "
+                "epoch, the order being reshuffled); a batch size that divides the data trains them all"
             )
 
     def _order(self, epoch: int) -> list[int]:

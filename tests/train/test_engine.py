@@ -298,3 +298,18 @@ def test_a_checkpoint_restores_the_python_and_numpy_generators(tmp_path):
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     load_checkpoint(path, model, optimizer, SINGLE)
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
+
+
+def test_rows_that_do_not_fill_a_step_are_said(caplog):
+    """12 examples in steps of 8: each epoch trains 8, and one log line says so (transformers would
+    train the other 4 as a smaller last step; docs/trl.md lists the difference)."""
+    examples = tokenize_sft_dataset(tiny_sft_rows(12), tiny_tokenizer())
+    with caplog.at_level("WARNING", logger="fastalign.train.batches"):
+        batches = MicroBatches(examples, batch_size=4, accumulation=2, pad_token_id=0, seed=0)
+        MicroBatches(examples, batch_size=4, accumulation=3, pad_token_id=0, seed=0)  # 12: fills steps
+    assert batches.steps_per_epoch == 1
+    said = [r.message for r in caplog.records if "left out" in r.message]
+    assert said == [
+        "fastalign: each epoch trains 8 of the 12 examples: the 4 that do not fill a step of 8 are left out "
+        "(others each epoch, the order being reshuffled); a batch size that divides the data trains them all"
+    ]
