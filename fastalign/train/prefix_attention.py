@@ -6,15 +6,15 @@ those reads outweigh the weights': SmolLM2-135M's cache is 46 KB a token, so 4 p
 8 completions read 0.8 GB of prompt KV per decode step, against 0.54 GB of weights. Holding the prompt
 once (B rows, not B·G) cuts both the reads and the memory by G.
 
-How: each full-attention cache layer is a ``SharedPrefixLayer`` (``fastalign.train.decode_cache``);
-after the prefill (``share``) it keeps the prompts' keys and values [B, H, P, D] and, in a reserved
-buffer, each row's own decoded ones [R, H, T, D], and ``update`` returns the rows' own. The attention function registered with transformers
-as ``ATTENTION`` (in effect only inside ``shared_prefix_decoding``) gives each row one softmax over [its
-prompt's P keys; its own T]: a prompt's rows meet its prefix in one matmul, their queries stacked (the
-prefix read once per prompt), and their own keys in another. The model, its mask and every other layer
-run as with ``sdpa``: the mask is built for P + T positions (``get_seq_length`` counts the prefix), and a
-call this function does not cover (not a single-token decode, or an attention option it does not
-implement) runs ``sdpa`` on the prefix and the row's keys concatenated, which is the repeated cache's
+How: each full-attention cache layer is a ``SharedPrefixLayer`` (``fastalign.train.decode_cache``); after
+the prefill (``share``) it keeps the prompts' keys and values [B, H, P, D] and, in a reserved buffer, each
+row's own decoded ones [R, H, T, D], and ``update`` returns the rows' own. The attention function registered
+with transformers as ``ATTENTION`` (in effect only inside ``shared_prefix_decoding``) gives each row one
+softmax over [its prompt's P keys; its own T]: a prompt's rows meet its prefix in one matmul, their queries
+stacked (the prefix read once per prompt), and their own keys in another. The model, its mask and every
+other layer run as with ``sdpa``: the mask is built for P + T positions (``get_seq_length`` counts the
+prefix), and a call this function does not cover (not a single-token decode, or an attention option it does
+not implement) runs ``sdpa`` on the prefix and the row's keys concatenated, which is the repeated cache's
 computation exactly.
 
 Only a model that attends with ``sdpa`` shares (``can_share``): eager attention takes another mask, the
