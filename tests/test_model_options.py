@@ -74,8 +74,8 @@ def test_defaults_are_trls():
         ({"model_init_kwargs": {"device_map": "auto"}}, "places the model itself"),
         ({"model_init_kwargs": {"revision": "v2"}}, "set model_revision"),
         ({"model_init_kwargs": {"rope_theta": 1e6}}, "rope_theta: fastalign takes dtype, torch_dtype"),
-        ({"use_rslora": True}, "config key 'use_rslora' is a LoRA option: it needs use_peft: true"),
-        ({"lora_modules_to_save": ["lm_head"]}, "'lora_modules_to_save' is a LoRA option"),
+        ({"use_rslora": True}, "config key 'use_rslora' (True) is a LoRA option: it needs use_peft: true"),
+        ({"lora_modules_to_save": ["lm_head"]}, "'lora_modules_to_save' (['lm_head']) is a LoRA option"),
         ({"use_peft": True, "lora_modules_to_save": []}, "must be a non-empty list of module names or null"),
         (
             {"use_peft": True, "use_dora": True, "quantization": "nf4"},

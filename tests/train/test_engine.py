@@ -269,7 +269,8 @@ def test_runs_from_a_checkpoint_are_sharded_before_their_weights_exist(tmp_path,
     checkpoint = tmp_path / "checkpoint"
     tiny_model("llama").save_pretrained(checkpoint)
     tiny_tokenizer().save_pretrained(checkpoint)
-    options = dict(max_steps=3, save_strategy="no", use_peft=use_peft, lora_r=4, lora_dropout=0.0)
+    lora = dict(use_peft=True, lora_r=4, lora_dropout=0.0) if use_peft else {}
+    options = dict(max_steps=3, save_strategy="no", **lora)
     builtin = train_losses(run_sft(config(tmp_path / "builtin", **options)))
     single = train_losses(run_sft(config(tmp_path / "one", model_name_or_path=str(checkpoint), **options)))
     assert single[1] == pytest.approx(builtin[1], rel=1e-6)

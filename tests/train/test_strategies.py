@@ -266,9 +266,7 @@ def test_the_exported_model_is_the_best_checkpoints(tmp_path, use_peft):
         eval_steps=2,
         save_steps=2,
         lr_scheduler_type="constant",
-        use_peft=use_peft,
-        lora_r=4,
-        lora_dropout=0.0,
+        **(dict(use_peft=True, lora_r=4, lora_dropout=0.0) if use_peft else {}),
     )
     best = dict(load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
     stopped = run_sft(config(tmp_path / "stopped", max_steps=2, **common))
