@@ -96,7 +96,12 @@ def fused_causal_lm_forward(
         """Causal-LM forward with the fused head (see ``fastalign.patch_model``).
 
         labels: as transformers takes them (shifted here; or pass ``shift_labels``); the loss honours
-            ``num_items_in_batch``. No logits are built unless ``return_logits=True``.
+            ``num_items_in_batch`` and ``ignore_index``. No logits are built unless ``return_logits=True``
+            or (``return_logits`` unset) the model is evaluated: with ``labels``, in eval mode and with
+            gradients off, as transformers.Trainer's evaluation runs it (its ``compute_metrics`` needs
+            them); ``return_logits=False`` leaves them out there too.
+        return_dict: False returns ``output.to_tuple()`` (the argument, else the config's), as
+            transformers does.
         loss_reduction: "mean" (transformers' loss), or "none": the loss of each position [B, S] (its
             next label's; 0 where ignored), differentiable, for losses that weight tokens (SFT's DFT);
             the router's ``aux_loss`` is not in it (add ``router_aux_loss_coef · output.aux_loss``).
@@ -111,6 +116,11 @@ def fused_causal_lm_forward(
             bias come scaled, so that ``hidden·weightᵀ + bias`` are the model's logits.
         """
         shifted = kwargs.pop("shift_labels", None)
+        # transformers' ``can_return_tuple``: the argument, else the config's; the body always returns
+        # its output object here, and the result becomes a tuple at the end
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
         inputs = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -120,8 +130,13 @@ def fused_causal_lm_forward(
             use_cache=use_cache,
         )
         if labels is None and shifted is None and logprob_targets is None and head_fn is None:
-            return type(self).forward(self, **inputs, logits_to_keep=logits_to_keep, **kwargs)
+            original = type(self).forward
+            return original(self, **inputs, logits_to_keep=logits_to_keep, return_dict=return_dict, **kwargs)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        # transformers' loss: a target equal to ignore_index is skipped (the fused loss skips -100)
+        ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+        if not return_dict:
+            kwargs["return_dict"] = True
         if router_aux_loss:  # as the family's forward: the argument, else the config's
             if kwargs.get("output_router_logits") is None:
                 kwargs["output_router_logits"] = self.config.output_router_logits
@@ -139,6 +154,8 @@ def fused_causal_lm_forward(
         loss = token_stats = None
         if labels is not None or shifted is not None:
             targets = shifted if shifted is not None else shift_labels(labels)
+            if ignore_index != IGNORE_INDEX:
+                targets = targets.masked_fill(targets == ignore_index, IGNORE_INDEX)
             if isinstance(num_items_in_batch, torch.Tensor):
                 num_items_in_batch = num_items_in_batch.to(hidden.device)
             loss = linear_cross_entropy(
@@ -184,14 +201,19 @@ def fused_causal_lm_forward(
                 )
             head_output = head_fn(head_hidden, weight, head_bias)
 
+        if return_logits is None:  # evaluation (eval mode, no gradients: transformers.Trainer's
+            # prediction_step) gets the logits the unpatched model returns with its loss, for
+            # compute_metrics; training keeps the fused head's saving
+            evaluating = loss is not None and not self.training and not torch.is_grad_enabled()
+            return_logits = return_logits_default or evaluating
         logits = None
-        if return_logits if return_logits is not None else return_logits_default:
+        if return_logits:
             logits = self.lm_head(hidden)
             if scale is not None:
                 logits = logits * scale
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
-        return FusedCausalLMOutput(
+        output = FusedCausalLMOutput(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
@@ -204,5 +226,6 @@ def fused_causal_lm_forward(
             aux_loss=aux_loss,
             router_logits=getattr(outputs, "router_logits", None),
         )
+        return output if return_dict else output.to_tuple()
 
     return forward

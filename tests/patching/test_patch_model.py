@@ -301,3 +301,25 @@ def test_save_pretrained_and_dtype_moves(tmp_path):
     patched.to(torch.bfloat16)
     original.to(torch.bfloat16)
     assert relative_error(patched(**batch).loss, original(**batch).loss) <= TOLERANCE[torch.bfloat16]
+
+
+def test_return_dict_false_returns_the_tuple_with_the_loss_first():
+    """``return_dict=False`` with labels: a tuple (loss, ...) as transformers returns, not a crash."""
+    original, patched = pair("llama")
+    batch = padded_batch()
+    expected, got = original(**batch, return_dict=False), patched(**batch, return_dict=False)
+    assert isinstance(got, tuple) and isinstance(expected, tuple)
+    assert relative_error(got[0], expected[0]) <= 1e-5
+    got = patched(input_ids=batch["input_ids"], return_dict=False)  # no labels: the original forward
+    assert isinstance(got, tuple) and got[0].shape == (*batch["input_ids"].shape, original.config.vocab_size)
+
+
+def test_ignore_index_reaches_the_loss():
+    """``ignore_index`` of the forward skips those targets, as transformers' ForCausalMLoss does."""
+    original, patched = pair("llama")
+    batch = padded_batch()
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 0)
+    expected, got = original(**batch, ignore_index=0).loss, patched(**batch, ignore_index=0).loss
+    assert relative_error(got, expected) <= 1e-5
+    unpadded = patched(**{**batch, "labels": padded_batch()["labels"]}).loss
+    assert relative_error(got, unpadded) <= 1e-5  # padding with 0 and ignoring 0 = padding with -100
