@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -54,6 +55,68 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) ->
     if isinstance(logits_to_keep, int):
         return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
     return hidden[:, logits_to_keep, :]
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is ``hidden·weightᵀ + bias`` with its weight in hand (FSDP2's
+    subclass included; not a quantized subclass, nor one whose weight an accelerate hook loads)."""
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and "forward" not in module.__dict__
+        and not hasattr(module, "_hf_hook")
+    )
+
+
+def _head_inputs(head: nn.Module, hidden: torch.Tensor):
+    """``(features, weight, bias)`` with ``features·weightᵀ + bias`` equal to ``head(hidden)`` (up to the
+    rounding of the sums), or None where the head is not one of these:
+
+    - a plain ``nn.Linear``: ``(hidden, weight, bias)``;
+    - peft's ``ModulesToSaveWrapper``: the module it runs (the trainable copy, or the original);
+    - peft's LoRA ``Linear`` over a plain linear, vanilla adapters: ``base(x) + s·B(A(dropout(x)))`` for
+      each active adapter is ``[x, A(dropout(x)), ...]·[W, s·B, ...]ᵀ + b``, exactly, dropout included,
+      and both A and B get their gradients (the features and the weight carry them).
+    """
+    if _plain_linear(head):
+        return hidden, head.weight, head.bias
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return None
+    if hasattr(head, "_hf_hook"):
+        return None
+    if type(head) is ModulesToSaveWrapper:
+        active = head.active_adapters
+        if head.disable_adapters or not active:
+            return _head_inputs(head.original_module, hidden)
+        if active[0] not in head.modules_to_save:
+            return None
+        return _head_inputs(head.modules_to_save[active[0]], hidden)
+    if type(head) is not LoraLinear or not _plain_linear(head.base_layer):
+        return None
+    base = head.base_layer
+    if head.merged:  # peft runs the base layer (unmerging first when adapters are disabled)
+        return None if head.disable_adapters else (hidden, base.weight, base.bias)
+    if head.disable_adapters:
+        return hidden, base.weight, base.bias
+    features, weights, bias, x = [hidden], [base.weight], base.bias, hidden
+    for name in head.active_adapters:
+        if name not in head.lora_A:
+            continue
+        if name in head.lora_variant:  # DoRA and the like: not a sum of linears
+            return None
+        lora_a, lora_b, scaling = head.lora_A[name], head.lora_B[name], head.scaling[name]
+        x = head._cast_input_dtype(x, lora_a.weight.dtype)
+        features.append(lora_a(head.lora_dropout[name](x)).to(hidden.dtype))
+        weights.append((lora_b.weight * scaling).to(base.weight.dtype))
+        if lora_b.bias is not None:
+            extra = (lora_b.bias * scaling).to(base.weight.dtype)
+            bias = extra if bias is None else bias + extra
+    if len(features) == 1:
+        return hidden, base.weight, bias
+    return torch.cat(features, dim=-1), torch.cat(weights, dim=1), bias
 
 
 def fused_causal_lm_forward(
@@ -113,7 +176,9 @@ def fused_causal_lm_forward(
             states inside this forward (so under FSDP2 the head weight is unsharded), and its result
             comes back as ``output.head_output``: how a loss module that takes hidden states
             (``fastalign.losses``) trains a patched model. For a family with a logit scale, hidden and
-            bias come scaled, so that ``hidden·weightᵀ + bias`` are the model's logits.
+            bias come scaled, so that ``hidden·weightᵀ + bias`` are the model's logits. With a peft
+            LoRA ``lm_head``, hidden is [B, S, D + r] and weight [V, D + r]: the adapters' features and
+            scaled ``lora_B`` weights appended (``_head_inputs``), so that this still holds.
         """
         shifted = kwargs.pop("shift_labels", None)
         # transformers' ``can_return_tuple``: the argument, else the config's; the body always returns
@@ -142,14 +207,34 @@ def fused_causal_lm_forward(
                 kwargs["output_router_logits"] = self.config.output_router_logits
         outputs = self.model(**inputs, **kwargs)
         hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
-        weight, bias = self.lm_head.weight, self.lm_head.bias
         scale = None if logit_scale is None else logit_scale(self.config)
-        head_hidden, head_bias = hidden, bias
-        if scale is not None:
-            head_hidden = hidden * scale
-            head_bias = None if bias is None else bias * scale
         softcap = getattr(self.config, "final_logit_softcapping", None)
         fused = dict(softcap=softcap, backend=backend)
+        head = _head_inputs(self.lm_head, hidden)
+        head_logits = None
+        if head is None:  # a head that is not a sum of linears (DoRA, quantized, offloaded): its own forward
+            unsupported = [
+                name
+                for name, used in (
+                    ("logprob_targets", logprob_targets is not None),
+                    ("head_fn", head_fn is not None),
+                    ("return_token_stats", return_token_stats),
+                )
+                if used
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"{', '.join(unsupported)} needs a linear LM head (nn.Linear, or peft LoRA on one); this "
+                    f"model's lm_head is a {type(self.lm_head).__name__}"
+                )
+            head_logits = _scaled_logits(self.lm_head(hidden), scale, softcap)
+            head_hidden = weight = head_bias = None
+        else:
+            head_hidden, weight, bias = head
+            head_bias = bias
+            if scale is not None:
+                head_hidden = head_hidden * scale
+                head_bias = None if bias is None else bias * scale
 
         loss = token_stats = None
         if labels is not None or shifted is not None:
@@ -158,6 +243,17 @@ def fused_causal_lm_forward(
                 targets = targets.masked_fill(targets == ignore_index, IGNORE_INDEX)
             if isinstance(num_items_in_batch, torch.Tensor):
                 num_items_in_batch = num_items_in_batch.to(hidden.device)
+        if head_logits is not None and (labels is not None or shifted is not None):
+            flat = head_logits.float().flatten(0, -2)
+            per_token = F.cross_entropy(
+                flat, targets.to(flat.device).flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            ).view(targets.shape)
+            if loss_reduction == "none":
+                loss = per_token
+            else:  # transformers' fixed_cross_entropy
+                count = (targets != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+                loss = per_token.sum() / count
+        elif labels is not None or shifted is not None:
             loss = linear_cross_entropy(
                 head_hidden,
                 weight,
@@ -208,11 +304,11 @@ def fused_causal_lm_forward(
             return_logits = return_logits_default or evaluating
         logits = None
         if return_logits:
-            logits = self.lm_head(hidden)
-            if scale is not None:
-                logits = logits * scale
-            if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
+            logits = (
+                head_logits
+                if head_logits is not None
+                else _scaled_logits(self.lm_head(hidden), scale, softcap)
+            )
         output = FusedCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -229,3 +325,12 @@ def fused_causal_lm_forward(
         return output if return_dict else output.to_tuple()
 
     return forward
+
+
+def _scaled_logits(logits: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """The family's logits from ``lm_head``'s output: times the logit scale, then softcapped."""
+    if scale is not None:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits

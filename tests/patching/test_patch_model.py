@@ -323,3 +323,39 @@ def test_ignore_index_reaches_the_loss():
     assert relative_error(got, expected) <= 1e-5
     unpadded = patched(**{**batch, "labels": padded_batch()["labels"]}).loss
     assert relative_error(got, unpadded) <= 1e-5  # padding with 0 and ignoring 0 = padding with -100
+
+
+@pytest.mark.parametrize(
+    "head",
+    ["lora", "lora_dropout", "dora", "modules_to_save"],
+)
+def test_peft_adapters_on_the_lm_head_are_in_the_loss(head):
+    """LoRA on lm_head is in the fused loss exactly (its features and weight join the head's, dropout
+    included), and A and B get their gradients; DoRA runs the head's own forward; modules_to_save
+    trains the copy."""
+    peft = require("peft")
+    options = dict(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "lm_head"])
+    if head == "lora_dropout":
+        options["lora_dropout"] = 0.3
+    if head == "dora":
+        options["use_dora"] = True
+    if head == "modules_to_save":
+        options.update(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    original = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(**options))
+    with torch.no_grad():
+        for name, param in original.named_parameters():
+            if "modules_to_save" in name:  # the trainable copy differs from the frozen original
+                param.add_(0.05)
+    patched = fastalign.patch_model(copy.deepcopy(original))
+    batch = padded_batch()
+    original.train(), patched.train()
+    torch.manual_seed(0)
+    expected = original(**batch).loss
+    torch.manual_seed(0)
+    got = patched(**batch).loss
+    assert relative_error(got, expected) <= 1e-5
+    expected.backward()
+    got.backward()
+    assert_same_gradients(original, patched, 1e-4)
+    if head != "modules_to_save":
+        assert patched.base_model.model.lm_head.lora_A["default"].weight.grad is not None
