@@ -197,6 +197,16 @@ def fused_causal_lm_forward(
         if labels is None and shifted is None and logprob_targets is None and head_fn is None:
             original = type(self).forward
             return original(self, **inputs, logits_to_keep=logits_to_keep, return_dict=return_dict, **kwargs)
+        router_logits = kwargs.get("output_router_logits")
+        if router_logits is None:
+            router_logits = getattr(self.config, "output_router_logits", False)
+        if router_logits and not router_aux_loss and logprob_targets is None and head_fn is None:
+            # a mixture of experts whose load-balancing loss this head does not know how to add (the
+            # generic patch): the original forward, which adds it
+            return type(self).forward(
+                self, **inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=return_dict,
+                shift_labels=shifted, **kwargs,
+            )  # fmt: skip
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         # transformers' loss: a target equal to ignore_index is skipped (the fused loss skips -100)
         ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
