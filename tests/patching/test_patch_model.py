@@ -359,3 +359,37 @@ def test_peft_adapters_on_the_lm_head_are_in_the_loss(head):
     assert_same_gradients(original, patched, 1e-4)
     if head != "modules_to_save":
         assert patched.base_model.model.lm_head.lora_A["default"].weight.grad is not None
+
+
+def test_accelerate_device_map_with_offloaded_modules(tmp_path):
+    """A model dispatched by accelerate (modules offloaded to the CPU and to disk, weights on the meta
+    device between calls): the patch replaces the hooked modules' ``_old_forward``, so the hooks still
+    load the weights around each call; unpatching restores the hooked forward."""
+    require("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "disk",
+        "lm_head": "cpu",
+    }
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map=device_map, offload_folder=str(tmp_path / "offload")
+    )
+    assert model.model.norm.weight.is_meta and hasattr(model.model.norm, "_hf_hook")
+    batch = padded_batch()
+    expected = model(**batch).loss
+    hooked = {name: module.forward for name, module in model.named_modules() if hasattr(module, "_hf_hook")}
+    fastalign.patch_model(model)
+    assert patched_pieces(model)["rms_norm"] == 5
+    assert all(model.get_submodule(name).forward == forward for name, forward in hooked.items())
+    assert relative_error(model(**batch).loss, expected) <= 1e-5
+    unpatch_model(model)
+    assert patched_pieces(model) == {}
+    norm = model.model.norm
+    assert norm._old_forward.__func__ is type(norm).forward
+    assert relative_error(model(**batch).loss, expected) <= 1e-5
