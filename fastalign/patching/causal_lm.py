@@ -124,6 +124,7 @@ def fused_causal_lm_forward(
     return_logits_default: bool,
     logit_scale: Callable[[PretrainedConfig], float] | None = None,
     router_aux_loss: bool = False,
+    original_with_router_logits: bool = False,
 ) -> Callable:
     """The forward of a family whose ``*ForCausalLM`` computes ``lm_head(hidden) · logit_scale(config)``
     (Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``), then the config's
@@ -134,7 +135,9 @@ def fused_causal_lm_forward(
     With ``router_aux_loss`` (Mixtral, Qwen-MoE, GPT-OSS), ``output_router_logits`` (the argument, else
     the config's) adds ``router_aux_loss_coef · load_balancing_loss_func(router_logits, num_experts,
     num_experts_per_tok, attention_mask)`` to the loss, the family's own function with its
-    ``*ForCausalLM``'s arguments, so a patched model trains on transformers' loss."""
+    ``*ForCausalLM``'s arguments, so a patched model trains on transformers' loss. With
+    ``original_with_router_logits`` (the generic patch, which does not know how the family adds a router
+    loss), a loss asked for with ``output_router_logits`` is the original forward's."""
 
     def forward(
         self,
@@ -200,7 +203,8 @@ def fused_causal_lm_forward(
         router_logits = kwargs.get("output_router_logits")
         if router_logits is None:
             router_logits = getattr(self.config, "output_router_logits", False)
-        if router_logits and not router_aux_loss and logprob_targets is None and head_fn is None:
+        original_needed = router_logits and original_with_router_logits and not router_aux_loss
+        if original_needed and logprob_targets is None and head_fn is None:
             # a mixture of experts whose load-balancing loss this head does not know how to add (the
             # generic patch): the original forward, which adds it
             return type(self).forward(
