@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -56,11 +57,74 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) ->
     return hidden[:, logits_to_keep, :]
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is ``hidden·weightᵀ + bias`` with its weight in hand (FSDP2's
+    subclass included; not a quantized subclass, nor one whose weight an accelerate hook loads)."""
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and "forward" not in module.__dict__
+        and not hasattr(module, "_hf_hook")
+    )
+
+
+def _head_inputs(head: nn.Module, hidden: torch.Tensor):
+    """``(features, weight, bias)`` with ``features·weightᵀ + bias`` equal to ``head(hidden)`` (up to the
+    rounding of the sums), or None where the head is not one of these:
+
+    - a plain ``nn.Linear``: ``(hidden, weight, bias)``;
+    - peft's ``ModulesToSaveWrapper``: the module it runs (the trainable copy, or the original);
+    - peft's LoRA ``Linear`` over a plain linear, vanilla adapters: ``base(x) + s·B(A(dropout(x)))`` for
+      each active adapter is ``[x, A(dropout(x)), ...]·[W, s·B, ...]ᵀ + b``, exactly, dropout included,
+      and both A and B get their gradients (the features and the weight carry them).
+    """
+    if _plain_linear(head):
+        return hidden, head.weight, head.bias
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return None
+    if hasattr(head, "_hf_hook"):
+        return None
+    if type(head) is ModulesToSaveWrapper:
+        active = head.active_adapters
+        if head.disable_adapters or not active:
+            return _head_inputs(head.original_module, hidden)
+        if active[0] not in head.modules_to_save:
+            return None
+        return _head_inputs(head.modules_to_save[active[0]], hidden)
+    if type(head) is not LoraLinear or not _plain_linear(head.base_layer):
+        return None
+    base = head.base_layer
+    if head.merged:  # peft runs the base layer (unmerging first when adapters are disabled)
+        return None if head.disable_adapters else (hidden, base.weight, base.bias)
+    if head.disable_adapters:
+        return hidden, base.weight, base.bias
+    features, weights, bias, x = [hidden], [base.weight], base.bias, hidden
+    for name in head.active_adapters:
+        if name not in head.lora_A:
+            continue
+        if name in head.lora_variant:  # DoRA and the like: not a sum of linears
+            return None
+        lora_a, lora_b, scaling = head.lora_A[name], head.lora_B[name], head.scaling[name]
+        x = head._cast_input_dtype(x, lora_a.weight.dtype)
+        features.append(lora_a(head.lora_dropout[name](x)).to(hidden.dtype))
+        weights.append((lora_b.weight * scaling).to(base.weight.dtype))
+        if lora_b.bias is not None:
+            extra = (lora_b.bias * scaling).to(base.weight.dtype)
+            bias = extra if bias is None else bias + extra
+    if len(features) == 1:
+        return hidden, base.weight, bias
+    return torch.cat(features, dim=-1), torch.cat(weights, dim=1), bias
+
+
 def fused_causal_lm_forward(
     backend: Backend,
     return_logits_default: bool,
     logit_scale: Callable[[PretrainedConfig], float] | None = None,
     router_aux_loss: bool = False,
+    original_with_router_logits: bool = False,
 ) -> Callable:
     """The forward of a family whose ``*ForCausalLM`` computes ``lm_head(hidden) · logit_scale(config)``
     (Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``), then the config's
@@ -71,7 +135,9 @@ def fused_causal_lm_forward(
     With ``router_aux_loss`` (Mixtral, Qwen-MoE, GPT-OSS), ``output_router_logits`` (the argument, else
     the config's) adds ``router_aux_loss_coef · load_balancing_loss_func(router_logits, num_experts,
     num_experts_per_tok, attention_mask)`` to the loss, the family's own function with its
-    ``*ForCausalLM``'s arguments, so a patched model trains on transformers' loss."""
+    ``*ForCausalLM``'s arguments, so a patched model trains on transformers' loss. With
+    ``original_with_router_logits`` (the generic patch, which does not know how the family adds a router
+    loss), a loss asked for with ``output_router_logits`` is the original forward's."""
 
     def forward(
         self,
@@ -96,7 +162,12 @@ def fused_causal_lm_forward(
         """Causal-LM forward with the fused head (see ``fastalign.patch_model``).
 
         labels: as transformers takes them (shifted here; or pass ``shift_labels``); the loss honours
-            ``num_items_in_batch``. No logits are built unless ``return_logits=True``.
+            ``num_items_in_batch`` and ``ignore_index``. No logits are built unless ``return_logits=True``
+            or (``return_logits`` unset) the model is evaluated: with ``labels``, in eval mode and with
+            gradients off, as transformers.Trainer's evaluation runs it (its ``compute_metrics`` needs
+            them); ``return_logits=False`` leaves them out there too.
+        return_dict: False returns ``output.to_tuple()`` (the argument, else the config's), as
+            transformers does.
         loss_reduction: "mean" (transformers' loss), or "none": the loss of each position [B, S] (its
             next label's; 0 where ignored), differentiable, for losses that weight tokens (SFT's DFT);
             the router's ``aux_loss`` is not in it (add ``router_aux_loss_coef · output.aux_loss``).
@@ -108,9 +179,16 @@ def fused_causal_lm_forward(
             states inside this forward (so under FSDP2 the head weight is unsharded), and its result
             comes back as ``output.head_output``: how a loss module that takes hidden states
             (``fastalign.losses``) trains a patched model. For a family with a logit scale, hidden and
-            bias come scaled, so that ``hidden·weightᵀ + bias`` are the model's logits.
+            bias come scaled, so that ``hidden·weightᵀ + bias`` are the model's logits. With a peft
+            LoRA ``lm_head``, hidden is [B, S, D + r] and weight [V, D + r]: the adapters' features and
+            scaled ``lora_B`` weights appended (``_head_inputs``), so that this still holds.
         """
         shifted = kwargs.pop("shift_labels", None)
+        # transformers' ``can_return_tuple``: the argument, else the config's; the body always returns
+        # its output object here, and the result becomes a tuple at the end
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
         inputs = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -120,27 +198,76 @@ def fused_causal_lm_forward(
             use_cache=use_cache,
         )
         if labels is None and shifted is None and logprob_targets is None and head_fn is None:
-            return type(self).forward(self, **inputs, logits_to_keep=logits_to_keep, **kwargs)
+            original = type(self).forward
+            return original(self, **inputs, logits_to_keep=logits_to_keep, return_dict=return_dict, **kwargs)
+        router_logits = kwargs.get("output_router_logits")
+        if router_logits is None:
+            router_logits = getattr(self.config, "output_router_logits", False)
+        original_needed = router_logits and original_with_router_logits and not router_aux_loss
+        if original_needed and logprob_targets is None and head_fn is None:
+            # a mixture of experts whose load-balancing loss this head does not know how to add (the
+            # generic patch): the original forward, which adds it
+            return type(self).forward(
+                self, **inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=return_dict,
+                shift_labels=shifted, **kwargs,
+            )  # fmt: skip
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        # transformers' loss: a target equal to ignore_index is skipped (the fused loss skips -100)
+        ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+        if not return_dict:
+            kwargs["return_dict"] = True
         if router_aux_loss:  # as the family's forward: the argument, else the config's
             if kwargs.get("output_router_logits") is None:
                 kwargs["output_router_logits"] = self.config.output_router_logits
         outputs = self.model(**inputs, **kwargs)
         hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
-        weight, bias = self.lm_head.weight, self.lm_head.bias
         scale = None if logit_scale is None else logit_scale(self.config)
-        head_hidden, head_bias = hidden, bias
-        if scale is not None:
-            head_hidden = hidden * scale
-            head_bias = None if bias is None else bias * scale
         softcap = getattr(self.config, "final_logit_softcapping", None)
         fused = dict(softcap=softcap, backend=backend)
+        head = _head_inputs(self.lm_head, hidden)
+        head_logits = None
+        if head is None:  # a head that is not a sum of linears (DoRA, quantized, offloaded): its own forward
+            unsupported = [
+                name
+                for name, used in (
+                    ("logprob_targets", logprob_targets is not None),
+                    ("head_fn", head_fn is not None),
+                    ("return_token_stats", return_token_stats),
+                )
+                if used
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"{', '.join(unsupported)} needs a linear LM head (nn.Linear, or peft LoRA on one); this "
+                    f"model's lm_head is a {type(self.lm_head).__name__}"
+                )
+            head_logits = _scaled_logits(self.lm_head(hidden), scale, softcap)
+            head_hidden = weight = head_bias = None
+        else:
+            head_hidden, weight, bias = head
+            head_bias = bias
+            if scale is not None:
+                head_hidden = head_hidden * scale
+                head_bias = None if bias is None else bias * scale
 
         loss = token_stats = None
         if labels is not None or shifted is not None:
             targets = shifted if shifted is not None else shift_labels(labels)
+            if ignore_index != IGNORE_INDEX:
+                targets = targets.masked_fill(targets == ignore_index, IGNORE_INDEX)
             if isinstance(num_items_in_batch, torch.Tensor):
                 num_items_in_batch = num_items_in_batch.to(hidden.device)
+        if head_logits is not None and (labels is not None or shifted is not None):
+            flat = head_logits.float().flatten(0, -2)
+            per_token = F.cross_entropy(
+                flat, targets.to(flat.device).flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            ).view(targets.shape)
+            if loss_reduction == "none":
+                loss = per_token
+            else:  # transformers' fixed_cross_entropy
+                count = (targets != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+                loss = per_token.sum() / count
+        elif labels is not None or shifted is not None:
             loss = linear_cross_entropy(
                 head_hidden,
                 weight,
@@ -184,14 +311,19 @@ def fused_causal_lm_forward(
                 )
             head_output = head_fn(head_hidden, weight, head_bias)
 
+        if return_logits is None:  # evaluation (eval mode, no gradients: transformers.Trainer's
+            # prediction_step) gets the logits the unpatched model returns with its loss, for
+            # compute_metrics; training keeps the fused head's saving
+            evaluating = loss is not None and not self.training and not torch.is_grad_enabled()
+            return_logits = return_logits_default or evaluating
         logits = None
-        if return_logits if return_logits is not None else return_logits_default:
-            logits = self.lm_head(hidden)
-            if scale is not None:
-                logits = logits * scale
-            if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
-        return FusedCausalLMOutput(
+        if return_logits:
+            logits = (
+                head_logits
+                if head_logits is not None
+                else _scaled_logits(self.lm_head(hidden), scale, softcap)
+            )
+        output = FusedCausalLMOutput(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
@@ -204,5 +336,15 @@ def fused_causal_lm_forward(
             aux_loss=aux_loss,
             router_logits=getattr(outputs, "router_logits", None),
         )
+        return output if return_dict else output.to_tuple()
 
     return forward
+
+
+def _scaled_logits(logits: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """The family's logits from ``lm_head``'s output: times the logit scale, then softcapped."""
+    if scale is not None:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits

@@ -278,7 +278,9 @@ def _plan(
         with _forwards(forwards):
             if loss:
                 for description, scale in _logit_scales(config):
-                    function = fused_causal_lm_forward(backend, return_logits, scale)
+                    function = fused_causal_lm_forward(
+                        backend, return_logits, scale, original_with_router_logits=True
+                    )
                     with _forwards([("loss", causal_lm, function)]):
                         error = _max_error(_outputs(causal_lm, ids, loss, fused_head=True), expected)
                     if error <= _model_tolerance(causal_lm):

@@ -81,14 +81,30 @@ def _base_causal_lm(model: nn.Module, *, head: bool, generic: bool = False) -> n
 _METHODS = ("forward", "_apply_gate")
 
 
+#: Where a module hooked by accelerate (``device_map``, ``cpu_offload``) had its ``_old_forward`` before
+#: fastalign replaced it: ``unpatch_model`` puts it back.
+_SAVED_OLD_FORWARD = "_fastalign_old_forward"
+
+
+def _slot(module: nn.Module, method: str) -> str:
+    """The attribute a patch of ``method`` replaces: accelerate's hooked ``forward`` wraps the module's
+    ``_old_forward`` (its hooks move the inputs and load offloaded weights around that call), so on a
+    hooked module the patch replaces ``_old_forward`` and leaves the hooks in place."""
+    hooked = hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__
+    return "_old_forward" if method == "forward" and hooked else method
+
+
 def _set_forward(module: nn.Module, function: Callable, piece: str, method: str = "forward") -> None:
     bound = types.MethodType(function, module)
-    setattr(module, method, bound)
+    slot = _slot(module, method)
+    if slot == "_old_forward" and _SAVED_OLD_FORWARD not in module.__dict__:
+        module.__dict__[_SAVED_OLD_FORWARD] = module.__dict__["_old_forward"]
+    setattr(module, slot, bound)
     setattr(function, _MARK, piece)
 
 
 def _patched_piece(module: nn.Module, method: str = "forward") -> str | None:
-    forward = module.__dict__.get(method)
+    forward = module.__dict__.get(_slot(module, method))
     return getattr(getattr(forward, "__func__", None), _MARK, None)
 
 
@@ -102,7 +118,11 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo ``patch_model``: every module gets its class's forward back. Returns the model."""
     for module in model.modules():
         for method in _METHODS:
-            if _patched_piece(module, method) is not None:
+            if _patched_piece(module, method) is None:
+                continue
+            if _slot(module, method) == "_old_forward":
+                module._old_forward = module.__dict__.pop(_SAVED_OLD_FORWARD)
+            else:
                 delattr(module, method)
         module.__dict__.pop(_SKIPPED, None)
     return model

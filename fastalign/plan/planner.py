@@ -280,13 +280,21 @@ class _Regime:
     rstd: int  # bytes per row a fused norm keeps besides its input (its 1/rms; 0 on CPU: recomputed)
 
 
+def residual_stream_bytes(method: str, gpus: int, bf16: bool, base_dtype: str) -> int:
+    """Bytes per element of the residual stream (what checkpointing keeps of each layer): bf16 weights,
+    or ``bf16`` under FSDP2 (its mixed precision casts the weights) or QLoRA, make it 2; fp32 weights on
+    one GPU (autocast, which leaves the stream in fp32), 4. Activation offloading sizes its host check
+    with the same number (``fastalign.train.memory.enable_activation_offloading(residual_bytes=)``)."""
+    return 2 if base_dtype == "bf16" or (bf16 and (gpus > 1 or method == "qlora")) else 4
+
+
 def _regime(
     method: str, gpus: int, bf16: bool, base_dtype: str, device: str, lora_dropout: float, patched: bool
 ) -> _Regime:
     sharded, autocast = gpus > 1, bf16 and gpus == 1
     bf16_base = base_dtype == "bf16"
     compute = 2 if bf16 or bf16_base else 4
-    residual = 2 if bf16_base or (bf16 and (sharded or method == "qlora")) else 4
+    residual = residual_stream_bytes(method, gpus, bf16, base_dtype)
     adapter = 2 if sharded and bf16 else 4
     mask = 0 if lora_dropout == 0 else (1 if device == "cuda" else adapter)
     rstd = 4 if device == "cuda" else 0

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from fastalign.errors import one_line
 
 
 class PlanError(ValueError):
@@ -190,6 +193,15 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if item.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise PlanError(
+                    "config",
+                    f"{self.name} ({self.model_type}): {item.name} must be a size >= 0, got {value!r}",
+                )
 
     @property
     def is_moe(self) -> bool:
@@ -427,8 +439,11 @@ def load_config(path: str | Path) -> PretrainedConfig:
     source = directory if directory.is_dir() else path
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as error:
+        # huggingface_hub's StrictDataclassError (a field of the wrong type) is not a ValueError
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if isinstance(error, (StrictDataclassError, TypeError)):  # the field, then why, on lines of their own
+            first = one_line(error)
         raise PlanError("config", f"cannot read a model config from {str(path)!r}: {first}") from error
     if not _is_causal_lm(config):
         kind = (getattr(config, "architectures", None) or [config.model_type])[0]

@@ -72,7 +72,12 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def enable_activation_offloading(
-    model: nn.Module, *, min_bytes: int = 1 << 20, keep_on_device: int = 0, tokens: int | None = None
+    model: nn.Module,
+    *,
+    min_bytes: int = 1 << 20,
+    keep_on_device: int = 0,
+    tokens: int | None = None,
+    residual_bytes: int | None = None,
 ) -> ActivationOffloader:
     """Offload what the decoder layers save for backward to CPU memory; ``.remove()`` undoes it.
 
@@ -81,13 +86,16 @@ def enable_activation_offloading(
     them, copying them out and straight back would only cost bandwidth and host memory. ``tokens``: the
     most tokens of one forward; with checkpointing, a run whose offloaded layer inputs would not fit in
     the host's available memory is refused here, before training (``HostMemoryError``).
+    ``residual_bytes``: bytes per element of the layer inputs in training, when that is not the model's
+    dtype now (FSDP2's bf16 mixed precision over fp32 weights makes them bf16, 2): the memory planner's
+    ``residual_stream_bytes``, so that a run the planner fits is not refused here. None: the model's dtype.
     """
     layers = decoder_layers(model)
     if not 0 <= keep_on_device <= len(layers):
         raise ValueError(f"keep_on_device must be in [0, {len(layers)}] layers, got {keep_on_device}")
     if tokens is not None and any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
         hidden = base_model(model).config.get_text_config().hidden_size
-        per_layer = tokens * hidden * model.dtype.itemsize
+        per_layer = tokens * hidden * (residual_bytes or model.dtype.itemsize)
         _check_host_memory(
             (len(layers) - keep_on_device) * per_layer,
             f"{len(layers) - keep_on_device} layer inputs of {tokens:,} tokens",

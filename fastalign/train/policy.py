@@ -65,7 +65,10 @@ def prepare_policy(
         tokens = config.max_length * config.per_device_train_batch_size if ctx.device.type == "cuda" else None
         keep = offload_keep_on_device(model, config, ctx)
         try:
-            memory.enable_activation_offloading(model, tokens=tokens, keep_on_device=keep)
+            residual = _residual_bytes(model, config, ctx)
+            memory.enable_activation_offloading(
+                model, tokens=tokens, keep_on_device=keep, residual_bytes=residual
+            )
         except ValueError as error:  # more layers than the model has
             raise ConfigError(f"config key 'activation_offloading_keep_on_device': {error}") from None
     model = _place(model, config.model_name_or_path, config, ctx)
@@ -105,6 +108,16 @@ def offload_keep_on_device(model: torch.nn.Module, config: TrainConfig, ctx: Dis
     except PlanError:
         return 0
     return plan.offload_keep_on_device
+
+
+def _residual_bytes(model: torch.nn.Module, config: TrainConfig, ctx: DistributedContext) -> int:
+    """Bytes per element of the layer inputs in training, as the memory planner counts them (under FSDP2
+    with ``bf16``, 2 although the weights are fp32 until sharded)."""
+    from fastalign.plan.planner import residual_stream_bytes
+
+    method = "qlora" if config.quantization else "lora" if config.use_peft else "full"
+    base_dtype = "bf16" if model_dtype(config, config.model_name_or_path) == torch.bfloat16 else "fp32"
+    return residual_stream_bytes(method, ctx.world_size, config.bf16, base_dtype)
 
 
 #: The share of the device's memory that ``keep_on_device: auto`` plans against: the planner came out

@@ -295,3 +295,30 @@ def test_a_probe_that_fails_patches_nothing(models):
     assert generic_report(original).unpatched == {
         "probe": "the probe failed (RuntimeError: this head runs only on its own hardware)"
     }
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "granitemoe", "phimoe"])
+def test_router_aux_loss_asked_for_at_call_time_is_in_the_loss(model_type):
+    """A mixture of experts the table does not hold, given ``output_router_logits=True`` in the call:
+    the loss includes the router's load-balancing loss, as the original's (the generic head does not
+    know it: that call runs the original forward)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts=4,
+        num_experts_per_tok=2, output_router_logits=False, router_aux_loss_coef=0.5, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(config).eval()
+    patched = fastalign.patch_model(copy.deepcopy(original), generic=True)
+    assert "loss" in patched_pieces(patched)
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = original(input_ids=ids, labels=ids, output_router_logits=True)
+    got = patched(input_ids=ids, labels=ids, output_router_logits=True)
+    assert expected.aux_loss is not None and got.aux_loss is not None
+    assert relative_error(got.loss, expected.loss) <= 1e-5
+    assert (
+        relative_error(patched(input_ids=ids, labels=ids).loss, original(input_ids=ids, labels=ids).loss)
+        <= 1e-5
+    )

@@ -301,3 +301,95 @@ def test_save_pretrained_and_dtype_moves(tmp_path):
     patched.to(torch.bfloat16)
     original.to(torch.bfloat16)
     assert relative_error(patched(**batch).loss, original(**batch).loss) <= TOLERANCE[torch.bfloat16]
+
+
+def test_return_dict_false_returns_the_tuple_with_the_loss_first():
+    """``return_dict=False`` with labels: a tuple (loss, ...) as transformers returns, not a crash."""
+    original, patched = pair("llama")
+    batch = padded_batch()
+    expected, got = original(**batch, return_dict=False), patched(**batch, return_dict=False)
+    assert isinstance(got, tuple) and isinstance(expected, tuple)
+    assert relative_error(got[0], expected[0]) <= 1e-5
+    got = patched(input_ids=batch["input_ids"], return_dict=False)  # no labels: the original forward
+    assert isinstance(got, tuple) and got[0].shape == (*batch["input_ids"].shape, original.config.vocab_size)
+
+
+def test_ignore_index_reaches_the_loss():
+    """``ignore_index`` of the forward skips those targets, as transformers' ForCausalMLoss does."""
+    original, patched = pair("llama")
+    batch = padded_batch()
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 0)
+    expected, got = original(**batch, ignore_index=0).loss, patched(**batch, ignore_index=0).loss
+    assert relative_error(got, expected) <= 1e-5
+    unpadded = patched(**{**batch, "labels": padded_batch()["labels"]}).loss
+    assert relative_error(got, unpadded) <= 1e-5  # padding with 0 and ignoring 0 = padding with -100
+
+
+@pytest.mark.parametrize(
+    "head",
+    ["lora", "lora_dropout", "dora", "modules_to_save"],
+)
+def test_peft_adapters_on_the_lm_head_are_in_the_loss(head):
+    """LoRA on lm_head is in the fused loss exactly (its features and weight join the head's, dropout
+    included), and A and B get their gradients; DoRA runs the head's own forward; modules_to_save
+    trains the copy."""
+    peft = require("peft")
+    options = dict(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "lm_head"])
+    if head == "lora_dropout":
+        options["lora_dropout"] = 0.3
+    if head == "dora":
+        options["use_dora"] = True
+    if head == "modules_to_save":
+        options.update(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    original = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(**options))
+    with torch.no_grad():
+        for name, param in original.named_parameters():
+            if "modules_to_save" in name:  # the trainable copy differs from the frozen original
+                param.add_(0.05)
+    patched = fastalign.patch_model(copy.deepcopy(original))
+    batch = padded_batch()
+    original.train(), patched.train()
+    torch.manual_seed(0)
+    expected = original(**batch).loss
+    torch.manual_seed(0)
+    got = patched(**batch).loss
+    assert relative_error(got, expected) <= 1e-5
+    expected.backward()
+    got.backward()
+    assert_same_gradients(original, patched, 1e-4)
+    if head != "modules_to_save":
+        assert patched.base_model.model.lm_head.lora_A["default"].weight.grad is not None
+
+
+def test_accelerate_device_map_with_offloaded_modules(tmp_path):
+    """A model dispatched by accelerate (modules offloaded to the CPU and to disk, weights on the meta
+    device between calls): the patch replaces the hooked modules' ``_old_forward``, so the hooks still
+    load the weights around each call; unpatching restores the hooked forward."""
+    require("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "disk",
+        "lm_head": "cpu",
+    }
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map=device_map, offload_folder=str(tmp_path / "offload")
+    )
+    assert model.model.norm.weight.is_meta and hasattr(model.model.norm, "_hf_hook")
+    batch = padded_batch()
+    expected = model(**batch).loss
+    hooked = {name: module.forward for name, module in model.named_modules() if hasattr(module, "_hf_hook")}
+    fastalign.patch_model(model)
+    assert patched_pieces(model)["rms_norm"] == 5
+    assert all(model.get_submodule(name).forward == forward for name, forward in hooked.items())
+    assert relative_error(model(**batch).loss, expected) <= 1e-5
+    unpatch_model(model)
+    assert patched_pieces(model) == {}
+    norm = model.model.norm
+    assert norm._old_forward.__func__ is type(norm).forward
+    assert relative_error(model(**batch).loss, expected) <= 1e-5

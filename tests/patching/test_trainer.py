@@ -47,3 +47,36 @@ def test_trainer_losses_match_with_gradient_accumulation(tmp_path):
     patched = _train(True, tmp_path / "patched")
     assert len(original) == 4
     torch.testing.assert_close(torch.tensor(patched), torch.tensor(original), rtol=1e-4, atol=1e-4)
+
+
+def _evaluate(patch: bool, output_dir) -> dict:
+    tokenizer = tiny_tokenizer()
+    dataset = [tokenizer(f"What is {a} plus {b}? The answer is {a + b}.") for a in range(4) for b in (1, 2)]
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    if patch:
+        fastalign.patch_model(model)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        per_device_eval_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+
+    def accuracy(prediction) -> dict:
+        hits = prediction.predictions.argmax(-1)[:, :-1] == prediction.label_ids[:, 1:]
+        return {"accuracy": float(hits[prediction.label_ids[:, 1:] != -100].mean())}
+
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    trainer = Trainer(
+        model=model, args=args, eval_dataset=dataset, data_collator=collator, compute_metrics=accuracy
+    )
+    return trainer.evaluate()
+
+
+def test_evaluate_with_compute_metrics_gets_the_logits(tmp_path):
+    """Trainer.evaluate runs the model in eval mode without gradients: the patched forward builds the
+    logits there (compute_metrics needs them), with the same eval_loss."""
+    expected, got = _evaluate(False, tmp_path / "a"), _evaluate(True, tmp_path / "b")
+    assert got["eval_accuracy"] == expected["eval_accuracy"]
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)

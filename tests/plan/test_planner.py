@@ -555,6 +555,25 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, flag, words)
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag}: ") and words in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"model_type": "llama", "hidden_size": "big"}, "Field 'hidden_size' expected int, got str"),
+        ({"model_type": "llama", "vocab_size": -5}, "vocab_size must be a size >= 0, got -5"),
+    ],
+)
+def test_a_mistyped_or_negative_config_is_one_line(tmp_path, capsys, config, words):
+    """A field of the wrong type (huggingface_hub's StrictDataclassError, not a ValueError) and a negative
+    size are each one error line, not a traceback or a plan."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", "--model", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = [line for line in captured.err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: --model: ") and words in lines[0], captured.err
+
+
 def test_parse_memory():
     assert (
         parse_memory("24GB")

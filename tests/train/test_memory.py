@@ -406,6 +406,37 @@ def test_offloading_that_outgrows_the_host_is_refused_before_training(monkeypatc
     offloader.remove()
 
 
+def test_the_host_check_counts_the_residual_stream_as_the_planner_does(monkeypatch):
+    """Under FSDP2 with bf16 the layer inputs of an fp32 model are bf16: the host check counts what the
+    planner counts (``residual_stream_bytes``), so a run the planner fits is not refused."""
+    from fastalign.plan import plan_memory
+    from fastalign.plan.planner import residual_stream_bytes
+    from fastalign.train.policy import _residual_bytes
+
+    model = tiny_model("llama")  # fp32 weights, as FSDP2's mixed precision leaves them until sharded
+    enable_activation_checkpointing(model)
+    checked = []
+    monkeypatch.setattr(memory, "_check_host_memory", lambda nbytes, what: checked.append(nbytes))
+    tokens = 4096
+    residual = residual_stream_bytes("full", 2, True, "fp32")
+    enable_activation_offloading(model, tokens=tokens, residual_bytes=residual).remove()
+    plan = plan_memory(
+        model.config, method="full", gpus=2, seq_len=tokens, batch_size=1, checkpointing=True,
+        offload_activations=True, keep_on_device=0, bf16=True, base_dtype="fp32", suggest=False,
+    )  # fmt: skip
+    assert residual == 2 and checked == [plan.activations_host]
+
+    class Config:  # what prepare_policy reads of a TrainConfig
+        quantization, use_peft, bf16 = None, False, True
+        model_name_or_path, torch_dtype, dtype = "tiny", "float32", "float32"
+
+    class Ctx:
+        world_size = 2
+
+    monkeypatch.setattr("fastalign.train.policy.model_dtype", lambda config, name: torch.float32)
+    assert _residual_bytes(model, Config(), Ctx()) == 2
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the pinned pool and the side-stream copies need CUDA"
 )
