@@ -204,9 +204,12 @@ def fused_causal_lm_forward(
         if router_logits is None:
             router_logits = getattr(self.config, "output_router_logits", False)
         original_needed = router_logits and original_with_router_logits and not router_aux_loss
-        if original_needed and logprob_targets is None and head_fn is None:
+        fastalign_call = logprob_targets is not None or head_fn is not None or return_token_stats
+        if original_needed and not fastalign_call and loss_reduction == "mean":
             # a mixture of experts whose load-balancing loss this head does not know how to add (the
-            # generic patch): the original forward, which adds it
+            # generic patch): the original forward, which adds it. A call asking for what only the fused
+            # head gives (token stats, per-token losses, log-probs, a head function) keeps it: its caller
+            # adds the router loss itself (fastalign's objectives do, from the returned router logits)
             return type(self).forward(
                 self, **inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=return_dict,
                 shift_labels=shifted, **kwargs,

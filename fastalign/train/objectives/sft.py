@@ -136,6 +136,7 @@ class SFTObjective(Objective):
             num_items_in_batch=num_items_in_batch,
             loss_reduction="none" if per_token else "mean",
             return_token_stats=True,
+            return_logits=False,  # also when evaluating: the loss and its metrics come from the fused head
             **self.router_aux.forward_kwargs(),
         )
         if getattr(out, "token_stats", None) is None:
