@@ -14,6 +14,7 @@ import logging
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -314,7 +315,10 @@ def test_router_aux_loss_asked_for_at_call_time_is_in_the_loss(model_type):
     patched = fastalign.patch_model(copy.deepcopy(original), generic=True)
     assert "loss" in patched_pieces(patched)
     ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
-    expected = original(input_ids=ids, labels=ids, output_router_logits=True)
+    try:
+        expected = original(input_ids=ids, labels=ids, output_router_logits=True)
+    except AttributeError as error:  # transformers 5.17's granitemoe: its aux loss is an int 0 here
+        pytest.skip(f"transformers {transformers.__version__}'s own {model_type} forward fails: {error}")
     got = patched(input_ids=ids, labels=ids, output_router_logits=True)
     assert expected.aux_loss is not None and got.aux_loss is not None
     assert relative_error(got.loss, expected.loss) <= 1e-5
