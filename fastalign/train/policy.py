@@ -93,7 +93,7 @@ def offload_keep_on_device(model: torch.nn.Module, config: TrainConfig, ctx: Dis
     from fastalign.plan import PlanError, plan_memory
 
     method = "qlora" if config.quantization else "lora" if config.use_peft else "full"
-    base_dtype = "bf16" if model_dtype(config, config.model_name_or_path) == torch.bfloat16 else "fp32"
+    base_dtype = _planner_dtype(config)
     device_memory = torch.cuda.get_device_properties(ctx.device).total_memory
     try:
         plan = plan_memory(
@@ -110,13 +110,20 @@ def offload_keep_on_device(model: torch.nn.Module, config: TrainConfig, ctx: Dis
     return plan.offload_keep_on_device
 
 
+def _planner_dtype(config: TrainConfig) -> str:
+    """The planner's name for the weights' dtype: "bf16" for any 2-byte float (fp16 weights take the
+    bytes bf16 ones do), else "fp32"."""
+    two_bytes = model_dtype(config, config.model_name_or_path) in (torch.bfloat16, torch.float16)
+    return "bf16" if two_bytes else "fp32"
+
+
 def _residual_bytes(model: torch.nn.Module, config: TrainConfig, ctx: DistributedContext) -> int:
     """Bytes per element of the layer inputs in training, as the memory planner counts them (under FSDP2
     with ``bf16``, 2 although the weights are fp32 until sharded)."""
     from fastalign.plan.planner import residual_stream_bytes
 
     method = "qlora" if config.quantization else "lora" if config.use_peft else "full"
-    base_dtype = "bf16" if model_dtype(config, config.model_name_or_path) == torch.bfloat16 else "fp32"
+    base_dtype = _planner_dtype(config)
     return residual_stream_bytes(method, ctx.world_size, config.bf16, base_dtype)
 
 

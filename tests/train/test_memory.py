@@ -435,6 +435,10 @@ def test_the_host_check_counts_the_residual_stream_as_the_planner_does(monkeypat
 
     monkeypatch.setattr("fastalign.train.policy.model_dtype", lambda config, name: torch.float32)
     assert _residual_bytes(model, Config(), Ctx()) == 2
+    Ctx.world_size = 1  # one process, fp32 weights under autocast: the stream stays fp32
+    assert _residual_bytes(model, Config(), Ctx()) == 4
+    monkeypatch.setattr("fastalign.train.policy.model_dtype", lambda config, name: torch.float16)
+    assert _residual_bytes(model, Config(), Ctx()) == 2  # fp16 weights: 2 bytes, as bf16 ones
 
 
 @pytest.mark.skipif(
