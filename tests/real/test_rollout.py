@@ -1,0 +1,51 @@
+"""The rollout engine on the real model: greedy completions of long, left-padded chat prompts equal
+``generate``'s, with each prompt's KV held once for its rows (``fastalign.train.prefix_attention``) and
+with it repeated."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fastalign.train import generation
+from fastalign.train.decode_cache import SharedPrefixLayer
+
+
+def chat_prompts(tokenizer, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` long chat prompts (a documentation passage and a question), left-padded."""
+    from pydoc_data.topics import topics
+
+    texts = []
+    for name in sorted(topics)[:count]:
+        passage = " ".join(topics[name].split()[:120])
+        question = f"Documentation:\n{passage}\n\nIn one sentence, what does '{name}' cover?"
+        messages = [{"role": "user", "content": question}]
+        texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def test_long_prompts_decode_as_generate_with_their_kv_held_once(smollm2, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    ids, mask = chat_prompts(tokenizer, 2)
+    assert ids.shape[1] > 100 and bool((mask == 0).any())  # long, and left-padded
+    options = dict(
+        do_sample=False, max_new_tokens=12, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    shared = []
+    share = SharedPrefixLayer.share
+    spy = lambda self, *args: (shared.append(self), share(self, *args))[1]  # noqa: E731
+    monkeypatch.setattr(SharedPrefixLayer, "share", spy)
+    with torch.no_grad():
+        expected = model.generate(
+            input_ids=ids.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0), **options
+        )
+        assert generation.shares_prefix(model, ids, 3, options["max_new_tokens"])
+        ours = generation.sample_groups(model, ids, mask, 3, options)
+        monkeypatch.setattr(generation, "SHARE_FROM", 10**9)
+        repeated = generation.sample_groups(model, ids, mask, 3, options)
+    assert len(shared) == model.config.num_hidden_layers
+    assert torch.equal(ours, expected) and torch.equal(repeated, expected)
