@@ -806,12 +806,19 @@ _NEEDS: dict[str, tuple[str, Callable[[TrainConfig], bool]]] = {
 }
 
 
+def _set_keys(config: TrainConfig, keys) -> list[str]:
+    """Those of ``keys`` that ``config`` sets away from their defaults (a saved config lists every key:
+    naming one at its default sets nothing)."""
+    defaults = TrainConfig()
+    return [key for key in keys if getattr(config, key) != getattr(defaults, key)]
+
+
 def _check_unread_options(config: TrainConfig, where: dict[str, str]) -> None:
     """An option set (away from its default) that the run would not read, for want of the option it
     qualifies (``_NEEDS``), or beside one that overrides it: a one-line error, never silently ignored."""
-    defaults = TrainConfig()
-    for key, (needs, has) in _NEEDS.items():
-        if getattr(config, key) != getattr(defaults, key) and not has(config):
+    for key in _set_keys(config, _NEEDS):
+        needs, has = _NEEDS[key]
+        if not has(config):
             _fail(where, key, f"({getattr(config, key)!r}) is read only with {needs}")
     if config.warmup_ratio and config.warmup_steps:
         _fail(
@@ -899,11 +906,9 @@ def _check_model_options(config: TrainConfig, where: dict[str, str]) -> None:
             "dtype",
             "float16 cannot train in full with fp16: its gradient scaler cannot unscale fp16 gradients",
         )
-    defaults = TrainConfig()
     lora = [key for key in _field_names() if key.startswith("lora_")] + ["use_rslora", "use_dora"]
-    for key in lora:
-        if getattr(config, key) != getattr(defaults, key) and not config.use_peft:
-            _fail(where, key, f"({getattr(config, key)!r}) is a LoRA option: it needs use_peft: true")
+    for key in [] if config.use_peft else _set_keys(config, lora):
+        _fail(where, key, f"({getattr(config, key)!r}) is a LoRA option: it needs use_peft: true")
     if config.use_dora and config.quantization:
         _fail(
             where,
