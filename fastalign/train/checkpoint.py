@@ -155,10 +155,11 @@ def _set_rng_state(rng: dict) -> None:
         np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
 
 
-def _save_durably(obj: object, path: Path) -> None:
-    """``torch.save``, flushed to disk before the directory holding it is renamed into place."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
+def _write_durably(path: Path, write, mode: str = "w") -> None:
+    """``write(file)`` into ``path``, flushed to disk before the directory holding it is renamed into
+    place."""
+    with open(path, mode) as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -201,7 +202,8 @@ def save_checkpoint(
         _quiet_dcp(dcp.save, {"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         if objective_state:
             _quiet_dcp(dcp.save, objective_state, checkpoint_id=str(tmp / OBJECTIVE_STATE))
-        _save_durably(_rng_state(), tmp / f"rng-{ctx.rank}.pt")
+        rng = _rng_state()
+        _write_durably(tmp / f"rng-{ctx.rank}.pt", lambda f: torch.save(rng, f), "wb")
         _barrier(ctx)
         if ctx.is_main:
             _write_json(tmp / TRAINER_STATE, trainer_state)
@@ -310,10 +312,7 @@ def _load(state: dict, path: Path) -> None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_durably(path, lambda f: json.dump(data, f, indent=1))
 
 
 def fsync_dir(path: Path) -> None:
