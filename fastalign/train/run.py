@@ -97,7 +97,6 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
         scheduler = build_scheduler(optimizer, config, max_steps)
         if resume_path is not None:
             check_resume_length(resume_path, max_steps)
-        objective.check_schedule(config, max_steps)  # e.g. a ratio save_steps, now a step count
         engine = Engine(
             model,
             objective,
