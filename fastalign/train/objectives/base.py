@@ -158,6 +158,11 @@ class Objective(ABC):
         """Everything the objective needs besides the policy (a reference, a tokenizer to decode)."""
         return Prepared(train, evaluation)
 
+    def sequence_length(self, config: TrainConfig, train: list) -> int:
+        """The length of a training row, for the throughput estimate (MFU's attention term), once the
+        training examples ``train`` are tokenized: ``max_length``."""
+        return config.max_length
+
     # --- a step ------------------------------------------------------------------------------------
     def prepare_step(
         self, model: torch.nn.Module, micro_batches: list[dict], step: int

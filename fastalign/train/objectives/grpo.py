@@ -402,6 +402,13 @@ class RolloutObjective(PromptObjective):
         callbacks = [CompletionsLog(self)] if self.options.log_completions else []
         return Prepared(train, repeated, callbacks)
 
+    def sequence_length(self, config: TrainConfig, train: list) -> int:
+        """A prompt and its completion: the longest training prompt (as tokenized: cut to
+        ``max_prompt_length`` where set) and ``max_completion_length`` (these objectives read no
+        ``max_length``: TRL's GRPOConfig and RLOOConfig have none)."""
+        longest = max((len(example.prompt_ids) for example in train), default=0)
+        return longest + self.options.max_completion_length
+
     # --- a step ------------------------------------------------------------------------------------
     def loss_tokens(self, batch: dict) -> int:
         if "completion_mask" not in batch:  # an evaluation micro-batch of prompts, one row a completion
