@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastalign.builtin import tiny_model, tiny_prompt_rows, tiny_tokenizer
+from fastalign.data.preference import PromptExample
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
@@ -142,6 +143,27 @@ def test_truncation_without_max_prompt_length_is_refused(name):
     with pytest.raises(ConfigError, match=r"config key 'truncation' .* only with max_prompt_length"):
         make_objective(name, TrainConfig(reward_funcs=[DIGITS], truncation=True), CPU)
     make_objective(name, TrainConfig(reward_funcs=[DIGITS], truncation=True, max_prompt_length=32), CPU)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
+def test_max_length_is_refused(name):
+    """TRL's GRPOConfig and RLOOConfig (and its former PPOConfig) have no max_length: accepted, it would
+    be ignored (a row is a prompt, cut to max_prompt_length, and a completion of max_completion_length)."""
+    with pytest.raises(
+        ConfigError,
+        match=rf"^config key 'max_length' \(64\) is for sft, .*; {name} does not read it \(TRL's config has "
+        r"none: max_prompt_length and max_completion_length bound its rows\): remove it$",
+    ):
+        make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_length=64), CPU)
+    make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_length=TrainConfig().max_length), CPU)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
+def test_the_throughput_estimate_takes_the_longest_prompt_and_a_whole_completion(name):
+    """MFU's attention term: the longest training prompt plus max_completion_length (not max_length)."""
+    objective = make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_completion_length=12), CPU)
+    prompts = [PromptExample(list(range(length)), "p", {}) for length in (3, 9, 5)]
+    assert objective.sequence_length(TrainConfig(), prompts) == 9 + 12
 
 
 @pytest.mark.parametrize(
