@@ -76,9 +76,10 @@ def _write_data(directory: Path, preset: dict) -> tuple[Path, Path]:
 
 def _runs(preset: dict, directory: Path) -> dict[str, list[str]]:
     pairs, prompts = _write_data(directory, preset)
-    shared = ["--max_length", "2048", "--max_prompt_length", "1024", *preset["flags"]]
+    shared = ["--max_prompt_length", "1024", *preset["flags"]]  # grpo has no max_length (TRL's neither)
     return {
-        "dpo": [*shared, "--dataset_name", str(pairs), "--per_device_train_batch_size", "8"],
+        "dpo": [*shared, "--max_length", "2048", "--dataset_name", str(pairs),
+                "--per_device_train_batch_size", "8"],
         "grpo": [*shared, "--dataset_name", str(prompts), "--per_device_train_batch_size", "64",
                  "--num_generations", "8", "--reward_funcs", "fastalign.builtin:digit_ratio",
                  "--max_completion_length", str(preset["max_completion_length"])],

@@ -1,18 +1,21 @@
 """Training checkpoints that a crash cannot corrupt, and that resume a run exactly.
 
-A checkpoint is a directory ``checkpoint-<step>`` holding the model (or, with LoRA, only the trainable
-adapter weights) and optimizer state in ``torch.distributed.checkpoint`` format (each rank writes its
-own shards; loading re-shards), ``trainer_state.json`` (step, data position, scheduler, and under
-``"config"`` the run's config as given: the fingerprint a resume is checked against) and one
-``rng-<rank>.pt`` per rank (torch's, Python's ``random`` and numpy's generators). It is written
-under ``.tmp-checkpoint-<step>`` and renamed when
-complete: a kill during a save leaves only a temporary directory, which resume never picks and the next
-save deletes; a disk that fills during a save is a one-line ``DiskFullError``, the partial directory
-removed. ``save_total_limit`` checkpoints are kept (None: all), as transformers rotates them: the newest
-and the best (``load_best_model_at_end``) always, the others newest first; and besides them, until the
-run ends, the newest one that a finite step has followed: a checkpoint saved just before a run diverges
-may hold the weights that diverge, and must not be the only one left. At the end the best is kept, not
-the newest, where only one may stay.
+A checkpoint is a directory ``checkpoint-<step>`` holding the model (or, with LoRA, only the trainable adapter
+weights) and optimizer state in ``torch.distributed.checkpoint`` format (each rank writes its own shards;
+loading re-shards), ``trainer_state.json`` (step, data position, scheduler, and under ``"config"`` the run's
+config as given: the fingerprint a resume is checked against) and one ``rng-<rank>.pt`` per rank (torch's,
+Python's ``random`` and numpy's generators). A checkpoint saved where the objective's next steps still train
+on something no data position makes again (a generation sampled by the policy of an earlier step:
+``Objective.pending_state``) holds it too, per rank: ``pending-<rank>.safetensors`` (its tensors) and
+``pending-<rank>.json`` (each tensor's dtype and shape, and the objective's small metadata), never pickle; a
+resume hands them back to the objective, and a file missing, unreadable or not as listed is a one-line error
+naming it. It is written under ``.tmp-checkpoint-<step>`` and renamed when complete: a kill during a save
+leaves only a temporary directory, which resume never picks and the next save deletes; a disk that fills
+during a save is a one-line ``DiskFullError``, the partial directory removed. ``save_total_limit`` checkpoints
+are kept (None: all), as transformers rotates them: the newest and the best (``load_best_model_at_end``)
+always, the others newest first; and besides them, until the run ends, the newest one that a finite step has
+followed: a checkpoint saved just before a run diverges may hold the weights that diverge, and must not be the
+only one left. At the end the best is kept, not the newest, where only one may stay.
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from fastalign.train.distributed import DistributedContext
+from fastalign.train.distributed import DistributedContext, raise_on_every_rank
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -47,6 +54,20 @@ TRAINER_STATE = "trainer_state.json"
 OBJECTIVE_STATE = "objective"
 #: Where the trainer state keeps the run's config (a dict of ``TrainConfig`` fields, as given).
 CONFIG_KEY = "config"
+#: Each rank's pending state (``PendingState``): ``<name>.safetensors`` and ``<name>.json``.
+PENDING = "pending-{rank}"
+#: The trainer state's key that says every rank saved a pending state.
+PENDING_KEY = "pending"
+
+
+@dataclass
+class PendingState:
+    """What an objective's next steps still train on that no data position makes again (e.g. a generation
+    sampled by the policy of an earlier step), on one rank: ``tensors`` (saved as safetensors) and
+    ``meta``, small JSON-serialisable metadata (numbers, strings, lists, dicts)."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict
 
 
 class DiskFullError(OSError, ValueError):
@@ -186,10 +207,12 @@ def save_checkpoint(
     save_total_limit: int | None,
     objective_state: dict[str, torch.Tensor] | None = None,
     best: Path | None = None,
+    pending: PendingState | None = None,
 ) -> Path:
     """Write ``checkpoint-<step>`` atomically (every rank calls this); returns its path. The objective's
-    state (tensors it carries across steps, possibly sharded) goes into ``objective/`` beside the model.
-    Older checkpoints beyond ``save_total_limit`` are deleted, never ``best``."""
+    state (tensors it carries across steps, possibly sharded) goes into ``objective/`` beside the model,
+    and this rank's ``pending`` state (``Objective.pending_state``: every rank has one, or none has) into
+    ``pending-<rank>.*``. Older checkpoints beyond ``save_total_limit`` are deleted, never ``best``."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
     try:
@@ -204,6 +227,9 @@ def save_checkpoint(
             _quiet_dcp(dcp.save, objective_state, checkpoint_id=str(tmp / OBJECTIVE_STATE))
         rng = _rng_state()
         _write_durably(tmp / f"rng-{ctx.rank}.pt", lambda f: torch.save(rng, f), "wb")
+        if pending is not None:
+            _write_pending(tmp / PENDING.format(rank=ctx.rank), pending)
+            trainer_state = {**trainer_state, PENDING_KEY: True}
         _barrier(ctx)
         if ctx.is_main:
             _write_json(tmp / TRAINER_STATE, trainer_state)
@@ -298,6 +324,94 @@ def load_checkpoint(
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / TRAINER_STATE).read_text())
+
+
+def load_pending(path: str | Path, ctx: DistributedContext, load: Callable[[PendingState], None]) -> None:
+    """Where checkpoint ``path`` holds pending states (``save_checkpoint``'s ``pending``), read this rank's
+    and hand it to ``load`` (the objective's ``load_pending_state``). A file missing or unreadable, tensors
+    other than its JSON lists, or a state ``load`` refuses (a ValueError) is a one-line ValueError naming
+    the file, on every rank (every rank calls this)."""
+    path = Path(path)
+    if not read_trainer_state(path).get(PENDING_KEY):
+        return
+    stem = path / PENDING.format(rank=ctx.rank)
+    listing, data = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
+    error = None
+    try:
+        load(_read_pending(listing, data))
+    except _PendingFileError as failure:
+        error = f"checkpoint {path} cannot be resumed: {failure.file.name}: {failure.reason}"
+    except ValueError as failure:  # the objective's: tensors that are not what it saved
+        error = f"checkpoint {path} cannot be resumed: {data.name}: {_first_line(failure)}"
+    raise_on_every_rank(error, ctx)
+
+
+_MISSING = f"missing, though its {TRAINER_STATE} says every rank saved a pending state"
+
+
+class _PendingFileError(Exception):
+    """A pending-state file that is missing, unreadable or not as listed, and why."""
+
+    def __init__(self, file: Path, reason: object):
+        super().__init__(file, reason)
+        self.file, self.reason = file, _first_line(reason)
+
+
+def _first_line(reason: object) -> str:
+    text = str(reason).strip()
+    return text.splitlines()[0] if text else type(reason).__name__
+
+
+def _write_pending(stem: Path, pending: PendingState) -> None:
+    """``pending``'s tensors (each its own contiguous copy: safetensors refuses views that share memory) as
+    ``<stem>.safetensors``, and its metadata with each tensor's dtype and shape as ``<stem>.json``."""
+    tensors = {
+        name: tensor.detach().cpu().clone(memory_format=torch.contiguous_format)
+        for name, tensor in pending.tensors.items()
+    }
+    data = safetensors.torch.save(tensors)
+    _write_durably(stem.with_suffix(".safetensors"), lambda f: f.write(data), "wb")
+    listed = {name: [_dtype_name(tensor.dtype), list(tensor.shape)] for name, tensor in tensors.items()}
+    _write_json(stem.with_suffix(".json"), {"tensors": listed, "meta": pending.meta})
+
+
+def _read_pending(listing: Path, data: Path) -> PendingState:
+    """The pending state of ``listing`` (JSON) and ``data`` (safetensors), checked against each other."""
+    try:
+        saved = json.loads(listing.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _PendingFileError(listing, _MISSING) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _PendingFileError(listing, error) from None
+    if not (
+        isinstance(saved, dict)
+        and isinstance(saved.get("tensors"), dict)
+        and isinstance(saved.get("meta"), dict)
+    ):
+        raise _PendingFileError(listing, "holds no tensor listing and metadata")
+    try:
+        tensors = safetensors.torch.load(data.read_bytes())  # owned copies, not a map of the file
+    except FileNotFoundError:
+        raise _PendingFileError(data, _MISSING) from None
+    except (OSError, SafetensorError) as error:
+        raise _PendingFileError(data, error) from None
+    if set(tensors) != set(saved["tensors"]):
+        different = sorted(set(tensors) ^ set(saved["tensors"]))
+        raise _PendingFileError(
+            data, f"its tensors are not those {listing.name} lists ({', '.join(different[:3])})"
+        )
+    for name, tensor in tensors.items():
+        found = [_dtype_name(tensor.dtype), list(tensor.shape)]
+        if found != saved["tensors"][name]:
+            raise _PendingFileError(
+                data,
+                f"tensor {name!r} is {found[0]} {found[1]}, {listing.name} lists {saved['tensors'][name]}",
+            )
+    return PendingState(tensors, saved["meta"])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _load(state: dict, path: Path) -> None:

@@ -50,7 +50,8 @@ class TrainConfig:
     eval_dataset_name: str | None = None  # held-out data (a file, built-in or Hub id); None: none
     eval_split_ratio: float = 0.0  # held-out fraction of dataset_name when no eval_dataset_name
     output_dir: str = "outputs/run"  # where checkpoints, metrics and the final model go
-    max_length: int = 1024  # TRL's default for every objective
+    max_length: int = 1024  # TRL's default; grpo, rloo and ppo have none (nor have TRL's configs):
+    # max_prompt_length and max_completion_length bound their rows
     truncation: bool = False  # without it, an over-long example is an error naming its row
     truncation_mode: str = "keep_start"  # sft, dpo: which end of an over-long row truncation keeps
     # (keep_start or keep_end; TRL's SFTConfig / DPOConfig)

@@ -166,6 +166,17 @@ def all_reduce_max(values: torch.Tensor, ctx: DistributedContext) -> torch.Tenso
     return tensor
 
 
+def raise_on_every_rank(error: str | None, ctx: DistributedContext) -> None:
+    """Raise ``error`` (a one-line message) on every rank if any rank has one: a rank that raised alone
+    would leave the others waiting in their next collective until the process group times out."""
+    if ctx.enabled:
+        errors: list[str | None] = [None] * ctx.world_size
+        dist.all_gather_object(errors, error)
+        error = next((found for found in errors if found is not None), None)
+    if error is not None:
+        raise ValueError(error)
+
+
 def broadcast_object(obj: Any, ctx: DistributedContext) -> Any:
     """Rank 0's ``obj`` (any picklable object) on every rank, e.g. a run name or a resolved path."""
     if not ctx.enabled:

@@ -23,8 +23,9 @@ gradients unscaled before clipping; a step whose gradients overflow is skipped (
 step) and the scale halves.
 
 A checkpoint holds the model, the optimizer, the RNG, the data position, the gradient scaler and the
-objective's own state (``Objective.state_dict``, e.g. TR-DPO's synced reference), so a resumed run
-continues exactly.
+objective's own state (``Objective.state_dict``, e.g. TR-DPO's synced reference, and
+``Objective.pending_state``, e.g. the generation GRPO's next steps still train on), so a run resumed from
+any checkpoint continues exactly.
 Where metrics go (JSONL, progress bar, TensorBoard, W&B) and anything else users add are callbacks
 (``fastalign.train.callbacks``), so behaviour is added without editing the loop.
 """
@@ -204,6 +205,7 @@ class Engine:
         objective_state = self.objective.state_dict()  # loaded in place
         data = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.ctx, objective_state)
         self.objective.load_state_dict(objective_state)
+        checkpoint.load_pending(path, self.ctx, self.objective.load_pending_state)
         self.state = TrainerState.from_dict(data)
         self.scheduler.load_state_dict(self.state.scheduler)
         if self.state.log_window:  # a checkpoint saved before log_window was kept has none
@@ -235,6 +237,7 @@ class Engine:
             self.schedule.save_total_limit,
             objective_state=self.objective.state_dict(),
             best=self.best_checkpoint(),
+            pending=self.objective.pending_state(),
         )
         self._call("on_save", path)
         return path

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import combine_rewards
-from fastalign.train.distributed import DistributedContext
+from fastalign.train.distributed import DistributedContext, raise_on_every_rank
 from fastalign.train.generation import engine_refusal, reads_prompt_padding, sample_groups
 from fastalign.train.rewards import RewardFunction, compute_rewards, reward_metrics
 
@@ -275,17 +275,6 @@ def decode_completions(completions: Completions, tokenizer, conversational: bool
         for ids, length in zip(completions.completion_ids.tolist(), completions.lengths, strict=True)
     ]
     return [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
-
-
-def raise_on_every_rank(error: str | None, ctx: DistributedContext) -> None:
-    """Raise ``error`` (a one-line message) on every rank if any rank has one: a rank that raised alone
-    would leave the others waiting in their next collective until the process group times out."""
-    if ctx.enabled:
-        errors: list[str | None] = [None] * ctx.world_size
-        dist.all_gather_object(errors, error)
-        error = next((found for found in errors if found is not None), None)
-    if error is not None:
-        raise ValueError(error)
 
 
 def all_gather_rows(local: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:

@@ -97,7 +97,6 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
         scheduler = build_scheduler(optimizer, config, max_steps)
         if resume_path is not None:
             check_resume_length(resume_path, max_steps)
-        objective.check_schedule(config, max_steps)  # e.g. a ratio save_steps, now a step count
         engine = Engine(
             model,
             objective,
@@ -116,7 +115,9 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
                 collate=objective.collate(tokenizer),
             ),
             callbacks=_callbacks(given, output_dir) + prepared.callbacks + list(callbacks or []),
-            flops_per_token=training_flops_per_token(model, config.max_length),
+            flops_per_token=training_flops_per_token(
+                model, objective.sequence_length(config, prepared.train)
+            ),
             peak_flops=peak_flops(ctx.device),
             autocast_dtype=autocast_dtype(config, ctx),
             run_config=asdict(given),

@@ -204,8 +204,6 @@ def grpo(tmp_path: Path, spec: str) -> tuple[str, ...]:
         "2",
         "--max_completion_length",
         "4",
-        "--max_length",
-        "32",
         "--loss_curve_png",
         "false",
     )

@@ -29,6 +29,7 @@ def jsonl(*rows: object) -> str:
 
 
 def train_args(objective: str, data: Path | str, output_dir: Path, *extra: str) -> list[str]:
+    online = objective in ("grpo", "rloo", "ppo")  # no max_length: prompt and completion lengths
     return [
         "train",
         objective,
@@ -40,8 +41,7 @@ def train_args(objective: str, data: Path | str, output_dir: Path, *extra: str) 
         str(output_dir),
         "--max_steps",
         "1",
-        "--max_length",
-        "48",
+        *([] if online else ["--max_length", "48"]),
         "--per_device_train_batch_size",
         "2",
         "--loss_curve_png",

@@ -25,13 +25,14 @@ from tests import torchrun
 
 WORKER = Path(__file__).with_name("train_worker.py")
 DIGITS = "fastalign.builtin:digit_ratio"
-#: Per objective: what differs from the common tiny config (GRPO: short completions, 2 prompts × 4).
+#: Per objective: what differs from the common tiny config (GRPO: short completions, 2 prompts × 4, and no
+#: max_length, which grpo and rloo refuse).
 OBJECTIVE_OPTIONS = {
-    "dpo": {},
-    "orpo": {},
-    "simpo": {},
-    "cpo": {},
-    "kto": {},
+    "dpo": {"max_length": 64},
+    "orpo": {"max_length": 64},
+    "simpo": {"max_length": 64},
+    "cpo": {"max_length": 64},
+    "kto": {"max_length": 64},
     "grpo": {"reward_funcs": [DIGITS], "num_generations": 4, "max_completion_length": 8, "beta": 0.04},
     "rloo": {"reward_funcs": [DIGITS], "num_generations": 4, "max_completion_length": 8},
 }
@@ -50,7 +51,6 @@ def config(output_dir: Path, objective: str, **overrides) -> TrainConfig:
         learning_rate=1e-3,
         logging_steps=1,
         seed=0,
-        max_length=64,
         loss_curve_png=False,
         **OBJECTIVE_OPTIONS[objective],
     )

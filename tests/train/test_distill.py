@@ -105,7 +105,10 @@ def distill_config(tmp_path: Path, rows: list[dict], **options) -> TrainConfig:
     if not teacher.exists():  # a test may have saved its own
         save_teacher(teacher, tiny_model("llama", seed=1))
     defaults = dict(
-        teacher_model_name_or_path=str(teacher), max_completion_length=4, per_device_train_batch_size=2
+        teacher_model_name_or_path=str(teacher),
+        max_completion_length=4,
+        per_device_train_batch_size=2,
+        max_length=64,
     )
     return short_config(tmp_path, rows, **defaults | options)
 

@@ -88,7 +88,8 @@ def test_every_objective_has_its_built_in_data_and_tokenizes_it(name):
         "online_dpo": {"reward_funcs": ["fastalign.builtin:digit_ratio"]},
         "distill": {"teacher_model_name_or_path": "tiny-qwen2"},
     }.get(name, {})
-    objective = make_objective(name, TrainConfig(max_length=128, **overrides), CPU)
+    lengths = {"max_prompt_length": 128} if name in ("grpo", "rloo", "ppo") else {"max_length": 128}
+    objective = make_objective(name, TrainConfig(**lengths, **overrides), CPU)
     examples = objective.tokenize(load_dataset_rows(objective.default_dataset), tiny_tokenizer())
     assert len(examples) > 8
 

@@ -127,7 +127,6 @@ def test_a_grpo_run_logs_the_reward_models_scores_of_its_completions(reward_mode
         per_device_train_batch_size=4,
         max_steps=1,
         logging_steps=1,
-        max_length=64,
         log_completions=True,
         loss_curve_png=False,
     )

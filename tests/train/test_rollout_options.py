@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastalign.builtin import tiny_model, tiny_prompt_rows, tiny_tokenizer
+from fastalign.data.preference import PromptExample
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
@@ -144,34 +145,39 @@ def test_truncation_without_max_prompt_length_is_refused(name):
     make_objective(name, TrainConfig(reward_funcs=[DIGITS], truncation=True, max_prompt_length=32), CPU)
 
 
-@pytest.mark.parametrize(
-    ("name", "options", "served"),
-    [
-        ("grpo", {"num_iterations": 2, "save_steps": 3}, 2),
-        ("rloo", {"steps_per_generation": 4, "gradient_accumulation_steps": 2, "save_steps": 5}, 2),
-        ("grpo", {"num_iterations": 3, "save_steps": 0.25}, 3),  # ceil(0.25 * 20) = 5 steps
-        ("ppo", {"num_ppo_epochs": 4, "num_mini_batches": 2, "save_steps": 4}, 8),
-    ],
-)
-def test_a_checkpoint_inside_a_generation_is_refused(name, options, served):
-    """Resumed there, the run would sample that generation again with the newer policy (not exact)."""
-    config = TrainConfig(reward_funcs=[DIGITS], num_generations=2, max_steps=20, **options)
-    if name == "ppo":
-        config.num_generations = None
-    with pytest.raises(ConfigError, match=rf"'save_steps' .* must be a multiple of {served}, the optimizer"):
-        make_objective(name, config, CPU)
+@pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
+def test_max_length_is_refused(name):
+    """TRL's GRPOConfig and RLOOConfig (and its former PPOConfig) have no max_length: accepted, it would
+    be ignored (a row is a prompt, cut to max_prompt_length, and a completion of max_completion_length)."""
+    with pytest.raises(
+        ConfigError,
+        match=rf"^config key 'max_length' \(64\) is for sft, .*; {name} does not read it \(TRL's config has "
+        r"none: max_prompt_length and max_completion_length bound its rows\): remove it$",
+    ):
+        make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_length=64), CPU)
+    make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_length=TrainConfig().max_length), CPU)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
+def test_the_throughput_estimate_takes_the_longest_prompt_and_a_whole_completion(name):
+    """MFU's attention term: the longest training prompt plus max_completion_length (not max_length)."""
+    objective = make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_completion_length=12), CPU)
+    prompts = [PromptExample(list(range(length)), "p", {}) for length in (3, 9, 5)]
+    assert objective.sequence_length(TrainConfig(), prompts) == 9 + 12
 
 
 @pytest.mark.parametrize(
     ("name", "options"),
     [
+        ("grpo", {"num_iterations": 2, "save_steps": 3}),
+        ("rloo", {"steps_per_generation": 4, "gradient_accumulation_steps": 2, "save_steps": 5}),
+        ("grpo", {"num_iterations": 3, "save_steps": 0.25}),  # ceil(0.25 * 20) = 5 steps
+        ("ppo", {"num_ppo_epochs": 4, "num_mini_batches": 2, "save_steps": 4}),
         ("ppo", {}),  # TRL's defaults: 4 steps a generation, saves every 500 steps
-        ("grpo", {"num_iterations": 2, "save_steps": 4}),
-        ("grpo", {"num_iterations": 3}),  # the default save_steps (500) is past the run's end
-        ("grpo", {"num_iterations": 3, "save_steps": 7, "save_strategy": "epoch"}),
     ],
 )
-def test_saves_at_generation_boundaries_are_accepted(name, options):
+def test_a_checkpoint_inside_a_generation_is_accepted(name, options):
+    """It holds the rest of the generation, which a resumed run trains on (test_resume_in_generation)."""
     config = TrainConfig(reward_funcs=[DIGITS], max_steps=20, **options)
     make_objective(name, config, CPU)
 

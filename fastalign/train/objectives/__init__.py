@@ -35,7 +35,14 @@ OBJECTIVES: dict[str, type[Objective]] = {
 }
 
 #: Keys some objectives read that the runner reads too, for every objective (never unread).
-_RUNNER_KEYS = frozenset({"max_length", "use_peft", "model_name_or_path"})
+_RUNNER_KEYS = frozenset({"use_peft", "model_name_or_path"})
+#: A key some objectives do not read → (what they read instead, the refusal's reason when they do).
+_INSTEAD = {
+    "max_length": (
+        {"max_prompt_length", "max_completion_length"},
+        "TRL's config has none: max_prompt_length and max_completion_length bound its rows",
+    ),
+}
 
 
 def make_objective(name: str, config: TrainConfig, ctx: DistributedContext) -> Objective:
@@ -75,9 +82,11 @@ def _refuse_unread_keys(name: str, config: TrainConfig) -> None:
             continue
         readers = [other for other, cls in OBJECTIVES.items() if key in cls.config_keys(other)]
         if readers:
+            instead, reason = _INSTEAD.get(key, (None, ""))
+            why = f" ({reason})" if instead and instead <= read else ""
             raise ConfigError(
                 f"config key {key!r} ({getattr(config, key)!r}) is for {', '.join(readers)}; {name} does not "
-                "read it: remove it"
+                f"read it{why}: remove it"
             )
 
 

@@ -5,7 +5,9 @@ checked once when it is made, before any model work), how dataset rows become ex
 micro-batches, what it needs from a reference model or a rollout (``setup``), and what one micro-batch's
 loss and metrics are (``loss_tokens``, ``compute_loss``). The engine owns the loop and calls only the
 step methods; everything the objective keeps across steps goes into checkpoints through
-``state_dict``/``load_state_dict``, so every objective resumes exactly.
+``state_dict``/``load_state_dict`` (tensors of fixed shapes, loaded in place) and
+``pending_state``/``load_pending_state`` (what its next steps still train on, e.g. a generation sampled
+by an earlier step's policy), so every objective resumes exactly, wherever the checkpoint falls.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from fastalign.builtin.models import ModelTask
 from fastalign.train.batches import BatchPosition, MicroBatches, batch_tokens
+from fastalign.train.checkpoint import PendingState
 from fastalign.train.config import TrainConfig
 from fastalign.train.distributed import DistributedContext
 
@@ -155,9 +158,10 @@ class Objective(ABC):
         """Everything the objective needs besides the policy (a reference, a tokenizer to decode)."""
         return Prepared(train, evaluation)
 
-    def check_schedule(self, config: TrainConfig, max_steps: int) -> None:  # noqa: B027 (most need none)
-        """Once the run's length (``max_steps``) is known: a ``ConfigError`` for a schedule this objective
-        cannot keep (GRPO's checkpoints inside a generation)."""
+    def sequence_length(self, config: TrainConfig, train: list) -> int:
+        """The length of a training row, for the throughput estimate (MFU's attention term), once the
+        training examples ``train`` are tokenized: ``max_length``."""
+        return config.max_length
 
     # --- a step ------------------------------------------------------------------------------------
     def prepare_step(
@@ -195,3 +199,15 @@ class Objective(ABC):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:  # noqa: B027 (most need nothing)
         """Restore ``state_dict()``: its tensors were loaded in place, so most objectives need nothing;
         one that keeps state elsewhere (a Python number, say) reads it back from ``state`` here."""
+
+    def pending_state(self) -> PendingState | None:
+        """This rank's part of what the next steps still train on that no data position makes again (a
+        generation sampled by an earlier step's policy that later steps train on): saved with every
+        checkpoint (safetensors and JSON, ``fastalign.train.checkpoint``); None where the next step needs
+        nothing of the steps before it (most objectives, and a generation's last step)."""
+        return None
+
+    def load_pending_state(self, state: PendingState) -> None:
+        """On resume: take back what ``pending_state`` gave, so the next steps train on it rather than
+        make it again; a ValueError for a state that is not what this objective saves."""
+        raise ValueError(f"{type(self).__name__} saves no pending state")

@@ -17,9 +17,11 @@ time are kept as the old policy's (the importance ratio's denominator); otherwis
 they are not computed (as TRL).
 
 Sampling is seeded by the data position (``GenerationBatches``), so a run resumed from a checkpoint
-at a generation boundary continues exactly. Checkpoints are saved only there: a ``save_steps`` that is
-not a multiple of the optimizer steps one generation serves (``num_iterations`` × its slices) is refused,
-since a run resumed in the middle of a generation would sample it again with the newer policy.
+at a generation boundary samples the next generation as the interrupted run would have. A checkpoint
+inside a generation (any ``save_steps``, a run's last step, an early stop) holds the rest of it
+(``pending_state``: this rank's training micro-batches, the generation's metrics and its completions not
+yet logged), and a run resumed from it trains on those rather than sample them again with the newer
+policy: exact wherever the checkpoint falls.
 
 Evaluation (as TRL): the held-out prompts are sampled ``num_generations_eval`` times each (one
 evaluation micro-batch is ``per_device_eval_batch_size`` completions), scored, and the loss and the
@@ -48,6 +50,7 @@ from fastalign.losses.grpo import LOSS_TYPES
 from fastalign.models.structure import disable_dropout
 from fastalign.ops import group_advantages
 from fastalign.train.batches import BatchPosition, MicroBatches, batch_tokens
+from fastalign.train.checkpoint import PendingState
 from fastalign.train.config import ConfigError, TrainConfig, model_option, options_from
 from fastalign.train.distributed import DistributedContext, all_reduce_max
 from fastalign.train.engine import Callback
@@ -249,36 +252,6 @@ class RolloutOptions(SamplingKeys):
                 f"config key 'truncation' is read by {name} only with max_prompt_length (it truncates "
                 "prompts to that length): set max_prompt_length, or remove truncation"
             )
-        if config.save_strategy == "steps" and config.max_steps > 0:  # else once the run's length is known
-            self.check_save_steps(name, config, config.max_steps)
-
-    def steps_per_generation_batch(self, config: TrainConfig) -> int:
-        """The optimizer steps one generation serves: its slices, ``num_iterations`` times."""
-        slices = (self.steps_per_generation or config.gradient_accumulation_steps) // (
-            config.gradient_accumulation_steps
-        )
-        return slices * self.num_iterations
-
-    def check_save_steps(self, name: str, config: TrainConfig, max_steps: int) -> None:
-        """A checkpoint only at a generation's boundary: one saved inside a generation would resume by
-        sampling that generation again with the newer policy (not exact), so ``save_steps`` (a ratio
-        resolved against ``max_steps``) must be a multiple of the steps one generation serves, unless the
-        run saves only at its end."""
-        value = config.save_steps
-        save_steps = int(value) if value >= 1 else math.ceil(max_steps * value)
-        served = self.steps_per_generation_batch(config)
-        if save_steps < max_steps and save_steps % served:
-            how = (
-                "num_ppo_epochs × num_mini_batches"
-                if name == "ppo"
-                else "num_iterations × steps_per_generation / gradient_accumulation_steps"
-            )
-            every = "" if value >= 1 else f": every {save_steps} of {max_steps} steps"
-            raise ConfigError(
-                f"config key 'save_steps' ({value!r}{every}) must be a multiple of {served}, the optimizer "
-                f"steps one generation serves ({how}): a checkpoint inside a generation would resume by "
-                "sampling it again with the newer policy"
-            )
 
 
 class PromptObjective(Objective):
@@ -348,6 +321,7 @@ class RolloutObjective(PromptObjective):
         super().__init__(options, options.sampling(options.num_generations), ctx, dtype)
         self.name = name
         self._generation: tuple | None = None
+        self._steps_left = 0  # the optimizer steps that still train on the generation (pending_state)
         self._generated_tokens = 0  # this rank's prompt and completion tokens of a new generation
         self._batches: list[dict] = []
         self._metrics: dict[str, float] = {}
@@ -428,6 +402,13 @@ class RolloutObjective(PromptObjective):
         callbacks = [CompletionsLog(self)] if self.options.log_completions else []
         return Prepared(train, repeated, callbacks)
 
+    def sequence_length(self, config: TrainConfig, train: list) -> int:
+        """A prompt and its completion: the longest training prompt (as tokenized: cut to
+        ``max_prompt_length`` where set) and ``max_completion_length`` (these objectives read no
+        ``max_length``: TRL's GRPOConfig and RLOOConfig have none)."""
+        longest = max((len(example.prompt_ids) for example in train), default=0)
+        return longest + self.options.max_completion_length
+
     # --- a step ------------------------------------------------------------------------------------
     def loss_tokens(self, batch: dict) -> int:
         if "completion_mask" not in batch:  # an evaluation micro-batch of prompts, one row a completion
@@ -438,25 +419,78 @@ class RolloutObjective(PromptObjective):
         """The loss terms of a training micro-batch: its completions (a subclass may count tokens)."""
         return batch["completion_mask"].shape[0]
 
-    def check_schedule(self, config: TrainConfig, max_steps: int) -> None:
-        if config.save_strategy == "steps":
-            self.options.check_save_steps(self.name, config, max_steps)
-
     def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
         generation, part, slices, _ = micro_batches[0][ROLLOUT_KEY]
         if generation != self._generation:
+            if self._steps_left:  # GenerationBatches and this count disagree: never resample silently
+                raise RuntimeError(
+                    f"generation {generation} begins while {self._steps_left} steps of {self._generation} "
+                    "are left"
+                )
             # a generation that serves more than one optimizer step keeps the sampling policy's log-probs
             # (the importance ratio's denominator); otherwise the ratio is 1 and they are not computed
             reused = slices > 1 or self.options.num_iterations > 1
             self._batches, self._metrics = self._rollout(model, micro_batches, reused)
             self._generation = generation
+            self._steps_left = slices * self.options.num_iterations
             self._generated_tokens = sum(batch_tokens(batch) for batch in self._batches)
         else:
             self._generated_tokens = 0
+        self._steps_left -= 1
         size = len(self._batches) // slices
         if self.router_aux is not None:
             self.router_aux.start_step(size, self.ctx.world_size)
         return self._batches[part * size : (part + 1) * size], self._metrics
+
+    def pending_state(self) -> PendingState | None:
+        """The generation the next steps still train on (None after its last step): this rank's training
+        micro-batches (their tensors as ``<micro-batch>.<key>``), which generation it is and how many steps
+        it has left, its metrics (logged at each of its steps) and its completions not yet logged."""
+        if not self._steps_left:
+            return None
+        tensors = {
+            f"{index}.{key}": value
+            for index, batch in enumerate(self._batches)
+            for key, value in batch.items()
+        }
+        meta = {
+            "generation": list(self._generation),
+            "steps_left": self._steps_left,
+            "micro_batches": len(self._batches),
+            "world_size": self.ctx.world_size,
+            "metrics": {key: float(value) for key, value in self._metrics.items()},
+            "completion_rows": self.completion_rows,
+        }
+        return PendingState(tensors, meta)
+
+    def load_pending_state(self, state: PendingState) -> None:
+        meta = state.meta
+        try:
+            generation = tuple(int(value) for value in meta["generation"])
+            steps_left, count = int(meta["steps_left"]), int(meta["micro_batches"])
+            world_size = int(meta["world_size"])
+            metrics = {str(key): float(value) for key, value in meta["metrics"].items()}
+            rows = list(meta["completion_rows"])
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(
+                f"its metadata is not a generation's ({type(error).__name__}: {error})"
+            ) from None
+        if world_size != self.ctx.world_size:
+            raise ValueError(
+                f"its generation was dealt to {world_size} processes, this run has {self.ctx.world_size}: "
+                f"resume it with {world_size}"
+            )
+        batches: list[dict] = [{} for _ in range(count)]
+        for name, tensor in state.tensors.items():
+            index, _, key = name.partition(".")
+            if not (index.isdigit() and int(index) < count and key):
+                raise ValueError(f"tensor {name!r} is no micro-batch's of the {count} it lists")
+            batches[int(index)][key] = tensor
+        for index, batch in enumerate(batches):
+            _check_training_batch(batch, index)
+        self._generation, self._steps_left = generation, steps_left
+        self._batches, self._metrics, self.completion_rows = batches, metrics, rows
+        self._generated_tokens = 0
 
     def num_tokens(self, micro_batches: list[dict]) -> int:
         """TRL's GRPO and RLOO count a generation's prompt and completion tokens (up to the EOS) once,
@@ -597,6 +631,31 @@ class RolloutObjective(PromptObjective):
                 prompts, completions, per_func, advantages.tolist(), strict=True
             )
         ]
+
+
+#: The tensors of every training micro-batch of a generation; and those [rows, completion width] like its
+#: ``completion_mask``, where a subclass's rollout keeps them.
+_ROW_KEYS = ("input_ids", "attention_mask", "position_ids", "completion_mask", "advantages")
+_COMPLETION_KEYS = ("old_per_token_logps", "ref_per_token_logps", "token_advantages", "returns", "values")
+
+
+def _check_training_batch(batch: dict, index: int) -> None:
+    """A ValueError unless ``batch`` (a pending generation's micro-batch ``index``, as read back) has a
+    training micro-batch's tensors, of shapes that fit together."""
+    missing = [key for key in _ROW_KEYS if key not in batch]
+    if missing:
+        raise ValueError(f"micro-batch {index} has no {', '.join(missing)}")
+    rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
+    completion = batch["completion_mask"].shape
+    wrong = [key for key, value in batch.items() if value.dim() == 0 or value.shape[0] != rows]
+    wrong += [key for key in ("attention_mask", "position_ids") if batch[key].shape != (rows, width)]
+    wrong += [key for key in _COMPLETION_KEYS if key in batch and batch[key].shape != completion]
+    if wrong or batch["input_ids"].dim() != 2 or len(completion) != 2 or completion[1] >= width:
+        shapes = ", ".join(
+            f"{key} {list(batch[key].shape)}"
+            for key in dict.fromkeys([*wrong, "input_ids", "completion_mask"])
+        )
+        raise ValueError(f"micro-batch {index}'s tensors do not fit together ({shapes})")
 
 
 def reward_functions(options, ctx: DistributedContext, dtype: str | None) -> list[RewardFunction]:

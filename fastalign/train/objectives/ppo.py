@@ -30,8 +30,9 @@ vocabulary), in one of two shapes:
 
 Either way the critic leaves the policy when training ends (``DetachCritic``): the export is the policy
 alone (the full model, or the policy's adapter only), as TRL's PPOTrainer saved only its policy.
-Checkpoints hold the critic (its weights, or its adapter and value head) and its optimizer state: a run
-resumed at a generation boundary continues exactly.
+Checkpoints hold the critic (its weights, or its adapter and value head) and its optimizer state, and
+inside a generation the rest of it (``RolloutObjective.pending_state``: the rollout's values, returns and
+advantages with the rest): a run resumed from any checkpoint continues exactly.
 """
 
 from __future__ import annotations
