@@ -35,6 +35,7 @@ def prepare_policy(
     *,
     needs_fused_head: bool,
     task: ModelTask = "causal_lm",
+    row_tokens: int | None = None,
 ) -> torch.nn.Module:
     """Patched (every fused kernel with ``use_liger_kernel``; else only the fused loss head when the
     objective's loss needs it, i.e. all but SFT and reward), LoRA, activation checkpointing/offloading, on
@@ -47,7 +48,9 @@ def prepare_policy(
     First the run's ``dtype`` and ``attn_implementation`` (``set_model_options``) and ``tf32``. LoRA
     variants that read the base weights when they are added (DoRA: the magnitude starts as each row's
     norm; ``lora_modules_to_save``: a trainable copy of each module) get a filled model: under torchrun each
-    rank then holds the whole model while it loads."""
+    rank then holds the whole model while it loads. ``row_tokens``: the longest row one forward takes
+    (``Objective.sequence_length``; None: ``max_length``), which sizes activation offloading's host pool
+    and its automatic keep-on-device plan."""
     set_tf32(config.tf32)
     set_model_options(model, config.model_name_or_path, config, ctx.device)
     _patch(model, config, needs_fused_head, lm_head=task == "causal_lm")
@@ -62,8 +65,9 @@ def prepare_policy(
     # On a GPU, a run whose layer inputs outgrow the host stops here (a preference pair's two rows are one
     # forward of twice the tokens: those the host pool refuses at its first allocation that does not fit).
     if config.activation_offloading:
-        tokens = config.max_length * config.per_device_train_batch_size if ctx.device.type == "cuda" else None
-        keep = offload_keep_on_device(model, config, ctx)
+        row_tokens = config.max_length if row_tokens is None else row_tokens
+        tokens = row_tokens * config.per_device_train_batch_size if ctx.device.type == "cuda" else None
+        keep = offload_keep_on_device(model, config, ctx, row_tokens)
         try:
             residual = _residual_bytes(model, config, ctx)
             memory.enable_activation_offloading(
@@ -77,10 +81,13 @@ def prepare_policy(
     return model
 
 
-def offload_keep_on_device(model: torch.nn.Module, config: TrainConfig, ctx: DistributedContext) -> int:
+def offload_keep_on_device(
+    model: torch.nn.Module, config: TrainConfig, ctx: DistributedContext, row_tokens: int | None = None
+) -> int:
     """``activation_offloading_keep_on_device``: a number as given; "auto": on CUDA the most layers whose
     saved tensors the memory planner finds room for on this GPU (``fastalign.plan``, for forwards of
-    max_length × per_device_train_batch_size tokens: a preference pair's two rows, twice that, are left
+    ``row_tokens`` (None: max_length) × per_device_train_batch_size tokens: a preference pair's two rows,
+    twice that, are left
     to the host pool's refusal), 0 on the CPU (offloading is a no-op there) and where the planner does not
     know the model's family. Without ``use_liger_kernel`` it plans the model's own (larger) activations.
     Bytes the planner underestimated would be an out-of-memory error: it is within a few % of H100
@@ -97,7 +104,8 @@ def offload_keep_on_device(model: torch.nn.Module, config: TrainConfig, ctx: Dis
     device_memory = torch.cuda.get_device_properties(ctx.device).total_memory
     try:
         plan = plan_memory(
-            model.config, method=method, gpus=ctx.world_size, seq_len=config.max_length,
+            model.config, method=method, gpus=ctx.world_size,
+            seq_len=config.max_length if row_tokens is None else row_tokens,
             batch_size=config.per_device_train_batch_size, checkpointing=config.gradient_checkpointing,
             offload_activations=True, lora_r=config.lora_r, lora_dropout=config.lora_dropout,
             gpu_memory_bytes=int(_AUTO_KEEP_SHARE * device_memory), bf16=config.bf16,

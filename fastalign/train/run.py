@@ -80,12 +80,18 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             task=objective.task,
         )
         override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
+        train_examples, eval_examples = _tokenized_splits(config, objective, tokenizer)
+        row_tokens = objective.sequence_length(config, train_examples)
         model = prepare_policy(
-            model, config, ctx, needs_fused_head=objective.needs_fused_head, task=objective.task
+            model,
+            config,
+            ctx,
+            needs_fused_head=objective.needs_fused_head,
+            task=objective.task,
+            row_tokens=row_tokens,
         )
         enable_neftune(model, config.neftune_noise_alpha)  # in training mode only
 
-        train_examples, eval_examples = _tokenized_splits(config, objective, tokenizer)
         prepared = objective.setup(model, train_examples, eval_examples, _run_parts(config, tokenizer, ctx))
         batches = objective.batches(prepared.train, tokenizer, BatchPlan.from_config(config, tokenizer, ctx))
         max_steps = (
@@ -115,9 +121,7 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
                 collate=objective.collate(tokenizer),
             ),
             callbacks=_callbacks(given, output_dir) + prepared.callbacks + list(callbacks or []),
-            flops_per_token=training_flops_per_token(
-                model, objective.sequence_length(config, prepared.train)
-            ),
+            flops_per_token=training_flops_per_token(model, row_tokens),
             peak_flops=peak_flops(ctx.device),
             autocast_dtype=autocast_dtype(config, ctx),
             run_config=asdict(given),

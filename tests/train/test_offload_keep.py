@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastalign.builtin import tiny_model
-from fastalign.plan import plan_memory
+from fastalign.plan import PlanError, plan_memory
 from fastalign.train import policy
 from fastalign.train.config import ConfigError, TrainConfig, load_config
 from fastalign.train.distributed import DistributedContext
@@ -61,6 +61,25 @@ def test_auto_on_cuda_is_the_planners_choice_for_the_gpus_memory(monkeypatch):
         assert offload_keep_on_device(model, config, _ctx("cuda")) == keep
         answers.add(keep)
     assert answers == {0, 6}  # none kept where offloading every layer just fits; all six on 80 GB
+
+
+def test_auto_plans_for_the_rows_the_objective_trains_on(monkeypatch):
+    """``row_tokens`` (an objective's row length, e.g. GRPO's prompt + completion) is the planned length."""
+    seen = []
+
+    def plan(config, **options):
+        seen.append(options["seq_len"])
+        raise PlanError("seq_len", "stop")  # "auto" keeps none where the planner cannot plan
+
+    monkeypatch.setattr("fastalign.plan.plan_memory", plan)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 * GiB)
+    )
+    model = tiny_model("llama")
+    config = TrainConfig(max_length=4096, gradient_checkpointing=True, activation_offloading=True)
+    assert offload_keep_on_device(model, config, _ctx("cuda"), row_tokens=700) == 0
+    assert offload_keep_on_device(model, config, _ctx("cuda")) == 0
+    assert seen == [700, 4096]
 
 
 def test_the_config_key_takes_a_number_or_auto():

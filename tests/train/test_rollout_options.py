@@ -166,6 +166,34 @@ def test_the_throughput_estimate_takes_the_longest_prompt_and_a_whole_completion
     assert objective.sequence_length(TrainConfig(), prompts) == 9 + 12
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_the_policy_is_prepared_for_rows_of_the_longest_prompt_and_a_whole_completion(
+    name, tmp_path, monkeypatch
+):
+    """Activation offloading's host pool and its keep-on-device plan are sized from the objective's row
+    length (the longest prompt + max_completion_length), not the max_length these objectives refuse."""
+    import fastalign.train.run as run_module
+
+    seen = {}
+
+    def prepare(model, config, ctx, *, row_tokens, **_):
+        seen["row_tokens"] = row_tokens
+        raise _Stop
+
+    monkeypatch.setattr(run_module, "prepare_policy", prepare)
+    rows = tiny_prompt_rows(6)
+    config = short_config(tmp_path, rows, reward_funcs=[DIGITS], max_completion_length=11)
+    with pytest.raises(_Stop):
+        run_module.run_training(config, name)
+    objective = make_objective(name, config, CPU)
+    longest = max(len(example.prompt_ids) for example in objective.tokenize(rows, tiny_tokenizer()))
+    assert seen["row_tokens"] == longest + 11 != config.max_length
+
+
 @pytest.mark.parametrize(
     ("name", "options"),
     [

@@ -187,7 +187,12 @@ class PPOObjective(RolloutObjective):
         if self.critic is None:
             path = self.options.value_model_path or self.options.model_name_or_path
             self.critic = SeparateCritic.load(
-                path, self.config, self.ctx, model, self.options.disable_dropout
+                path,
+                self.config,
+                self.ctx,
+                model,
+                self.options.disable_dropout,
+                self.sequence_length(self.config, train),
             )
         return dataclasses.replace(prepared, callbacks=[*prepared.callbacks, DetachCritic(self.critic)])
 
@@ -334,13 +339,25 @@ class SeparateCritic:
 
     @classmethod
     def load(
-        cls, path: str, config: TrainConfig, ctx: DistributedContext, policy: nn.Module, no_dropout: bool
+        cls,
+        path: str,
+        config: TrainConfig,
+        ctx: DistributedContext,
+        policy: nn.Module,
+        no_dropout: bool,
+        row_tokens: int,
     ) -> SeparateCritic:
-        """The critic from ``path``, loaded, patched and placed (sharded) as the policy was."""
+        """The critic from ``path``, loaded, patched and placed (sharded) as the policy was (its rows are
+        the policy's: ``row_tokens`` long at most)."""
         model, _ = load_model_and_tokenizer(path, None, ctx.device, task="sequence_classification")
         critic_config = dataclasses.replace(config, model_name_or_path=path, use_peft=False)
         model = prepare_policy(
-            model, critic_config, ctx, needs_fused_head=False, task="sequence_classification"
+            model,
+            critic_config,
+            ctx,
+            needs_fused_head=False,
+            task="sequence_classification",
+            row_tokens=row_tokens,
         )
         if no_dropout:
             disable_dropout(model)
