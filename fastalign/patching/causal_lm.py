@@ -20,6 +20,7 @@ from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import linear_cross_entropy, token_logprobs
 from fastalign.ops.backend import Backend
 from fastalign.ops.linear_cross_entropy import LinearCrossEntropyStats, Reduction
+from fastalign.patching.modules import plain_linear
 
 
 @dataclass
@@ -57,17 +58,6 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) ->
     return hidden[:, logits_to_keep, :]
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` whose forward is ``hidden·weightᵀ + bias`` with its weight in hand (FSDP2's
-    subclass included; not a quantized subclass, nor one whose weight an accelerate hook loads)."""
-    return (
-        isinstance(module, nn.Linear)
-        and type(module).forward is nn.Linear.forward
-        and "forward" not in module.__dict__
-        and not hasattr(module, "_hf_hook")
-    )
-
-
 def _head_inputs(head: nn.Module, hidden: torch.Tensor):
     """``(features, weight, bias)`` with ``features·weightᵀ + bias`` equal to ``head(hidden)`` (up to the
     rounding of the sums), or None where the head is not one of these:
@@ -78,14 +68,14 @@ def _head_inputs(head: nn.Module, hidden: torch.Tensor):
       each active adapter is ``[x, A(dropout(x)), ...]·[W, s·B, ...]ᵀ + b``, exactly, dropout included,
       and both A and B get their gradients (the features and the weight carry them).
     """
-    if _plain_linear(head):
+    if plain_linear(head):
         return hidden, head.weight, head.bias
     try:
         from peft.tuners.lora import Linear as LoraLinear
         from peft.utils.other import ModulesToSaveWrapper
     except ImportError:
         return None
-    if hasattr(head, "_hf_hook"):
+    if hasattr(head, "_hf_hook") or head._forward_hooks or head._forward_pre_hooks:  # the call, not its parts
         return None
     if type(head) is ModulesToSaveWrapper:
         active = head.active_adapters
@@ -94,7 +84,7 @@ def _head_inputs(head: nn.Module, hidden: torch.Tensor):
         if active[0] not in head.modules_to_save:
             return None
         return _head_inputs(head.modules_to_save[active[0]], hidden)
-    if type(head) is not LoraLinear or not _plain_linear(head.base_layer):
+    if type(head) is not LoraLinear or not plain_linear(head.base_layer):
         return None
     base = head.base_layer
     if head.merged:  # peft runs the base layer (unmerging first when adapters are disabled)

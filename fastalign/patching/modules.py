@@ -55,7 +55,7 @@ def gated_mlp_forward(
     def mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up(self, x)
         down = self.down_proj
-        if _plain_linear(down) and (
+        if plain_linear(down) and (
             down.weight.dtype == gate.dtype or torch.is_autocast_enabled(x.device.type)
         ):
             # keeps gate, up only
@@ -139,13 +139,17 @@ def fused_gate(gelu: bool, backend: Backend) -> Callable:
     return _apply_gate
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` whose forward is ``F.linear`` of its own parameters: no subclass, no hooks
-    (accelerate's device-map ``_hf_hook`` included), its class's forward or ``linear_forward`` (which is
-    ``F.linear`` outside autocast), so calling ``F.linear`` directly is the same call."""
+def plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose call is ``F.linear`` of its own parameters in hand, so that a fused kernel
+    may take its weight instead of calling it: ``nn.Linear``'s forward (a subclass that keeps it, too),
+    or fastalign's ``linear_forward`` (``F.linear`` outside autocast); no forward hooks or pre-hooks (a
+    user's, or FSDP2's on a separately sharded module, whose weight is a shard until its pre-hook runs)
+    and no accelerate device-map hook (``_hf_hook``: its weight may be on the meta device). Not a
+    quantized or LoRA layer: those override the forward."""
     forward = module.__dict__.get("forward")
     return (
-        type(module) is nn.Linear
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
         and not module._forward_hooks
         and not module._forward_pre_hooks
         and not hasattr(module, "_hf_hook")

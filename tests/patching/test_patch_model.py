@@ -361,6 +361,36 @@ def test_peft_adapters_on_the_lm_head_are_in_the_loss(head):
         assert patched.base_model.model.lm_head.lora_A["default"].weight.grad is not None
 
 
+@pytest.mark.parametrize("hook", ["forward", "pre"])
+def test_hooks_on_the_head_and_the_down_projection_still_run(hook):
+    """A hooked LM head or MLP down projection is called, not fused past: its hooks see (and may change)
+    what they would unpatched, so the loss equals the unpatched model's with the same hooks."""
+    model = tiny_model("llama")
+    batch = padded_batch()
+    patched = fastalign.patch_model(copy.deepcopy(model))
+    calls = []
+
+    def on_forward(module, args, output):
+        calls.append(type(module).__name__)
+        return output * 0.5
+
+    def on_pre(module, args):
+        calls.append(type(module).__name__)
+        return (args[0] * 0.5,)
+
+    for each in (model, patched):
+        for module in (each.lm_head, each.model.layers[0].mlp.down_proj):
+            if hook == "forward":
+                module.register_forward_hook(on_forward)
+            else:
+                module.register_forward_pre_hook(on_pre)
+    expected = model(**batch).loss
+    calls.clear()
+    loss = patched(**batch).loss
+    assert calls == ["Linear", "Linear"]  # the down projection, then the head
+    assert relative_error(loss, expected) <= 1e-5
+
+
 def test_accelerate_device_map_with_offloaded_modules(tmp_path):
     """A model dispatched by accelerate (modules offloaded to the CPU and to disk, weights on the meta
     device between calls): the patch replaces the hooked modules' ``_old_forward``, so the hooks still
