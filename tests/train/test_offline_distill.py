@@ -28,6 +28,7 @@ from fastalign.data.teacher_logprobs import (
     read_manifest,
     row_hash,
     shard_name,
+    tail_uniforms,
 )
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
 from fastalign.train.config import ConfigError, TrainConfig
@@ -96,9 +97,77 @@ def test_scores_equal_the_teachers_full_log_softmax(tmp_path, teacher_dir):
     assert disk_bytes_per_token(32) == 32 * 8 + 8 and disk_bytes_per_token(32, "bfloat16") == 32 * 6 + 8
 
 
-def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, monkeypatch):
+def stored_rows(directory: str, rows: list[dict]) -> dict[bytes, dict]:
+    """The stored scores of ``rows`` (tokenized as ``train distill`` does), by row hash, and the
+    examples."""
+    stored = TeacherLogprobs(directory)
+    objective = DistillObjective.from_config(
+        "distill", TrainConfig(teacher_logprobs_path=directory, beta=0.0, max_length=64), None
+    )
+    examples = objective.tokenize(rows, tiny_tokenizer())
+    return {
+        row_hash(e.prompt_ids, e.completion_ids): (e, stored.get(row_hash(e.prompt_ids, e.completion_ids)))
+        for e in examples
+    }
+
+
+def test_tail_draws_are_the_teachers_and_do_not_depend_on_batching(tmp_path, teacher_dir, capsys):
+    """``--tail_samples 8``: each token's 8 stored draws are the inverse CDF of the teacher's own
+    distribution outside the stored top-k (its full log-softmax here) at ``tail_uniforms(seed, row hash)``
+    (seed: the run's); other batches and shards store the same draws, another ``--tail_samples_seed``
+    other ones, and resuming with it is refused naming both seeds. The manifest records both keys; a
+    manifest without them (written before they existed) reads as no draws."""
+    rows = tiny_sft_rows(7)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(shard_rows=3, tail_samples=8))
+    manifest = read_manifest(config.output_dir)
+    assert (manifest.tail_samples, manifest.tail_samples_seed) == (8, config.seed)
+    model = tiny_model("llama", seed=1).eval()
+    scores = stored_rows(config.output_dir, rows)
+    for key, (example, row) in scores.items():
+        assert row["sample_ids"].dtype == torch.int32 and row["sample_ids"].shape == (
+            len(example.completion_ids),
+            8,
+        )
+        ids = torch.tensor([example.prompt_ids + example.completion_ids])
+        with torch.no_grad():
+            probs = model(ids).logits[0, len(example.prompt_ids) - 1 : -1].double().softmax(-1)
+        tail = probs.scatter(1, row["ids"].long(), 0.0)
+        cumulative = (tail / tail.sum(-1, keepdim=True)).cumsum(-1)
+        draws = row["sample_ids"].long()
+        after = cumulative.gather(1, draws)
+        before = after - (tail / tail.sum(-1, keepdim=True)).gather(1, draws)
+        uniforms = tail_uniforms(config.seed, key, len(example.completion_ids), 8)
+        assert ((before - 1e-4 <= uniforms) & (uniforms < after + 1e-4)).all()
+    other = dataclasses.replace(config, output_dir=str(tmp_path / "other"), per_device_eval_batch_size=1)
+    score_teacher(other, ScoringOptions(shard_rows=2, tail_samples=8))
+    for key, (_, row) in stored_rows(other.output_dir, rows).items():
+        assert torch.equal(row["sample_ids"], scores[key][1]["sample_ids"])
+    seeded = dataclasses.replace(config, output_dir=str(tmp_path / "seeded"))
+    score_teacher(seeded, ScoringOptions(shard_rows=3, tail_samples=8, tail_samples_seed=7))
+    assert read_manifest(seeded.output_dir).tail_samples_seed == 7
+    assert any(
+        not torch.equal(row["sample_ids"], scores[key][1]["sample_ids"])
+        for key, (_, row) in stored_rows(seeded.output_dir, rows).items()
+    )
+    args = cli_args(["teacher-logprobs", "--shard_rows", "3", "--tail_samples", "8"], config)
+    assert main(args) == 0 and "0 shards written, 3 already there" in capsys.readouterr().out
+    err = one_line_error([*args, "--tail_samples_seed", "7"], capsys)
+    assert f"(tail_samples_seed {config.seed} there, 7 now)" in err
+
+    data = json.loads((Path(config.output_dir) / MANIFEST).read_text())
+    old = {key: value for key, value in data.items() if not key.startswith("tail_samples")}
+    (Path(config.output_dir) / MANIFEST).write_text(json.dumps(old))
+    assert read_manifest(config.output_dir).tail_samples == 0
+    assert "sample_ids" not in next(iter(stored_rows(config.output_dir, rows).values()))[1]
+    assert disk_bytes_per_token(32, tail_samples=8) == 32 * 8 + 8 + 8 * 4
+
+
+@pytest.mark.parametrize("tail_samples", [0, 8])
+def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, monkeypatch, tail_samples):
     """A run killed while writing its second shard leaves the first complete, no partial file and an
-    incomplete manifest; the rerun writes the others only, and the result equals an unbroken run's."""
+    incomplete manifest; the rerun writes the others only, and the result equals an unbroken run's (its
+    tail draws too)."""
     import fastalign.data.teacher_logprobs as store
 
     config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(8))
@@ -113,8 +182,9 @@ def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, m
         real_save(tensors, path, metadata=metadata)
 
     monkeypatch.setattr("safetensors.torch.save_file", dying_save)
+    scoring = ScoringOptions(shard_rows=3, tail_samples=tail_samples)
     with pytest.raises(KeyboardInterrupt):
-        score_teacher(config, ScoringOptions(shard_rows=3))
+        score_teacher(config, scoring)
     out = Path(config.output_dir)
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST, shard_name(0)]  # no temporary left
     assert not read_manifest(out).complete
@@ -122,18 +192,17 @@ def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, m
         TeacherLogprobs(out)
     first = (out / shard_name(0)).stat().st_mtime_ns
     monkeypatch.setattr("safetensors.torch.save_file", real_save)
-    report = score_teacher(config, ScoringOptions(shard_rows=3))
+    report = score_teacher(config, scoring)
     assert (report.shards_written, report.shards_skipped) == (2, 1)
     assert (out / shard_name(0)).stat().st_mtime_ns == first
-    unbroken = score_teacher(
-        dataclasses.replace(config, output_dir=str(tmp_path / "unbroken")), ScoringOptions(shard_rows=3)
-    )
+    unbroken = score_teacher(dataclasses.replace(config, output_dir=str(tmp_path / "unbroken")), scoring)
     assert unbroken.tokens == read_manifest(out).tokens
     for shard in range(3):
         with (
             safe_open(str(out / shard_name(shard)), "pt") as a,
             safe_open(str(tmp_path / "unbroken" / shard_name(shard)), "pt") as b,
         ):
+            assert ("sample_ids" in a.keys()) == bool(tail_samples) and a.keys() == b.keys()
             for key in a.keys():
                 torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key))
     del store
@@ -153,6 +222,9 @@ def test_another_scoring_in_the_same_directory_is_refused(tmp_path, teacher_dir,
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "k 8 there, 4 now" in err
+    assert "(tail_samples 0 there, 8 now)" in one_line_error(
+        [*args[:5], "--top_k", "8", *args[7:], "--tail_samples", "8"], capsys
+    )
     assert main([*args[:5], "--top_k", "8", "--output_dir", str(tmp_path / "cli"), "--max_length", "64"]) == 0
     assert "scored 4 rows" in capsys.readouterr().out
 
@@ -276,14 +348,15 @@ def _template(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir):
+@pytest.mark.parametrize("tail_samples", [0, 8])
+def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir, tail_samples):
     """Under torchrun (2 processes, gloo) each rank scores every other shard; the files equal one
-    process's."""
+    process's (the tail draws too)."""
     config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(10))
-    one = score_teacher(config, ScoringOptions(shard_rows=2))
+    one = score_teacher(config, ScoringOptions(shard_rows=2, tail_samples=tail_samples))
     two_dir = tmp_path / "two"
     torchrun.run_two_processes(
-        WORKER, json.dumps({**dataclasses.asdict(config), "output_dir": str(two_dir)}), 2
+        WORKER, json.dumps({**dataclasses.asdict(config), "output_dir": str(two_dir)}), 2, tail_samples
     )
     assert read_manifest(two_dir).complete and read_manifest(two_dir).tokens == one.tokens
     for shard in range(5):
@@ -291,6 +364,7 @@ def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir):
             safe_open(str(Path(config.output_dir) / shard_name(shard)), "pt") as a,
             safe_open(str(two_dir / shard_name(shard)), "pt") as b,
         ):
+            assert ("sample_ids" in a.keys()) == bool(tail_samples) and a.keys() == b.keys()
             for key in a.keys():
                 torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key))
     written = [json.loads((two_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
