@@ -32,7 +32,7 @@ from fastalign.data.teacher_logprobs import (
 )
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
 from fastalign.train.config import ConfigError, TrainConfig
-from fastalign.train.objectives.distill import DistillObjective
+from fastalign.train.objectives.distill import DistillObjective, tail_samples_in_use
 from fastalign.train.run import run_training
 from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher, teacher_weights
 from tests import torchrun
@@ -298,6 +298,102 @@ def test_offline_loss_equals_the_op_on_the_teachers_own_scores(tmp_path, teacher
         assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-4)
 
 
+def offline_objective(scores: str, **options) -> DistillObjective:
+    """The offline objective on ``scores`` as its setup opens them, without a run."""
+    train = TrainConfig(teacher_logprobs_path=scores, max_length=64, **options)
+    objective = DistillObjective.from_config("distill", train, None)
+    objective.teacher_logprobs = TeacherLogprobs(scores)
+    objective.tail_samples = tail_samples_in_use(objective.options, objective.teacher_logprobs.manifest)
+    return objective
+
+
+def test_loss_on_tail_draws_is_the_kl_to_the_estimate(tmp_path, teacher_dir):
+    """Scored with 8 tail draws, one micro-batch's loss is KL(T̂ ‖ S) summed over the completion tokens
+    over their count, T̂ the stored top-8 probabilities and r·c/8 at the stored draws (r the stored tail
+    mass, c a draw's count), S the student's whole softmax (float64, dense, here); with
+    ``loss_tail_samples`` false it is the tail bucket's loss on the same top-8, as files without draws
+    give it."""
+    import fastalign
+
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(tail_samples=8))
+    plain = dataclasses.replace(config, output_dir=str(tmp_path / "plain"))
+    score_teacher(plain)
+    tokenizer = tiny_tokenizer()
+    student = fastalign.patch_model(tiny_model("llama", seed=0))
+
+    def loss_of(objective: DistillObjective) -> tuple[torch.Tensor, dict]:
+        batch = objective.collate(tokenizer)(objective.tokenize(rows, tokenizer))
+        loss, _ = objective.compute_loss(student, batch, batch["completion_mask"].sum())
+        return loss.detach(), batch
+
+    objective = offline_objective(config.output_dir, beta=0.0)
+    assert objective.tail_samples == 8
+    loss, batch = loss_of(objective)
+    mask = batch["completion_mask"].bool()
+    width = batch["input_ids"].shape[1] - mask.shape[1]
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        s_lp = tiny_model("llama", seed=0)(**inputs).logits[:, width - 1 : -1].double().log_softmax(-1)
+    estimate = torch.zeros_like(s_lp).scatter(
+        -1, batch["teacher_ids"], batch["teacher_logprobs"].double().exp()
+    )
+    share = (batch["teacher_tail"].double().exp() / 8)[..., None].expand(*mask.shape, 8).contiguous()
+    estimate.scatter_add_(-1, batch["teacher_sample_ids"], share)
+    kl = torch.where(estimate > 0, estimate * (estimate.clamp_min(1e-300).log() - s_lp), 0.0).sum(-1)
+    assert float(loss) == pytest.approx(float(kl[mask].sum() / mask.sum()), rel=1e-4)
+
+    bucket, bucket_batch = loss_of(offline_objective(config.output_dir, beta=0.0, loss_tail_samples=False))
+    assert "teacher_sample_ids" not in bucket_batch
+    assert float(bucket) == pytest.approx(
+        float(loss_of(offline_objective(plain.output_dir, beta=0.0))[0]), rel=1e-6
+    )
+    assert float(bucket) != pytest.approx(float(loss), rel=1e-3)
+
+
+def test_tail_draws_refusals_are_one_line_errors(tmp_path, teacher_dir, capsys):
+    """With draws: β > 0, a ``loss_top_k`` other than the stored k and ``loss_add_tail`` false are
+    refused in one line saying how to turn the draws off (which then trains); ``loss_tail_samples`` true
+    on files without draws is refused, left unset it trains; it applies only with teacher_logprobs_path.
+    Two steps on the draws train."""
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(tail_samples=4))
+    plain = dataclasses.replace(config, output_dir=str(tmp_path / "plain"))
+    score_teacher(plain)
+
+    def config_for(scores: str, **options) -> TrainConfig:
+        directory = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        directory.mkdir()
+        return offline_config(directory, scores, rows, **options)
+
+    def error(scores: str = config.output_dir, **options) -> str:
+        return one_line_error(cli_args(["train", "distill"], config_for(scores, **options)), capsys)
+
+    off = "set loss_tail_samples false for TRL's tail bucket alone"
+    where = f"the 4 tail draws per token of {config.output_dir}'s manifest"
+    assert f"'beta' (0.5) must be 0 with {where} (they estimate forward KL only): {off}" in error(beta=0.5)
+    assert f"'loss_top_k' (4) must be the stored k (8) with {where}" in error(loss_top_k=4)
+    assert f"'loss_add_tail' must be true with {where}" in error(loss_add_tail=False)
+    assert f"'loss_tail_samples' is true but {plain.output_dir}'s manifest records no tail draws" in error(
+        plain.output_dir, loss_tail_samples=True
+    )
+    with pytest.raises(
+        ConfigError, match="'loss_tail_samples' applies to distill with teacher_logprobs_path"
+    ):
+        DistillObjective.from_config(
+            "distill", TrainConfig(teacher_model_name_or_path="t", loss_tail_samples=False), None
+        )
+    run_training(config_for(config.output_dir, beta=0.5, loss_tail_samples=False, max_steps=1), "distill")
+    run_training(config_for(plain.output_dir, max_steps=1), "distill")
+    drawn = config_for(config.output_dir, max_steps=2)
+    run_training(drawn, "distill")
+    metrics = logged(drawn.output_dir)
+    assert [row["step"] for row in metrics] == [1, 2]
+    assert all(math.isfinite(row["loss"]) and row["loss"] > 0 and row["grad_norm"] > 0 for row in metrics)
+
+
 def cli_args(command: list[str], config: TrainConfig) -> list[str]:
     """``command`` with ``config``'s keys that differ from the defaults as command-line options."""
     args = list(command)
@@ -461,10 +557,7 @@ def test_eval_dataset_is_scored_into_eval_and_evaluated_on(tmp_path, teacher_dir
         cli_args(["train", "distill"], dataclasses.replace(train, output_dir=str(tmp_path / "v" / "run"))),
         capsys,
     )
-    assert (
-        f"{scores / EVAL_DIR} was scored by another teacher than {scores} (teacher_weights 'files:1:0123'"
-        in err
-    )
+    assert f"{scores / EVAL_DIR} was not scored as {scores} was (teacher_weights 'files:1:0123'" in err
 
 
 def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir, capsys):
