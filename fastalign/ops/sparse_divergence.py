@@ -314,7 +314,8 @@ VOCAB_SLICE = 16384
 
 def _logits_block(hidden, weight, bias, v0: int, v1: int, inv_t: float) -> torch.Tensor:
     """The fp32 logits [C, v1 − v0] of vocabulary ids [v0, v1) at temperature 1 / ``inv_t``."""
-    return _fp32_logits(hidden, weight[v0:v1], None if bias is None else bias[v0:v1]).mul_(inv_t)
+    logits = _fp32_logits(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
+    return logits.mul_(inv_t) if inv_t != 1.0 else logits
 
 
 @torch.no_grad()
@@ -358,8 +359,9 @@ def linear_topk_logprobs(
         )
     slice_width = min(vocab, vocab_slice)
     budget = head_workspace_bytes(hidden.device.type, workspace_bytes)
-    # per logit: the fp32 block and the top-k pass's fp32 temporaries, or the draws' float64 cumulative sum
-    rows_per_chunk = chunk_rows(slice_width, 4 + (8 if tail_samples else 4), budget)
+    # per logit: the fp32 block and the top-k pass's fp32 temporaries, or the draws' float64 cumulative
+    # sum of half the rows at a time (``_tail_draws``): the same chunks with draws as without
+    rows_per_chunk = chunk_rows(slice_width, 4 * 2, budget)
     device = hidden.device
     out_ids = torch.empty(n, k, dtype=torch.long, device=device)
     out_lp = torch.empty(n, k, dtype=torch.float32, device=device)
@@ -414,35 +416,41 @@ def _tail_draws(
     A second walk over the same vocabulary slices as the top-k's (which had to find the top-k and the
     tail's log-mass ``rest`` first): each slice's logits again, the top-k ids' set to −inf, the tail's
     probabilities ``exp(z − rest)`` (relative to the tail's own mass, so a tail of 1e-40 of the row's
-    mass draws as exactly as any other), their cumulative sum in float64 carried from slice to slice,
-    and ``torch.searchsorted`` for the draws that land in the slice. A draw at a uniform beyond the
-    walk's own float64 total (it differs from 1 by the float32 rounding of ``rest``, ~1e-6) takes the
+    mass draws as exactly as any other), their cumulative sum in float64 (half the chunk's rows at a
+    time: a float64 block the size of the fp32 logits) with each row's running total carried from slice
+    to slice, and ``torch.searchsorted`` for the draws that land in the slice. A draw at a uniform beyond
+    the walk's own float64 total (it differs from 1 by the float32 rounding of ``rest``, ~1e-6) takes the
     last tail id of nonzero probability; a row with an empty tail (``rest`` −inf) has no such id and
     keeps id 0."""
     vocab, c = weight.shape[0], hidden.shape[0]
+    device = hidden.device
     targets = uniforms.to(torch.float64)
     shift = torch.where(rest.isfinite(), rest, 0.0)[:, None]
-    draws = torch.zeros(targets.shape, dtype=torch.long, device=hidden.device)
-    pending = torch.ones(targets.shape, dtype=torch.bool, device=hidden.device)
-    last = torch.zeros(c, 1, dtype=torch.long, device=hidden.device)  # the last tail id of nonzero mass
-    below = torch.zeros(c, 1, dtype=torch.float64, device=hidden.device)  # the earlier slices' tail mass
+    draws = torch.zeros(targets.shape, dtype=torch.long, device=device)
+    pending = torch.ones(targets.shape, dtype=torch.bool, device=device)
+    last = torch.zeros(c, 1, dtype=torch.long, device=device)  # the last tail id of nonzero mass
+    below = torch.zeros(c, 1, dtype=torch.float64, device=device)  # the earlier slices' tail mass
+    half = max(1, (c + 1) // 2)
     for v0 in range(0, vocab, slice_width):
         v1 = min(vocab, v0 + slice_width)
         logits = _logits_block(hidden, weight, bias, v0, v1, inv_t)
         local = top_ids - v0
         inside = (local >= 0) & (local < v1 - v0)
         # −inf onto the top-k ids of this slice; the others add 0 at a clamped index (exact in any order)
-        out_of_top = torch.where(inside, float("-inf"), 0.0)
-        logits.scatter_add_(1, local.clamp(0, v1 - v0 - 1), out_of_top)
-        cumulative = torch.cumsum(logits.sub_(shift).exp_(), dim=1, dtype=torch.float64).add_(below)
-        del logits
-        total = cumulative[:, -1:].contiguous()
-        lands = pending & (targets < total)
-        found = torch.searchsorted(cumulative, targets, right=True).clamp_(max=v1 - v0 - 1) + v0
-        draws = torch.where(lands, found, draws)
-        pending &= ~lands
-        last_here = torch.searchsorted(cumulative, total, right=False) + v0
-        last = torch.where(total > below, last_here, last)
-        below = total
-        del cumulative
+        logits.scatter_add_(1, local.clamp(0, v1 - v0 - 1), torch.where(inside, float("-inf"), 0.0))
+        probs = logits.sub_(shift).exp_()
+        for r0 in range(0, c, half):
+            rows = slice(r0, r0 + half)
+            cumulative = torch.cumsum(probs[rows], dim=1, dtype=torch.float64)  # from the slice's start
+            ahead = targets[rows] - below[rows]
+            total = cumulative[:, -1:].contiguous()
+            lands = pending[rows] & (ahead < total)
+            found = torch.searchsorted(cumulative, ahead, right=True).clamp_(max=v1 - v0 - 1) + v0
+            draws[rows] = torch.where(lands, found, draws[rows])
+            pending[rows] &= ~lands
+            last_here = torch.searchsorted(cumulative, total, right=False) + v0
+            last[rows] = torch.where(total > 0, last_here, last[rows])
+            below[rows] += total
+            del cumulative
+        del logits, probs
     return torch.where(pending, last, draws)
