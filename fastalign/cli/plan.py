@@ -28,6 +28,7 @@ _FLAGS = {
     "device": "--device",
     "base_dtype": "--base-dtype",
     "top_k": "--top-k",
+    "tail_samples": "--tail-samples",
 }
 
 
@@ -63,6 +64,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--top-k",
         default="32",
         help="distill-offline: the stored teacher top-k, for the disk per token (default: 32)",
+    )
+    parser.add_argument(
+        "--tail-samples",
+        default="0",
+        help="distill-offline: the stored tail draws per token (teacher-logprobs --tail_samples), 4 B each "
+        "on disk (default: 0)",
     )
     parser.add_argument("--gpus", default="1", help="GPUs; more than 1 shards with FSDP2 (default: 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 24GB (default: 80GB)")
@@ -108,13 +115,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _positive_int(flag: str, text: str) -> int:
+def _positive_int(flag: str, text: str, least: int = 1) -> int:
+    """``text`` as an integer of at least ``least`` (1: positive; 0: none or more)."""
+    what = "a positive integer" if least == 1 else f"an integer of {least} or more"
     try:
         value = int(text)
     except ValueError:
-        raise _OptionError(flag, f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise _OptionError(flag, f"must be a positive integer, got {text!r}")
+        raise _OptionError(flag, f"expected {what}, got {text!r}") from None
+    if value < least:
+        raise _OptionError(flag, f"must be {what}, got {text!r}")
     return value
 
 
@@ -159,6 +168,7 @@ def _plan_flags(args: argparse.Namespace, dropout: float) -> dict:
         fused_loss_head=not args.materialized_logits,
         tiled_mlp_mib=_tile_mib(args.tiled_mlp),
         top_k=_positive_int("--top-k", args.top_k),
+        tail_samples=_positive_int("--tail-samples", args.tail_samples, least=0),
     )
 
 

@@ -43,6 +43,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         choices=("float32", "bfloat16", "float16"),
         help="stored log-probs' dtype (ids are int32)",
     )
+    parser.add_argument(
+        "--tail_samples",
+        type=int,
+        default=0,
+        help="draws per token from the teacher's distribution outside its top-k, stored for train distill "
+        "to estimate the tail's shape (fastalign's, not TRL's; 4 B a draw; default 0: none)",
+    )
+    parser.add_argument(
+        "--tail_samples_seed",
+        type=int,
+        default=None,
+        help="seed of the tail draws (each row's from it and the row's content hash; default: --seed)",
+    )
     parser.set_defaults(run=run, allow_extra=True)
 
 
@@ -53,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, getattr(args, "extra", ()), evaluates=False)
         from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher
 
-        report = score_teacher(config, ScoringOptions(args.shard_rows, args.logprobs_dtype))
+        scoring = ScoringOptions(
+            args.shard_rows, args.logprobs_dtype, args.tail_samples, args.tail_samples_seed
+        )
+        report = score_teacher(config, scoring)
     except (ValueError, OSError, MemoryError) as error:
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2

@@ -8,14 +8,18 @@ its prompt and completion token ids: ``row_hash``) and, per completion token, th
 own token (fp32):
 
 - ``row_hashes`` uint8 [R, 32] (sha256), ``offsets`` int64 [R + 1] (each row's tokens),
-- ``ids`` int32 [T, k], ``logprobs`` [T, k], ``tail`` fp32 [T], ``token_logprobs`` fp32 [T].
+- ``ids`` int32 [T, k], ``logprobs`` [T, k], ``tail`` fp32 [T], ``token_logprobs`` fp32 [T],
+- with ``tail_samples`` M > 0 (``fastalign teacher-logprobs --tail_samples``, fastalign's: TRL stores no
+  such thing), ``sample_ids`` int32 [T, M]: M draws per token from the teacher's distribution outside its
+  top-k (``linear_topk_logprobs``), at uniforms from a generator seeded by (``tail_samples_seed``, the
+  row's hash): ``tail_uniforms``. ``train distill`` turns them into an unbiased estimate of the tail.
 
 Every file is written atomically (a temporary file in the same directory, then ``os.replace``), with the
 mode a plain ``open`` gives (0o666 less the umask): a shard that exists is complete, so a killed run
 resumes from the shards it finished. The manifest names what was scored (teacher, revision and a
-fingerprint of its weights, whether fastalign patched it, tokenizer hash, k, dtype, temperature, the data
-set's hash, row count) and says ``complete`` once every shard is written. Readers match rows by their
-content hash, not position.
+fingerprint of its weights, whether fastalign patched it, tokenizer hash, k, dtype, temperature, the tail
+draws and their seed, the data set's hash, row count) and says ``complete`` once every shard is written.
+Readers match rows by their content hash, not position.
 
 The evaluation rows (``eval_dataset_name``) are scored into the sub-directory ``eval`` (``EVAL_DIR``), the
 same layout with its own manifest: scoring them later leaves the training rows' shards as they are.
@@ -47,10 +51,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ID_BYTES = 4
 
 
-def disk_bytes_per_token(k: int, dtype: str = "float32") -> int:
+def disk_bytes_per_token(k: int, dtype: str = "float32", tail_samples: int = 0) -> int:
     """Bytes a scored completion token takes on disk: k × (id + log-prob), plus the fp32 tail and
-    completion-token log-prob."""
-    return k * (ID_BYTES + DTYPES[dtype].itemsize) + 8
+    completion-token log-prob, plus an id per tail draw."""
+    return k * (ID_BYTES + DTYPES[dtype].itemsize) + 8 + tail_samples * ID_BYTES
 
 
 def row_hash(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> bytes:
@@ -59,6 +63,15 @@ def row_hash(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> bytes:
     digest.update(len(prompt_ids).to_bytes(8, "little"))
     digest.update(torch.tensor(list(prompt_ids) + list(completion_ids), dtype=torch.int64).numpy().tobytes())
     return digest.digest()
+
+
+def tail_uniforms(seed: int, row: bytes, tokens: int, samples: int) -> torch.Tensor:
+    """The uniforms [tokens, samples] (float64, in [0, 1)) of one row's tail draws, from a generator
+    seeded by the sha256 of ``seed`` and the row's content hash ``row``: a row draws the same whatever
+    batch, shard, rank or resumed run scores it."""
+    digest = hashlib.sha256(seed.to_bytes(8, "little") + row).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    return torch.rand(tokens, samples, generator=generator, dtype=torch.float64)
 
 
 def dataset_hash(hashes: Iterable[bytes]) -> str:
@@ -110,6 +123,10 @@ class Manifest:
     # (use_liger_kernel: slightly other numerics); None in a manifest written before they were recorded
     teacher_weights: str | None = None
     teacher_patched: bool | None = None
+    # draws per token from the tail (``sample_ids``) and their seed (None without draws); a manifest
+    # written before they existed has none
+    tail_samples: int = 0
+    tail_samples_seed: int | None = None
     complete: bool = False
     tokens: int | None = None  # completion tokens scored, once complete
     format: str = FORMAT
@@ -183,13 +200,15 @@ def read_manifest(directory: Path) -> Manifest | None:
 
 @dataclass
 class ScoredRow:
-    """One row's scores: per completion token, the top-k ids and log-probs, tail and token log-prob."""
+    """One row's scores: per completion token, the top-k ids and log-probs, tail and token log-prob, and
+    the tail draws."""
 
     row_hash: bytes
     ids: torch.Tensor  # [T, k]
     logprobs: torch.Tensor  # [T, k]
     tail: torch.Tensor  # [T]
     token_logprobs: torch.Tensor  # [T]
+    sample_ids: torch.Tensor  # [T, M], M = 0 without draws (not stored then)
 
 
 def write_shard(directory: Path, index: int, rows: Sequence[ScoredRow], dtype: str) -> Path:
@@ -205,6 +224,8 @@ def write_shard(directory: Path, index: int, rows: Sequence[ScoredRow], dtype: s
         "tail": torch.cat([row.tail for row in rows]).float().contiguous(),
         "token_logprobs": torch.cat([row.token_logprobs for row in rows]).float().contiguous(),
     }
+    if rows[0].sample_ids.shape[1]:
+        tensors["sample_ids"] = torch.cat([row.sample_ids for row in rows]).to(torch.int32).contiguous()
     path = Path(directory) / shard_name(index)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
     return path
@@ -213,8 +234,6 @@ def write_shard(directory: Path, index: int, rows: Sequence[ScoredRow], dtype: s
 class TeacherLogprobs:
     """The scores of a complete directory, looked up by row hash; shards are read lazily (one row's
     slice at a time), so memory holds only the index (36 bytes a row)."""
-
-    KEYS = ("ids", "logprobs", "tail", "token_logprobs")
 
     def __init__(self, directory: str | Path):
         from safetensors import safe_open
@@ -229,6 +248,8 @@ class TeacherLogprobs:
                 "(rerun fastalign teacher-logprobs on it to finish the missing shards)"
             )
         self.manifest = manifest
+        draws = ("sample_ids",) if manifest.tail_samples else ()
+        self.names = ("ids", "logprobs", "tail", "token_logprobs", *draws)  # a row's tensors
         self._index: dict[bytes, tuple[Any, int, int]] = {}  # row hash: its shard's handle, token range
         for shard in range(manifest.shards):
             handle = safe_open(str(self.directory / shard_name(shard)), framework="pt")
@@ -249,4 +270,4 @@ class TeacherLogprobs:
 
     def get(self, key: bytes) -> dict[str, torch.Tensor]:
         handle, start, end = self._index[key]
-        return {name: handle.get_slice(name)[start:end] for name in self.KEYS}
+        return {name: handle.get_slice(name)[start:end] for name in self.names}

@@ -23,7 +23,9 @@ No [N, V] tensor exists.
 ``linear_topk_logprobs`` is the teacher's scoring pass: per token, its top-k token ids and log-probs at a
 temperature, the log of the mass outside them and the log-prob of a given token (the completion's),
 walking the tokens in chunks and each chunk's vocabulary in slices, with a running merge of the top-k
-and an online log-sum-exp: at most one [C, V_slice] block of logits at a time.
+and an online log-sum-exp: at most one [C, V_slice] block of logits at a time. Optionally also M draws
+from the tail (outside the top-k), which ``tail_sample_support`` turns into a support whose loss has
+full-logit distillation's gradient in expectation (fastalign's, not TRL's: see there).
 """
 
 from __future__ import annotations
@@ -95,6 +97,29 @@ def sparse_divergence_rows(
         student = student - torch.logsumexp(student, dim=-1, keepdim=True)
         teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
     return masked_jsd(student, teacher, beta, support).sum(-1)
+
+
+def tail_sample_support(
+    top_ids: torch.Tensor, top_logprobs: torch.Tensor, tail: torch.Tensor, sample_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The support ids [..., k + M] of the teacher's top-k ``top_ids`` [..., k] and M draws from its tail
+    ``sample_ids`` [..., M] (``linear_topk_logprobs``'s), the teacher's log-probs there and the support
+    mask, for ``linear_sparse_divergence`` with ``add_tail`` and β 0. A draw stands for r·c/M of the mass
+    (r = exp(``tail``) the tail's mass, c how often the id was drawn), on its first copy (the others
+    masked); a row whose tail is empty (−inf: its draws are id 0) has every draw masked.
+
+    Why (fastalign's, not TRL's): TRL's tail bucket ``log(1 − Σ top-k)`` moves only the tail's total
+    mass, never its shape (its gradient on a tail logit is S_j·(1 − r_T/r_S)). Here the teacher's mass
+    over the support sums to 1, so the bucket is ~0 (``TAIL_CLAMP``) and the loss is KL(T̂ ‖ S), S the
+    student's distribution over the whole vocabulary: its gradient on the student's logits, S − T̂, is an
+    unbiased estimate of full-logit forward KL's S − T (E[c] = M·T_j / r at a tail id). Forward KL only:
+    JSD's mixture is not linear in T. Sparse logit sampling (Anshumann et al., ACL 2025) on the tail."""
+    m = sample_ids.shape[-1]
+    same = sample_ids[..., :, None] == sample_ids[..., None, :]  # [..., M, M]
+    first = ~torch.tril(same, diagonal=-1).any(-1)
+    pseudo = tail.float()[..., None] + torch.log(same.sum(-1).float() / m)
+    mask = torch.cat([torch.ones_like(top_ids, dtype=torch.bool), first & (tail[..., None] > -math.inf)], -1)
+    return torch.cat([top_ids, sample_ids], -1), torch.cat([top_logprobs.float(), pseudo], -1), mask
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,16 +298,24 @@ def linear_sparse_divergence(
 
 class TopK(NamedTuple):
     """Per token: the top-k ids [N, k] (long) and log-probs [N, k] (fp32, descending), the log of the
-    mass outside them [N] and the log-prob of the given token [N] (fp32)."""
+    mass outside them [N] and the log-prob of the given token [N] (fp32), and ``sample_ids`` [N, M]
+    (long): M draws from the tail, the distribution outside the top-k ([N, 0] when none are asked for)."""
 
     ids: torch.Tensor
     logprobs: torch.Tensor
     tail: torch.Tensor
     token_logprobs: torch.Tensor
+    sample_ids: torch.Tensor
 
 
 #: Vocabulary slice of the scoring pass's logits blocks.
 VOCAB_SLICE = 16384
+
+
+def _logits_block(hidden, weight, bias, v0: int, v1: int, inv_t: float) -> torch.Tensor:
+    """The fp32 logits [C, v1 − v0] of vocabulary ids [v0, v1) at temperature 1 / ``inv_t``."""
+    logits = _fp32_logits(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
+    return logits.mul_(inv_t) if inv_t != 1.0 else logits
 
 
 @torch.no_grad()
@@ -296,10 +329,18 @@ def linear_topk_logprobs(
     temperature: float = 1.0,
     vocab_slice: int = VOCAB_SLICE,
     workspace_bytes: int | None = None,
+    tail_samples: int = 0,
+    uniforms: torch.Tensor | None = None,
 ) -> TopK:
     """The top-``k`` next-token log-probs of ``softmax((hidden·weightᵀ + bias) / temperature)`` for every
     row of ``hidden`` [N, D], their ids, the log of the mass outside them, and the log-prob of ``tokens``
-    [N] (0 where not given). Never more than one [C, vocab_slice] block of logits."""
+    [N] (0 where not given). Never more than one [C, vocab_slice] block of logits.
+
+    With ``tail_samples`` M > 0, also M draws per row from its tail (the distribution renormalised over
+    the ids outside its top-k), by inverse CDF at ``uniforms`` [N, M] in [0, 1) (the caller's, so that
+    the caller decides the seeding: ``tail_sample_support`` turns them into an unbiased estimate of the
+    tail for the loss): see ``_tail_draws``. A row whose tail is empty (its tail −inf: every other logit
+    −inf) gets draws of id 0, which the loss masks out by that tail."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} must be [N, D] and weight {tuple(weight.shape)} [V, D]"
@@ -307,14 +348,26 @@ def linear_topk_logprobs(
     n, vocab = hidden.shape[0], weight.shape[0]
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, {vocab}] (the vocabulary), got {k}")
+    if tail_samples < 0:
+        raise ValueError(f"tail_samples must be 0 or more, got {tail_samples}")
+    if (uniforms is None) != (tail_samples == 0) or (
+        uniforms is not None and tuple(uniforms.shape) != (n, tail_samples)
+    ):
+        shape = None if uniforms is None else tuple(uniforms.shape)
+        raise ValueError(
+            f"uniforms must be [N, tail_samples] = [{n}, {tail_samples}] (None for 0), got {shape}"
+        )
     slice_width = min(vocab, vocab_slice)
     budget = head_workspace_bytes(hidden.device.type, workspace_bytes)
+    # per logit: the fp32 block and the top-k pass's fp32 temporaries, or the draws' float64 cumulative
+    # sum of half the rows at a time (``_tail_draws``): the same chunks with draws as without
     rows_per_chunk = chunk_rows(slice_width, 4 * 2, budget)
     device = hidden.device
     out_ids = torch.empty(n, k, dtype=torch.long, device=device)
     out_lp = torch.empty(n, k, dtype=torch.float32, device=device)
     out_tail = torch.empty(n, dtype=torch.float32, device=device)
     out_token = torch.zeros(n, dtype=torch.float32, device=device)
+    out_samples = torch.zeros(n, tail_samples, dtype=torch.long, device=device)
     inv_t = 1.0 / temperature
     for start in range(0, n, rows_per_chunk):
         rows = slice(start, min(n, start + rows_per_chunk))
@@ -328,7 +381,7 @@ def linear_topk_logprobs(
         chunk_tokens = tokens[rows] if tokens is not None else None
         for v0 in range(0, vocab, slice_width):
             v1 = min(vocab, v0 + slice_width)
-            logits = _fp32_logits(h, weight[v0:v1], None if bias is None else bias[v0:v1]).mul_(inv_t)
+            logits = _logits_block(h, weight, bias, v0, v1, inv_t)
             if chunk_tokens is not None:
                 inside = (chunk_tokens >= v0) & (chunk_tokens < v1)
                 local = (chunk_tokens - v0).clamp(0, v1 - v0 - 1)
@@ -347,4 +400,57 @@ def linear_topk_logprobs(
         out_tail[rows] = rest - lse  # -inf when the top-k hold it all
         if chunk_tokens is not None:
             out_token[rows] = token_logit - lse
-    return TopK(out_ids, out_lp, out_tail, out_token)
+        if tail_samples:
+            out_samples[rows] = _tail_draws(
+                h, weight, bias, best_ids, rest, uniforms[rows], slice_width, inv_t
+            )
+    return TopK(out_ids, out_lp, out_tail, out_token, out_samples)
+
+
+def _tail_draws(
+    hidden, weight, bias, top_ids, rest, uniforms, slice_width: int, inv_t: float
+) -> torch.Tensor:
+    """Draws [C, M] from each row's tail by inverse CDF: draw i is the first id, in vocabulary order with
+    the row's ``top_ids`` left out, where the tail's cumulative probability exceeds ``uniforms[:, i]``.
+
+    A second walk over the same vocabulary slices as the top-k's (which had to find the top-k and the
+    tail's log-mass ``rest`` first): each slice's logits again, the top-k ids' set to −inf, the tail's
+    probabilities ``exp(z − rest)`` (relative to the tail's own mass, so a tail of 1e-40 of the row's
+    mass draws as exactly as any other), their cumulative sum in float64 (half the chunk's rows at a
+    time: a float64 block the size of the fp32 logits) with each row's running total carried from slice
+    to slice, and ``torch.searchsorted`` for the draws that land in the slice. A draw at a uniform beyond
+    the walk's own float64 total (it differs from 1 by the float32 rounding of ``rest``, ~1e-6) takes the
+    last tail id of nonzero probability; a row with an empty tail (``rest`` −inf) has no such id and
+    keeps id 0."""
+    vocab, c = weight.shape[0], hidden.shape[0]
+    device = hidden.device
+    targets = uniforms.to(torch.float64)
+    shift = torch.where(rest.isfinite(), rest, 0.0)[:, None]
+    draws = torch.zeros(targets.shape, dtype=torch.long, device=device)
+    pending = torch.ones(targets.shape, dtype=torch.bool, device=device)
+    last = torch.zeros(c, 1, dtype=torch.long, device=device)  # the last tail id of nonzero mass
+    below = torch.zeros(c, 1, dtype=torch.float64, device=device)  # the earlier slices' tail mass
+    half = max(1, (c + 1) // 2)
+    for v0 in range(0, vocab, slice_width):
+        v1 = min(vocab, v0 + slice_width)
+        logits = _logits_block(hidden, weight, bias, v0, v1, inv_t)
+        local = top_ids - v0
+        inside = (local >= 0) & (local < v1 - v0)
+        # −inf onto the top-k ids of this slice; the others add 0 at a clamped index (exact in any order)
+        logits.scatter_add_(1, local.clamp(0, v1 - v0 - 1), torch.where(inside, float("-inf"), 0.0))
+        probs = logits.sub_(shift).exp_()
+        for r0 in range(0, c, half):
+            rows = slice(r0, r0 + half)
+            cumulative = torch.cumsum(probs[rows], dim=1, dtype=torch.float64)  # from the slice's start
+            ahead = targets[rows] - below[rows]
+            total = cumulative[:, -1:].contiguous()
+            lands = pending[rows] & (ahead < total)
+            found = torch.searchsorted(cumulative, ahead, right=True).clamp_(max=v1 - v0 - 1) + v0
+            draws[rows] = torch.where(lands, found, draws[rows])
+            pending[rows] &= ~lands
+            last_here = torch.searchsorted(cumulative, total, right=False) + v0
+            last[rows] = torch.where(total > 0, last_here, last[rows])
+            below[rows] += total
+            del cumulative
+        del logits, probs
+    return torch.where(pending, last, draws)

@@ -448,6 +448,7 @@ def plan_memory(
     tiled_mlp_mib: float = 0,
     suggest: bool = True,
     top_k: int = 32,
+    tail_samples: int = 0,
 ) -> MemoryPlan:
     """Plan the memory of training ``config`` (a HF config, a ``ModelShape``, or a built-in shape name /
     local config.json path) with ``method`` on ``gpus`` GPUs of ``gpu_memory_bytes`` each.
@@ -464,7 +465,8 @@ def plan_memory(
     ``tiled_mlp_mib``: the gated MLPs run in token tiles of that working set (``TrainConfig.tiled_mlp``
     with ``tiled_mlp_budget_mib``; needs the fused kernels): a layer keeps only its MLP's input, and the
     tile's working set is held once; 0: untiled.
-    ``top_k``: with ``distill-offline``, the teacher's stored top-k (the disk per token).
+    ``top_k``, ``tail_samples``: with ``distill-offline``, the teacher's stored top-k and tail draws per
+    token (the disk per token).
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
@@ -503,7 +505,7 @@ def plan_memory(
     if method in PPO_METHODS:
         return _ppo_plan(shape, flags, suggest)
     if method == DISTILL_OFFLINE:
-        return _distill_offline_plan(shape, flags, suggest, top_k)
+        return _distill_offline_plan(shape, flags, suggest, top_k, tail_samples)
     setup = _Setup(model=shape.name, **flags, shape=shape)
     if setup.offload:
         setup = replace(setup, keep=_largest_keep(setup) if keep_on_device == "auto" else keep_on_device)
@@ -851,25 +853,32 @@ def _model_shape(config: PretrainedConfig | ModelShape | str) -> ModelShape:
     return shape_from_config(config)
 
 
-def teacher_logprobs_bytes_per_token(top_k: int) -> int:
+def teacher_logprobs_bytes_per_token(top_k: int, tail_samples: int = 0) -> int:
     """Disk per completion token of ``fastalign teacher-logprobs`` (fp32 log-probs): k × (4 B int32 id +
-    4 B log-prob), plus the fp32 tail and completion-token log-prob (8 B); as
-    ``fastalign.data.teacher_logprobs.disk_bytes_per_token``."""
-    return top_k * (4 + 4) + 8
+    4 B log-prob), plus the fp32 tail and completion-token log-prob (8 B), plus a 4 B int32 id per tail
+    draw; as ``fastalign.data.teacher_logprobs.disk_bytes_per_token``."""
+    return top_k * (4 + 4) + 8 + tail_samples * 4
 
 
-def _distill_offline_plan(shape: ModelShape, flags: dict, suggest: bool, top_k: int) -> MemoryPlan:
+def _distill_offline_plan(
+    shape: ModelShape, flags: dict, suggest: bool, top_k: int, tail_samples: int
+) -> MemoryPlan:
     """Offline distillation: the student's full fine-tuning plan (the fused sparse head holds one chunk
     of logits, as the cross-entropy's) and no teacher: its top-k log-probs come from disk, a few
     bytes per token in each batch."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise PlanError("top_k", f"must be a positive integer, got {top_k!r}")
+    if isinstance(tail_samples, bool) or not isinstance(tail_samples, int) or tail_samples < 0:
+        raise PlanError("tail_samples", f"must be an integer of 0 or more, got {tail_samples!r}")
     student = plan_memory(shape, **{**flags, "method": "full"}, suggest=suggest)
-    per_token = teacher_logprobs_bytes_per_token(top_k)
+    per_token = teacher_logprobs_bytes_per_token(top_k, tail_samples)
     teacher = Term("teacher", "teacher", 0, 0, False, "none: its top-k log-probs are read from disk")
+    draws = f" and {tail_samples} tail draws" if tail_samples else ""
+    draw_bytes = f" + {tail_samples} × 4 B draw" if tail_samples else ""
     note = (
-        f"teacher log-probs on disk: {per_token} B per completion token at top_k {top_k} "
-        f"(k × (4 B id + 4 B log-prob) + 8 B); {format_bytes(per_token * 10**9)} per billion tokens"
+        f"teacher log-probs on disk: {per_token} B per completion token at top_k {top_k}{draws} "
+        f"(k × (4 B id + 4 B log-prob) + 8 B{draw_bytes}); {format_bytes(per_token * 10**9)} per billion "
+        "tokens"
     )
     return replace(
         student,

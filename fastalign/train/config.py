@@ -205,6 +205,9 @@ class TrainConfig:
     loss_top_k: int | None = None  # distill with teacher_logprobs_path: the teacher's top-k support of the
     # divergence (None: the stored k; with beta > 0 TRL's 1)
     loss_add_tail: bool = True  # distill with teacher_logprobs_path: a bucket for the mass outside the top-k
+    loss_tail_samples: bool | None = None  # distill with teacher_logprobs_path: train on the tail draws the
+    # files hold (teacher-logprobs --tail_samples; fastalign's, not TRL's: an unbiased estimate of the tail's
+    # shape, beta 0 and the stored k); None: where they hold some; false: TRL's tail bucket alone
 
     # ppo (TRL's former PPOConfig / OnPolicyConfig, trl 0.11-0.19): the sampling options, reward_funcs,
     # ref_model_name_or_path and missing_eos_penalty above apply; max_completion_length is its response_length

@@ -8,7 +8,10 @@ nothing to score and are left out. ``dataset_name``'s rows (a Hub dataset's ``da
 their own manifest, where ``train distill`` looks for its evaluation rows (``eval_split_ratio`` holds out
 training rows, which are scored already). The teacher (``model_name_or_path``) runs in eval mode, patched, its
 head fused: per completion token, ``linear_topk_logprobs`` walks the vocabulary in slices and keeps a
-running top-``top_k`` and log-sum-exp (no [tokens, vocab] logits), at ``temperature``. Rows go to shards
+running top-``top_k`` and log-sum-exp (no [tokens, vocab] logits), at ``temperature``; with
+``tail_samples`` M > 0 (fastalign's), a second walk over the slices draws M ids per token from the
+distribution outside the top-k, at uniforms seeded by (``tail_samples_seed``, default the run's ``seed``;
+the row's content hash), so the draws do not depend on batches, shards, ranks or resumes. Rows go to shards
 of ``shard_rows`` (``fastalign.data.teacher_logprobs``), each written atomically once its rows are scored;
 under ``torchrun`` rank r scores shards r, r + world, ... (a whole teacher on each process, no
 collective during scoring). A rerun on the same directory skips the shards that exist: a killed run
@@ -38,6 +41,7 @@ from fastalign.data.teacher_logprobs import (
     read_manifest,
     row_hash,
     shard_name,
+    tail_uniforms,
     tokenizer_hash,
     weights_fingerprint,
     write_manifest,
@@ -64,6 +68,8 @@ class ScoringOptions:
 
     shard_rows: int = 256
     logprobs_dtype: str = "float32"
+    tail_samples: int = 0  # draws per token from the tail outside the top-k
+    tail_samples_seed: int | None = None  # None: the run's seed
 
     def __post_init__(self):
         if self.shard_rows < 1:
@@ -72,6 +78,16 @@ class ScoringOptions:
             raise ConfigError(
                 f"--logprobs_dtype must be one of {', '.join(DTYPES)}, got {self.logprobs_dtype!r}"
             )
+        if self.tail_samples < 0:
+            raise ConfigError(f"--tail_samples must be 0 or more, got {self.tail_samples}")
+        if self.tail_samples_seed is not None and not 0 <= self.tail_samples_seed < 2**32:
+            raise ConfigError(f"--tail_samples_seed must be in [0, 2**32), got {self.tail_samples_seed}")
+
+    def draws_seed(self, config: TrainConfig) -> int | None:
+        """The seed of the tail draws' uniforms (None without draws)."""
+        if not self.tail_samples:
+            return None
+        return config.seed if self.tail_samples_seed is None else self.tail_samples_seed
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,8 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         dtype=scoring.logprobs_dtype,
         temperature=config.temperature,
         shard_rows=scoring.shard_rows,
+        tail_samples=scoring.tail_samples,
+        tail_samples_seed=scoring.draws_seed(config),
     )
     train_name = config.dataset_name or DistillObjective.default_dataset
     parts = [_part(out, _examples(config, tokenizer, train_name, "dataset_name"), teacher, scoring)]
@@ -219,11 +237,24 @@ def _score_shard(
     for start in range(rows.start, rows.stop, config.per_device_eval_batch_size):
         batch_rows = range(start, min(rows.stop, start + config.per_device_eval_batch_size))
         batch_examples = [part.examples[i] for i in batch_rows]
-        scores_of_rows = _score_batch(model, collate(batch_examples), config, ctx)
+        uniforms = _uniforms(part, batch_rows)
+        scores_of_rows = _score_batch(model, collate(batch_examples), config, ctx, uniforms)
         for index, scores in zip(batch_rows, scores_of_rows, strict=True):
             scored.append(ScoredRow(part.hashes[index], *scores))
     write_shard(part.directory, shard, scored, scoring.logprobs_dtype)
     return sum(row.ids.shape[0] for row in scored)
+
+
+def _uniforms(part: _Part, rows: range) -> torch.Tensor | None:
+    """The uniforms of the tail draws of ``part``'s ``rows`` [their completion tokens, M], the rows' in
+    order (None without draws)."""
+    samples, seed = part.manifest.tail_samples, part.manifest.tail_samples_seed
+    if not samples:
+        return None
+    examples = part.examples
+    return torch.cat(
+        [tail_uniforms(seed, part.hashes[i], len(examples[i].completion_ids), samples) for i in rows]
+    )
 
 
 def _examples(config: TrainConfig, tokenizer, name: str, key: str) -> list[DistillExample]:
@@ -246,8 +277,9 @@ def _examples(config: TrainConfig, tokenizer, name: str, key: str) -> list[Disti
 
 
 @torch.no_grad()
-def _score_batch(model, batch: dict, config: TrainConfig, ctx: DistributedContext):
-    """Per row of ``batch``: the top-k ids and log-probs, tail and token log-prob of its completion."""
+def _score_batch(model, batch: dict, config: TrainConfig, ctx: DistributedContext, uniforms):
+    """Per row of ``batch``: the top-k ids and log-probs, tail and token log-prob of its completion, and
+    its tail draws at ``uniforms`` [completion tokens, M] (the rows' in order; None: no draws)."""
     mask = batch["completion_mask"].bool()
     width = batch["input_ids"].shape[1] - mask.shape[1]
     tokens = batch["input_ids"][:, width:]
@@ -257,7 +289,14 @@ def _score_batch(model, batch: dict, config: TrainConfig, ctx: DistributedContex
     def head(hidden, weight, bias):
         rows = hidden[:, width - 1 : -1][device_mask]
         return linear_topk_logprobs(
-            rows, weight, config.top_k, device_tokens[device_mask], bias=bias, temperature=config.temperature
+            rows,
+            weight,
+            config.top_k,
+            device_tokens[device_mask],
+            bias=bias,
+            temperature=config.temperature,
+            tail_samples=0 if uniforms is None else uniforms.shape[1],
+            uniforms=None if uniforms is None else uniforms.to(ctx.device),
         )
 
     top = model(**inputs, head_fn=head).head_output

@@ -1,18 +1,25 @@
 """``linear_sparse_divergence`` against TRL 1.16's server-distillation loss (the oracle: its
 ``_add_tail_bucket``, ``_jsd_divergence``, forward-KL path ``_compute_server_forward_kl_loss`` and top-1
 path ``_compute_server_sparse_top_1_divergence_loss``, on the full [tokens, vocab] log-softmax), loss and
-gradients; with k = V it equals full-logit distillation (``linear_divergence``); and the teacher's
-scoring pass ``linear_topk_logprobs`` against ``torch.topk`` of the full log-softmax."""
+gradients; with k = V it equals full-logit distillation (``linear_divergence``); the teacher's scoring
+pass ``linear_topk_logprobs`` against ``torch.topk`` of the full log-softmax; its tail draws against a
+float64 inverse CDF and a chi-square test, and the loss on them (``tail_sample_support``) against the
+dense KL to the estimate and, averaged over draws, full-logit distillation's gradient."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fastalign.ops import linear_divergence
-from fastalign.ops.sparse_divergence import linear_sparse_divergence, linear_topk_logprobs
+from fastalign.ops.sparse_divergence import (
+    linear_sparse_divergence,
+    linear_topk_logprobs,
+    tail_sample_support,
+)
 from tests.helpers import require
 
 N, D, V = 24, 16, 96
@@ -227,3 +234,180 @@ def test_topk_logprobs_equal_the_full_log_softmax(k):
     ).logsumexp(-1)
     torch.testing.assert_close(out.tail, rest.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.token_logprobs, full.gather(1, tokens[:, None]).squeeze(1))
+
+
+def tail_reference(hidden, weight, bias, temperature, top_ids):
+    """The float64 tail distribution of each row (its top-k ids left out, renormalised) and its
+    cumulative sum in vocabulary order, [N, V] each."""
+    logits = hidden.double() @ weight.double().t() + (bias.double() if bias is not None else 0)
+    probs = torch.softmax(logits / temperature, dim=-1).scatter(1, top_ids, 0.0)
+    tail = probs / probs.sum(-1, keepdim=True)
+    return tail, tail.cumsum(-1)
+
+
+@pytest.mark.parametrize(
+    ("k", "vocab_slice", "bias", "temperature"),
+    [(5, 16, True, 0.7), (1, 7, False, 1.3), (40, 1000, True, 1.0)],
+)
+def test_tail_draws_are_the_inverse_cdf_of_the_tail(k, vocab_slice, bias, temperature):
+    """Draw i of a row is the first tail id (vocabulary order, top-k left out) whose cumulative tail
+    probability exceeds uniforms[:, i], as a float64 dense reference finds it: the same id wherever the
+    uniform is not within float32 rounding of an interval's edge, and an id whose interval holds it
+    (within that rounding) everywhere; never a top-k id nor one of zero probability. The top-k, tail and
+    token log-probs are M = 0's, bit for bit (23 rows in chunks of 5, slices of 7 ids with a short last
+    one)."""
+    hidden, weight, b, _, _, tokens = make(20 + k, bias=bias)
+    hidden, weight, b = hidden.detach()[:23], weight.detach(), None if b is None else b.detach()
+    m = 13
+    uniforms = torch.rand(23, m, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+    workspace = 5 * min(V, vocab_slice) * 8  # 5 rows a chunk
+    options = dict(bias=b, temperature=temperature, vocab_slice=vocab_slice, workspace_bytes=workspace)
+    plain = linear_topk_logprobs(hidden, weight, k, tokens[:23], **options)
+    out = linear_topk_logprobs(hidden, weight, k, tokens[:23], **options, tail_samples=m, uniforms=uniforms)
+    assert plain.sample_ids.shape == (23, 0) and out.sample_ids.shape == (23, m)
+    for name in ("ids", "logprobs", "tail", "token_logprobs"):
+        torch.testing.assert_close(getattr(out, name), getattr(plain, name), rtol=0, atol=0)
+    tail, cumulative = tail_reference(hidden, weight, b, temperature, out.ids)
+    expected = torch.searchsorted(cumulative, uniforms, right=True).clamp(max=V - 1)
+    tol = 1e-5
+    after = cumulative.gather(1, out.sample_ids)
+    before = after - tail.gather(1, out.sample_ids)
+    assert ((before - tol <= uniforms) & (uniforms < after + tol)).all()
+    after_ref = cumulative.gather(1, expected)
+    near_edge = ((uniforms - after_ref).abs() < tol) | (
+        (uniforms - after_ref + tail.gather(1, expected)).abs() < tol
+    )
+    assert ((out.sample_ids == expected) | near_edge).all() and near_edge.float().mean() < 0.01
+    assert (tail.gather(1, out.sample_ids) > 0).all()
+    assert not (out.sample_ids[:, :, None] == out.ids[:, None, :]).any()
+
+
+def test_tail_draws_follow_the_tail_distribution():
+    """Chi-square goodness of fit: 20,000 draws of each of 3 rows against the row's tail probabilities
+    (cells expected fewer than 5 draws pooled), below the 1e-4 critical value (Wilson–Hilferty)."""
+    hidden, weight, bias, _, _, _ = make(5)
+    hidden, weight, bias = hidden.detach()[:3], weight.detach(), bias.detach()
+    m = 20000
+    uniforms = torch.rand(3, m, generator=torch.Generator().manual_seed(0))
+    out = linear_topk_logprobs(
+        hidden, weight, 8, bias=bias, temperature=1.5, vocab_slice=16, tail_samples=m, uniforms=uniforms
+    )
+    tail, _ = tail_reference(hidden, weight, bias, 1.5, out.ids)
+    for row in range(3):
+        observed = torch.bincount(out.sample_ids[row], minlength=V).double()
+        expected = tail[row] * m
+        big = expected >= 5
+        o = torch.cat([observed[big], observed[~big].sum()[None]])
+        e = torch.cat([expected[big], expected[~big].sum()[None]])
+        chi2 = float(((o - e) ** 2 / e.clamp_min(1e-12)).sum())
+        df = int(big.sum())  # cells − 1, the pooled cell included
+        z = 3.72  # the normal quantile of 1 − 1e-4
+        critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+        assert chi2 < critical, (row, chi2, critical, df)
+
+
+def test_a_row_with_an_empty_tail_draws_id_0_and_the_support_masks_it():
+    """Where the top-k hold all the mass (every other logit −inf: a −inf bias), the tail is −inf, its
+    draws are id 0 and ``tail_sample_support`` masks them; the other rows' draws are kept once each,
+    with log(r·c/M)."""
+    hidden, weight, _, _, _, _ = make(2, bias=False)
+    hidden, weight = hidden.detach()[:4], weight.detach()
+    bias = torch.full((V,), float("-inf"))
+    bias[10:13] = 0.0
+    uniforms = torch.rand(4, 6, generator=torch.Generator().manual_seed(1))
+    empty = linear_topk_logprobs(
+        hidden, weight, 3, bias=bias, vocab_slice=16, tail_samples=6, uniforms=uniforms
+    )
+    assert torch.isneginf(empty.tail).all() and (empty.sample_ids == 0).all()
+    _, _, mask = tail_sample_support(empty.ids, empty.logprobs, empty.tail, empty.sample_ids)
+    assert mask[:, :3].all() and not mask[:, 3:].any()
+    draws = torch.tensor([[5, 7, 5, 9, 5, 7]])
+    ids, logprobs, mask = tail_sample_support(
+        torch.tensor([[1, 2]]), torch.tensor([[-0.5, -1.5]]), torch.tensor([-2.0]), draws
+    )
+    assert ids.tolist() == [[1, 2, 5, 7, 5, 9, 5, 7]]
+    assert mask.tolist() == [[True, True, True, True, False, True, False, False]]
+    torch.testing.assert_close(logprobs[0, 2:][mask[0, 2:]], -2.0 + torch.log(torch.tensor([3, 2, 1]) / 6))
+
+
+def teacher_with_draws(seed: int, rows: int, m: int, k: int, temperature: float, replicas: int = 1):
+    """A teacher head (hidden [rows, 8], weight [V, 8]) and its top-k with m tail draws of each of
+    ``replicas`` copies of its rows (each copy its own uniforms)."""
+    g = torch.Generator().manual_seed(seed)
+    t_hidden, t_weight = torch.randn(rows, 8, generator=g), torch.randn(V, 8, generator=g) * 0.6
+    uniforms = torch.rand(rows * replicas, m, generator=g)
+    top = linear_topk_logprobs(
+        t_hidden.repeat(replicas, 1), t_weight, k, temperature=temperature, tail_samples=m, uniforms=uniforms
+    )
+    return t_hidden, t_weight, top
+
+
+def test_loss_with_tail_draws_is_the_dense_kl_to_the_estimate():
+    """For one draw, the loss on [top-k | draws] with log(r·c/M) and the tail bucket (~0) equals, loss
+    and gradients, the float64 dense KL(T̂ ‖ S): T̂ the teacher's top-k probabilities, r·c/M at the
+    drawn ids, 0 elsewhere; S the student's whole softmax at the temperature."""
+    hidden, weight, bias, _, valid, _ = make(11)
+    temperature, m, k = 0.9, 6, 5
+    _, _, top = teacher_with_draws(3, N, m, k, temperature)
+    ids, logprobs, mask = tail_sample_support(top.ids, top.logprobs, top.tail, top.sample_ids)
+    ours = linear_sparse_divergence(
+        hidden,
+        weight,
+        ids,
+        logprobs,
+        mask,
+        valid,
+        beta=0.0,
+        temperature=temperature,
+        bias=bias,
+        workspace_bytes=5 * V * 4,
+    )
+    estimate = torch.zeros(N, V, dtype=torch.float64).scatter(1, top.ids, top.logprobs.double().exp())
+    estimate.scatter_add_(1, top.sample_ids, (top.tail.double().exp() / m)[:, None].expand(N, m).contiguous())
+    h64, w64, b64 = (t.detach().double().requires_grad_() for t in (hidden, weight, bias))
+    student = torch.log_softmax((h64 @ w64.t() + b64) / temperature, -1)
+    kl = torch.where(estimate > 0, estimate * (estimate.clamp_min(1e-300).log() - student), 0.0).sum(-1)
+    dense = kl[valid].sum()
+    assert float(ours.detach()) == pytest.approx(float(dense.detach()), rel=1e-5)
+    for mine, ref in zip(
+        grads_of(ours, leaves(hidden, weight, bias)), grads_of(dense, [h64, w64, b64]), strict=True
+    ):
+        torch.testing.assert_close(mine.double(), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_tail_draws_estimate_full_logit_distillations_gradient():
+    """Averaged over 400 independent draws, the gradient of the loss on [top-k | draws] w.r.t. the
+    student's hidden states is full-logit forward KL's (``linear_divergence``, β 0): every element within
+    5 standard errors (the draws' own spread over √400), their mean square near 1 (counting a repeated
+    draw more than once, unmerged, fails both); the tail bucket's gradient (TRL's, no draws) is many
+    standard errors off."""
+    replicas, rows, m, k, temperature = 400, 4, 8, 4, 1.2
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(rows, D, generator=g), torch.randn(V, D, generator=g) * 0.5
+    t_hidden, t_weight, top = teacher_with_draws(6, rows, m, k, temperature, replicas)
+    ids, logprobs, mask = tail_sample_support(top.ids, top.logprobs, top.tail, top.sample_ids)
+    copies = hidden.repeat(replicas, 1).requires_grad_()
+    loss = linear_sparse_divergence(copies, weight, ids, logprobs, mask, beta=0.0, temperature=temperature)
+    (per_draw,) = torch.autograd.grad(loss, copies)
+    per_draw = per_draw.reshape(replicas, rows, D).double()
+    leaf = hidden.clone().requires_grad_()
+    full = linear_divergence(
+        leaf,
+        weight,
+        t_hidden,
+        t_weight,
+        torch.ones(rows, dtype=torch.long),
+        beta=0.0,
+        temperature=temperature,
+        reduction="sum",
+    )
+    (exact,) = torch.autograd.grad(full, leaf)
+    error = per_draw.mean(0) - exact.double()
+    standard_error = (per_draw.var(0) / replicas + 1e-12).sqrt()
+    z = error / standard_error
+    assert z.abs().max() < 5 and 0.5 < float((z**2).mean()) < 2  # ~N(0, 1) where unbiased
+    bucket = linear_sparse_divergence(
+        leaf, weight, top.ids[:rows], top.logprobs[:rows], beta=0.0, temperature=temperature
+    )
+    (bucket_grad,) = torch.autograd.grad(bucket, leaf)
+    assert ((bucket_grad.double() - exact.double()).abs() / standard_error).max() > 20

@@ -539,6 +539,7 @@ def _moe(tmp_path):
         (["--model", "llama-3-8b", "--gpu-memory", "0GB"], "--gpu-memory", "positive"),
         (["--model", "llama-3-8b", "--method", "dora"], "--method", "full, lora, qlora"),
         (["--model", "llama-3-8b", "--lora-r", "0"], "--lora-r", "positive"),
+        (["--model", "llama-3-8b", "--tail-samples", "-1"], "--tail-samples", "an integer of 0 or more"),
         (["--model", "llama-3-8b", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
         (["--model", "llama-3-8b", "--method", "ppo-lora", "--gpus", "2"], "--gpus", "use --method ppo"),
         (["--model", "{not_causal}"], "--model", "BertForMaskedLM, not a causal LM"),
@@ -789,7 +790,8 @@ def test_a_tiled_mlp_holds_one_tile_and_goes_longer():
 
 def test_distill_offline_is_the_students_full_plan_with_no_teacher():
     """``--method distill-offline``: the student's full fine-tuning memory, a teacher term of 0 bytes, and
-    the disk per token of the stored top-k (as ``fastalign.data.teacher_logprobs`` writes it)."""
+    the disk per token of the stored top-k and tail draws (as ``fastalign.data.teacher_logprobs`` writes
+    them)."""
     from fastalign.data.teacher_logprobs import disk_bytes_per_token
     from fastalign.plan import plan_memory as plan
 
@@ -799,3 +801,6 @@ def test_distill_offline_is_the_students_full_plan_with_no_teacher():
     assert next(t for t in offline.terms if t.name == "teacher").gpu_bytes == 0
     assert offline.teacher_logprobs_bytes_per_token == disk_bytes_per_token(32) == 264
     assert any("264 B per completion token" in note for note in offline.notes)
+    draws = plan("llama-3-8b", method="distill-offline", gpus=8, seq_len=2048, top_k=32, tail_samples=8)
+    assert draws.teacher_logprobs_bytes_per_token == disk_bytes_per_token(32, tail_samples=8) == 296
+    assert any("296 B per completion token at top_k 32 and 8 tail draws" in note for note in draws.notes)

@@ -28,10 +28,11 @@ from fastalign.data.teacher_logprobs import (
     read_manifest,
     row_hash,
     shard_name,
+    tail_uniforms,
 )
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
 from fastalign.train.config import ConfigError, TrainConfig
-from fastalign.train.objectives.distill import DistillObjective
+from fastalign.train.objectives.distill import DistillObjective, tail_samples_in_use
 from fastalign.train.run import run_training
 from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher, teacher_weights
 from tests import torchrun
@@ -96,9 +97,77 @@ def test_scores_equal_the_teachers_full_log_softmax(tmp_path, teacher_dir):
     assert disk_bytes_per_token(32) == 32 * 8 + 8 and disk_bytes_per_token(32, "bfloat16") == 32 * 6 + 8
 
 
-def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, monkeypatch):
+def stored_rows(directory: str, rows: list[dict]) -> dict[bytes, dict]:
+    """The stored scores of ``rows`` (tokenized as ``train distill`` does), by row hash, and the
+    examples."""
+    stored = TeacherLogprobs(directory)
+    objective = DistillObjective.from_config(
+        "distill", TrainConfig(teacher_logprobs_path=directory, beta=0.0, max_length=64), None
+    )
+    examples = objective.tokenize(rows, tiny_tokenizer())
+    return {
+        row_hash(e.prompt_ids, e.completion_ids): (e, stored.get(row_hash(e.prompt_ids, e.completion_ids)))
+        for e in examples
+    }
+
+
+def test_tail_draws_are_the_teachers_and_do_not_depend_on_batching(tmp_path, teacher_dir, capsys):
+    """``--tail_samples 8``: each token's 8 stored draws are the inverse CDF of the teacher's own
+    distribution outside the stored top-k (its full log-softmax here) at ``tail_uniforms(seed, row hash)``
+    (seed: the run's); other batches and shards store the same draws, another ``--tail_samples_seed``
+    other ones, and resuming with it is refused naming both seeds. The manifest records both keys; a
+    manifest without them (written before they existed) reads as no draws."""
+    rows = tiny_sft_rows(7)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(shard_rows=3, tail_samples=8))
+    manifest = read_manifest(config.output_dir)
+    assert (manifest.tail_samples, manifest.tail_samples_seed) == (8, config.seed)
+    model = tiny_model("llama", seed=1).eval()
+    scores = stored_rows(config.output_dir, rows)
+    for key, (example, row) in scores.items():
+        assert row["sample_ids"].dtype == torch.int32 and row["sample_ids"].shape == (
+            len(example.completion_ids),
+            8,
+        )
+        ids = torch.tensor([example.prompt_ids + example.completion_ids])
+        with torch.no_grad():
+            probs = model(ids).logits[0, len(example.prompt_ids) - 1 : -1].double().softmax(-1)
+        tail = probs.scatter(1, row["ids"].long(), 0.0)
+        cumulative = (tail / tail.sum(-1, keepdim=True)).cumsum(-1)
+        draws = row["sample_ids"].long()
+        after = cumulative.gather(1, draws)
+        before = after - (tail / tail.sum(-1, keepdim=True)).gather(1, draws)
+        uniforms = tail_uniforms(config.seed, key, len(example.completion_ids), 8)
+        assert ((before - 1e-4 <= uniforms) & (uniforms < after + 1e-4)).all()
+    other = dataclasses.replace(config, output_dir=str(tmp_path / "other"), per_device_eval_batch_size=1)
+    score_teacher(other, ScoringOptions(shard_rows=2, tail_samples=8))
+    for key, (_, row) in stored_rows(other.output_dir, rows).items():
+        assert torch.equal(row["sample_ids"], scores[key][1]["sample_ids"])
+    seeded = dataclasses.replace(config, output_dir=str(tmp_path / "seeded"))
+    score_teacher(seeded, ScoringOptions(shard_rows=3, tail_samples=8, tail_samples_seed=7))
+    assert read_manifest(seeded.output_dir).tail_samples_seed == 7
+    assert any(
+        not torch.equal(row["sample_ids"], scores[key][1]["sample_ids"])
+        for key, (_, row) in stored_rows(seeded.output_dir, rows).items()
+    )
+    args = cli_args(["teacher-logprobs", "--shard_rows", "3", "--tail_samples", "8"], config)
+    assert main(args) == 0 and "0 shards written, 3 already there" in capsys.readouterr().out
+    err = one_line_error([*args, "--tail_samples_seed", "7"], capsys)
+    assert f"(tail_samples_seed {config.seed} there, 7 now)" in err
+
+    data = json.loads((Path(config.output_dir) / MANIFEST).read_text())
+    old = {key: value for key, value in data.items() if not key.startswith("tail_samples")}
+    (Path(config.output_dir) / MANIFEST).write_text(json.dumps(old))
+    assert read_manifest(config.output_dir).tail_samples == 0
+    assert "sample_ids" not in next(iter(stored_rows(config.output_dir, rows).values()))[1]
+    assert disk_bytes_per_token(32, tail_samples=8) == 32 * 8 + 8 + 8 * 4
+
+
+@pytest.mark.parametrize("tail_samples", [0, 8])
+def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, monkeypatch, tail_samples):
     """A run killed while writing its second shard leaves the first complete, no partial file and an
-    incomplete manifest; the rerun writes the others only, and the result equals an unbroken run's."""
+    incomplete manifest; the rerun writes the others only, and the result equals an unbroken run's (its
+    tail draws too)."""
     import fastalign.data.teacher_logprobs as store
 
     config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(8))
@@ -113,8 +182,9 @@ def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, m
         real_save(tensors, path, metadata=metadata)
 
     monkeypatch.setattr("safetensors.torch.save_file", dying_save)
+    scoring = ScoringOptions(shard_rows=3, tail_samples=tail_samples)
     with pytest.raises(KeyboardInterrupt):
-        score_teacher(config, ScoringOptions(shard_rows=3))
+        score_teacher(config, scoring)
     out = Path(config.output_dir)
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST, shard_name(0)]  # no temporary left
     assert not read_manifest(out).complete
@@ -122,18 +192,17 @@ def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, m
         TeacherLogprobs(out)
     first = (out / shard_name(0)).stat().st_mtime_ns
     monkeypatch.setattr("safetensors.torch.save_file", real_save)
-    report = score_teacher(config, ScoringOptions(shard_rows=3))
+    report = score_teacher(config, scoring)
     assert (report.shards_written, report.shards_skipped) == (2, 1)
     assert (out / shard_name(0)).stat().st_mtime_ns == first
-    unbroken = score_teacher(
-        dataclasses.replace(config, output_dir=str(tmp_path / "unbroken")), ScoringOptions(shard_rows=3)
-    )
+    unbroken = score_teacher(dataclasses.replace(config, output_dir=str(tmp_path / "unbroken")), scoring)
     assert unbroken.tokens == read_manifest(out).tokens
     for shard in range(3):
         with (
             safe_open(str(out / shard_name(shard)), "pt") as a,
             safe_open(str(tmp_path / "unbroken" / shard_name(shard)), "pt") as b,
         ):
+            assert ("sample_ids" in a.keys()) == bool(tail_samples) and a.keys() == b.keys()
             for key in a.keys():
                 torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key))
     del store
@@ -153,6 +222,9 @@ def test_another_scoring_in_the_same_directory_is_refused(tmp_path, teacher_dir,
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "k 8 there, 4 now" in err
+    assert "(tail_samples 0 there, 8 now)" in one_line_error(
+        [*args[:5], "--top_k", "8", *args[7:], "--tail_samples", "8"], capsys
+    )
     assert main([*args[:5], "--top_k", "8", "--output_dir", str(tmp_path / "cli"), "--max_length", "64"]) == 0
     assert "scored 4 rows" in capsys.readouterr().out
 
@@ -226,6 +298,102 @@ def test_offline_loss_equals_the_op_on_the_teachers_own_scores(tmp_path, teacher
         assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-4)
 
 
+def offline_objective(scores: str, **options) -> DistillObjective:
+    """The offline objective on ``scores`` as its setup opens them, without a run."""
+    train = TrainConfig(teacher_logprobs_path=scores, max_length=64, **options)
+    objective = DistillObjective.from_config("distill", train, None)
+    objective.teacher_logprobs = TeacherLogprobs(scores)
+    objective.tail_samples = tail_samples_in_use(objective.options, objective.teacher_logprobs.manifest)
+    return objective
+
+
+def test_loss_on_tail_draws_is_the_kl_to_the_estimate(tmp_path, teacher_dir):
+    """Scored with 8 tail draws, one micro-batch's loss is KL(T̂ ‖ S) summed over the completion tokens
+    over their count, T̂ the stored top-8 probabilities and r·c/8 at the stored draws (r the stored tail
+    mass, c a draw's count), S the student's whole softmax (float64, dense, here); with
+    ``loss_tail_samples`` false it is the tail bucket's loss on the same top-8, as files without draws
+    give it."""
+    import fastalign
+
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(tail_samples=8))
+    plain = dataclasses.replace(config, output_dir=str(tmp_path / "plain"))
+    score_teacher(plain)
+    tokenizer = tiny_tokenizer()
+    student = fastalign.patch_model(tiny_model("llama", seed=0))
+
+    def loss_of(objective: DistillObjective) -> tuple[torch.Tensor, dict]:
+        batch = objective.collate(tokenizer)(objective.tokenize(rows, tokenizer))
+        loss, _ = objective.compute_loss(student, batch, batch["completion_mask"].sum())
+        return loss.detach(), batch
+
+    objective = offline_objective(config.output_dir, beta=0.0)
+    assert objective.tail_samples == 8
+    loss, batch = loss_of(objective)
+    mask = batch["completion_mask"].bool()
+    width = batch["input_ids"].shape[1] - mask.shape[1]
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        s_lp = tiny_model("llama", seed=0)(**inputs).logits[:, width - 1 : -1].double().log_softmax(-1)
+    estimate = torch.zeros_like(s_lp).scatter(
+        -1, batch["teacher_ids"], batch["teacher_logprobs"].double().exp()
+    )
+    share = (batch["teacher_tail"].double().exp() / 8)[..., None].expand(*mask.shape, 8).contiguous()
+    estimate.scatter_add_(-1, batch["teacher_sample_ids"], share)
+    kl = torch.where(estimate > 0, estimate * (estimate.clamp_min(1e-300).log() - s_lp), 0.0).sum(-1)
+    assert float(loss) == pytest.approx(float(kl[mask].sum() / mask.sum()), rel=1e-4)
+
+    bucket, bucket_batch = loss_of(offline_objective(config.output_dir, beta=0.0, loss_tail_samples=False))
+    assert "teacher_sample_ids" not in bucket_batch
+    assert float(bucket) == pytest.approx(
+        float(loss_of(offline_objective(plain.output_dir, beta=0.0))[0]), rel=1e-6
+    )
+    assert float(bucket) != pytest.approx(float(loss), rel=1e-3)
+
+
+def test_tail_draws_refusals_are_one_line_errors(tmp_path, teacher_dir, capsys):
+    """With draws: β > 0, a ``loss_top_k`` other than the stored k and ``loss_add_tail`` false are
+    refused in one line saying how to turn the draws off (which then trains); ``loss_tail_samples`` true
+    on files without draws is refused, left unset it trains; it applies only with teacher_logprobs_path.
+    Two steps on the draws train."""
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(tail_samples=4))
+    plain = dataclasses.replace(config, output_dir=str(tmp_path / "plain"))
+    score_teacher(plain)
+
+    def config_for(scores: str, **options) -> TrainConfig:
+        directory = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        directory.mkdir()
+        return offline_config(directory, scores, rows, **options)
+
+    def error(scores: str = config.output_dir, **options) -> str:
+        return one_line_error(cli_args(["train", "distill"], config_for(scores, **options)), capsys)
+
+    off = "set loss_tail_samples false for TRL's tail bucket alone"
+    where = f"the 4 tail draws per token of {config.output_dir}'s manifest"
+    assert f"'beta' (0.5) must be 0 with {where} (they estimate forward KL only): {off}" in error(beta=0.5)
+    assert f"'loss_top_k' (4) must be the stored k (8) with {where}" in error(loss_top_k=4)
+    assert f"'loss_add_tail' must be true with {where}" in error(loss_add_tail=False)
+    assert f"'loss_tail_samples' is true but {plain.output_dir}'s manifest records no tail draws" in error(
+        plain.output_dir, loss_tail_samples=True
+    )
+    with pytest.raises(
+        ConfigError, match="'loss_tail_samples' applies to distill with teacher_logprobs_path"
+    ):
+        DistillObjective.from_config(
+            "distill", TrainConfig(teacher_model_name_or_path="t", loss_tail_samples=False), None
+        )
+    run_training(config_for(config.output_dir, beta=0.5, loss_tail_samples=False, max_steps=1), "distill")
+    run_training(config_for(plain.output_dir, max_steps=1), "distill")
+    drawn = config_for(config.output_dir, max_steps=2)
+    run_training(drawn, "distill")
+    metrics = logged(drawn.output_dir)
+    assert [row["step"] for row in metrics] == [1, 2]
+    assert all(math.isfinite(row["loss"]) and row["loss"] > 0 and row["grad_norm"] > 0 for row in metrics)
+
+
 def cli_args(command: list[str], config: TrainConfig) -> list[str]:
     """``command`` with ``config``'s keys that differ from the defaults as command-line options."""
     args = list(command)
@@ -276,14 +444,15 @@ def _template(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir):
+@pytest.mark.parametrize("tail_samples", [0, 8])
+def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir, tail_samples):
     """Under torchrun (2 processes, gloo) each rank scores every other shard; the files equal one
-    process's."""
+    process's (the tail draws too)."""
     config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(10))
-    one = score_teacher(config, ScoringOptions(shard_rows=2))
+    one = score_teacher(config, ScoringOptions(shard_rows=2, tail_samples=tail_samples))
     two_dir = tmp_path / "two"
     torchrun.run_two_processes(
-        WORKER, json.dumps({**dataclasses.asdict(config), "output_dir": str(two_dir)}), 2
+        WORKER, json.dumps({**dataclasses.asdict(config), "output_dir": str(two_dir)}), 2, tail_samples
     )
     assert read_manifest(two_dir).complete and read_manifest(two_dir).tokens == one.tokens
     for shard in range(5):
@@ -291,6 +460,7 @@ def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir):
             safe_open(str(Path(config.output_dir) / shard_name(shard)), "pt") as a,
             safe_open(str(two_dir / shard_name(shard)), "pt") as b,
         ):
+            assert ("sample_ids" in a.keys()) == bool(tail_samples) and a.keys() == b.keys()
             for key in a.keys():
                 torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key))
     written = [json.loads((two_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -387,10 +557,7 @@ def test_eval_dataset_is_scored_into_eval_and_evaluated_on(tmp_path, teacher_dir
         cli_args(["train", "distill"], dataclasses.replace(train, output_dir=str(tmp_path / "v" / "run"))),
         capsys,
     )
-    assert (
-        f"{scores / EVAL_DIR} was scored by another teacher than {scores} (teacher_weights 'files:1:0123'"
-        in err
-    )
+    assert f"{scores / EVAL_DIR} was not scored as {scores} was (teacher_weights 'files:1:0123'" in err
 
 
 def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir, capsys):

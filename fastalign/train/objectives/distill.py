@@ -38,7 +38,12 @@ loaded: the loss is TRL's ``ServerDistillationTrainer``'s on the teacher's store
 (``loss_top_k``, ``loss_add_tail``; ``beta`` 0 forward KL on the top-k support, ``beta`` > 0 TRL's top-1
 support of the teacher's top token and the completion's own), through the fused
 ``linear_sparse_divergence`` (the student's log-sum-exp over the whole vocabulary and its logits at the
-support from one pass of its head). Only the data's completions have stored scores: ``lmbda`` is 0 and
+support from one pass of its head). Where the files hold tail draws (``teacher-logprobs --tail_samples``;
+fastalign's, not TRL's), the β 0 support is the top-k and the draws, each draw standing for its share of
+the tail's mass (``tail_sample_support``): an unbiased estimate of full-logit distillation's gradient,
+where the tail bucket alone only moves the tail's total mass. ``loss_tail_samples`` false ignores them;
+β > 0, a ``loss_top_k`` other than the stored k or ``loss_add_tail`` false with them is an error.
+Only the data's completions have stored scores: ``lmbda`` is 0 and
 ``seq_kd`` off. Rows are matched to the stored ones by the hash of their tokens; a row without scores, or
 a tokenizer, teacher or temperature other than the manifest's, or a k over its, is a one-line error
 naming both. An ``eval_dataset_name``'s rows are looked for in the directory's ``eval`` sub-directory
@@ -64,6 +69,7 @@ from fastalign.data.sources import Rows, row_origins
 from fastalign.data.teacher_logprobs import (
     EVAL_DIR,
     MANIFEST,
+    Manifest,
     TeacherLogprobs,
     read_manifest,
     row_hash,
@@ -71,7 +77,7 @@ from fastalign.data.teacher_logprobs import (
 )
 from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.ops import linear_divergence
-from fastalign.ops.sparse_divergence import linear_sparse_divergence
+from fastalign.ops.sparse_divergence import linear_sparse_divergence, tail_sample_support
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
@@ -105,6 +111,7 @@ class DistillOptions(SamplingKeys):
     teacher_logprobs_path: str | None
     loss_top_k: int | None
     loss_add_tail: bool
+    loss_tail_samples: bool | None
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> DistillOptions:
@@ -120,9 +127,15 @@ class DistillOptions(SamplingKeys):
             raise ConfigError(f"config key 'beta' for distill must be in [0, 1], got {options.beta!r}")
         if offline:
             options._check_offline()
-        elif options.loss_top_k is not None or not options.loss_add_tail:
-            key = "loss_top_k" if options.loss_top_k is not None else "loss_add_tail"
-            raise ConfigError(f"config key {key!r} applies to distill with teacher_logprobs_path only")
+        else:
+            offline_keys = {
+                "loss_top_k": options.loss_top_k is not None,
+                "loss_add_tail": not options.loss_add_tail,
+                "loss_tail_samples": options.loss_tail_samples is not None,
+            }
+            key = next((key for key, set_ in offline_keys.items() if set_), None)
+            if key is not None:
+                raise ConfigError(f"config key {key!r} applies to distill with teacher_logprobs_path only")
         if options.seq_kd and options.lmbda == 1:
             raise ConfigError(
                 "config key 'seq_kd' has no effect with lmbda 1 (the student samples every micro-batch's "
@@ -173,10 +186,17 @@ class CompletionCollator:
     are all prompt-only make a batch of prompts (``input_ids`` and ``attention_mask``, no
     ``completion_mask``), as GRPO's prompt micro-batches: the completions are to be sampled."""
 
-    def __init__(self, pad_token_id: int, teacher_logprobs: TeacherLogprobs | None = None, k: int = 1):
+    def __init__(
+        self,
+        pad_token_id: int,
+        teacher_logprobs: TeacherLogprobs | None = None,
+        k: int = 1,
+        tail_samples: int = 0,
+    ):
         self.pad_token_id = pad_token_id
         self.teacher_logprobs = teacher_logprobs
         self.k = k
+        self.tail_samples = tail_samples  # the stored tail draws the loss reads (0: none)
 
     def __call__(self, examples: Sequence[DistillExample]) -> dict:
         prompt_ids, prompt_mask = _pad([e.prompt_ids for e in examples], self.pad_token_id, left=True)
@@ -194,18 +214,27 @@ class CompletionCollator:
 
     def _teacher(self, examples: Sequence[DistillExample], width: int) -> dict:
         """The stored top-k ids and log-probs [B, T, k] and completion-token log-probs [B, T] of the
-        examples (matched by their hash; zeros at padding)."""
+        examples (matched by their hash; zeros at padding), and with ``tail_samples`` their tail draws
+        [B, T, M] and the log of the mass outside the top-k [B, T]."""
         size = (len(examples), width)
-        ids = torch.zeros((*size, self.k), dtype=torch.long)
-        logprobs = torch.zeros((*size, self.k), dtype=torch.float32)
-        token_logprobs = torch.zeros(size, dtype=torch.float32)
+        batch = {
+            "teacher_ids": torch.zeros((*size, self.k), dtype=torch.long),
+            "teacher_logprobs": torch.zeros((*size, self.k), dtype=torch.float32),
+            "teacher_token_logprobs": torch.zeros(size, dtype=torch.float32),
+        }
+        if self.tail_samples:
+            batch["teacher_sample_ids"] = torch.zeros((*size, self.tail_samples), dtype=torch.long)
+            batch["teacher_tail"] = torch.zeros(size, dtype=torch.float32)
         for index, example in enumerate(examples):
             stored = self.teacher_logprobs.get(row_hash(example.prompt_ids, example.completion_ids))
             length = stored["ids"].shape[0]
-            ids[index, :length] = stored["ids"][:, : self.k].long()
-            logprobs[index, :length] = stored["logprobs"][:, : self.k].float()
-            token_logprobs[index, :length] = stored["token_logprobs"]
-        return {"teacher_ids": ids, "teacher_logprobs": logprobs, "teacher_token_logprobs": token_logprobs}
+            batch["teacher_ids"][index, :length] = stored["ids"][:, : self.k].long()
+            batch["teacher_logprobs"][index, :length] = stored["logprobs"][:, : self.k].float()
+            batch["teacher_token_logprobs"][index, :length] = stored["token_logprobs"]
+            if self.tail_samples:
+                batch["teacher_sample_ids"][index, :length] = stored["sample_ids"].long()
+                batch["teacher_tail"][index, :length] = stored["tail"]
+        return batch
 
 
 def _pad(rows: Sequence[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,6 +303,7 @@ class DistillObjective(Objective):
         self.eval_dataset_name = eval_dataset_name
         self.teacher: torch.nn.Module | None = None
         self.teacher_logprobs: TeacherLogprobs | None = None
+        self.tail_samples = 0  # offline: the stored tail draws per token the loss reads (0: none)
         self.tokenizer = None
 
     @classmethod
@@ -344,7 +374,9 @@ class DistillObjective(Objective):
         return examples
 
     def collate(self, tokenizer) -> CompletionCollator:
-        return CompletionCollator(tokenizer.pad_token_id, self.teacher_logprobs, self.loss_top_k)
+        return CompletionCollator(
+            tokenizer.pad_token_id, self.teacher_logprobs, self.loss_top_k, self.tail_samples
+        )
 
     @property
     def loss_top_k(self) -> int:
@@ -390,6 +422,7 @@ class DistillObjective(Objective):
         if options.offline:  # the teacher is never loaded
             self.tokenizer = parts.tokenizer
             self.teacher_logprobs = open_teacher_logprobs(options, parts.tokenizer, self.loss_top_k)
+            self.tail_samples = tail_samples_in_use(options, self.teacher_logprobs.manifest)
             separate = self.eval_dataset_name is not None and bool(evaluation)
             if separate:  # eval_dataset_name's rows: scored into the eval sub-directory
                 self.teacher_logprobs.include(
@@ -510,14 +543,19 @@ class DistillObjective(Objective):
     def _offline_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
         """TRL's server-distillation loss on the stored top-k: β 0 over the teacher's top-k ids, β > 0
         over TRL's top-1 support (the teacher's top token and the completion's, once where they agree;
-        β 1 the completion's alone)."""
+        β 1 the completion's alone); with the stored tail draws (fastalign's, β 0 only) over the top-k
+        and the draws (``tail_sample_support``)."""
         mask = batch["completion_mask"].bool()
         width = batch["input_ids"].shape[1] - mask.shape[1]
         tokens = batch["input_ids"][:, width:]
         ids, logprobs = batch["teacher_ids"], batch["teacher_logprobs"]
         support_mask = None
         beta = self.options.beta
-        if beta == 1:
+        if self.tail_samples:
+            ids, logprobs, support_mask = tail_sample_support(
+                ids, logprobs, batch["teacher_tail"], batch["teacher_sample_ids"]
+            )
+        elif beta == 1:
             ids, logprobs = tokens[..., None], batch["teacher_token_logprobs"][..., None]
         elif beta > 0:
             top1 = ids[..., 0]
@@ -588,15 +626,58 @@ def open_teacher_logprobs(options: DistillOptions, tokenizer, k: int) -> Teacher
     return stored
 
 
-#: The manifest keys that say which teacher scored: the training and evaluation rows' must agree.
-TEACHER_KEYS = ("teacher", "teacher_revision", "teacher_weights", "teacher_patched", "tokenizer_hash")
+def tail_samples_in_use(options: DistillOptions, manifest: Manifest) -> int:
+    """How many stored tail draws per token the loss reads: the manifest's unless ``loss_tail_samples``
+    is false (0: TRL's tail bucket alone). What the draws cannot serve is a one-line error: β > 0 (they
+    estimate forward KL only: JSD's mixture is not linear in the teacher's probabilities), a
+    ``loss_top_k`` other than the stored k (they stand for the tail beyond it), ``loss_add_tail`` false
+    (the bucket holds the student's mass outside the support: without it both sides are renormalised over
+    the support, no longer KL to the estimate over the whole vocabulary); and ``loss_tail_samples`` set
+    true where the files hold none."""
+    where = f"{options.teacher_logprobs_path}'s manifest"
+    if options.loss_tail_samples is False:
+        return 0
+    if not manifest.tail_samples:
+        if options.loss_tail_samples:
+            raise ConfigError(
+                f"config key 'loss_tail_samples' is true but {where} records no tail draws (score with "
+                "fastalign teacher-logprobs --tail_samples M, or leave loss_tail_samples unset)"
+            )
+        return 0
+    if options.beta > 0:
+        key, why = f"'beta' ({options.beta}) must be 0", "they estimate forward KL only"
+    elif options.loss_top_k not in (None, manifest.k):
+        key = f"'loss_top_k' ({options.loss_top_k}) must be the stored k ({manifest.k})"
+        why = "they stand for the tail beyond it"
+    elif not options.loss_add_tail:
+        key, why = "'loss_add_tail' must be true", "their loss needs the student's mass outside the support"
+    else:
+        return manifest.tail_samples
+    raise ConfigError(
+        f"config key {key} with the {manifest.tail_samples} tail draws per token of {where} ({why}): "
+        "set loss_tail_samples false for TRL's tail bucket alone"
+    )
+
+
+#: The manifest keys the training and evaluation rows' must agree on: which teacher scored, and the k and
+#: tail draws the loss reads (the draws stand for the tail beyond the stored k). One ``teacher-logprobs``
+#: command scores both alike; a directory scored apart is refused.
+SHARED_KEYS = (
+    "teacher",
+    "teacher_revision",
+    "teacher_weights",
+    "teacher_patched",
+    "tokenizer_hash",
+    "k",
+    "tail_samples",
+)
 
 
 def open_eval_teacher_logprobs(
     options: DistillOptions, tokenizer, k: int, eval_dataset_name: str, train: TeacherLogprobs
 ) -> TeacherLogprobs:
     """The stored log-probs of ``eval_dataset_name``'s rows (``teacher_logprobs_path``'s ``EVAL_DIR``),
-    checked as the training rows' are, and scored by the same teacher as those (``train``)."""
+    checked as the training rows' are, and scored as those (``train``) were: ``SHARED_KEYS``."""
     path = Path(options.teacher_logprobs_path)
     directory = path / EVAL_DIR
     manifest = read_manifest(directory)
@@ -612,10 +693,10 @@ def open_eval_teacher_logprobs(
         dataclasses.replace(options, teacher_logprobs_path=str(directory)), tokenizer, k
     )
     ours, theirs = dataclasses.asdict(stored.manifest), dataclasses.asdict(train.manifest)
-    key = next((key for key in TEACHER_KEYS if ours[key] != theirs[key]), None)
+    key = next((key for key in SHARED_KEYS if ours[key] != theirs[key]), None)
     if key is not None:
         raise ConfigError(
-            f"config key 'teacher_logprobs_path': {directory} was scored by another teacher than {path} "
+            f"config key 'teacher_logprobs_path': {directory} was not scored as {path} was "
             f"({key} {ours[key]!r} there, {theirs[key]!r} in {path}): remove {directory} and score "
             f"eval_dataset_name {eval_dataset_name!r} again (fastalign teacher-logprobs --output_dir {path})"
         )
