@@ -1,5 +1,5 @@
 """Offline distillation on the real model, on the CPU (issue 38's goals): SmolLM2-135M-Instruct as the
-teacher, a 2-layer student cut from it, one batch of 16 rows (``--data``).
+teacher, a 2-layer student cut from it, batches of 16 rows (``--data``).
 
 1. a student step (forward + backward) on top-k log-probs with the tail against an SFT step on the same
    rows (fused cross-entropy), k the first of ``--top-k``;
@@ -13,7 +13,9 @@ teacher, a 2-layer student cut from it, one batch of 16 rows (``--data``).
 4. the peak memory of a student step and of an SFT step: each in its own process, the peak RSS of the
    step over the RSS before it (``/proc/self/clear_refs`` resets the peak; Linux).
 
-``--kl-only`` runs 3 alone (no timing, no memory children).
+``--kl-only`` runs 3 alone (no timing, no memory children). ``--tail-samples 8,32`` adds, for each M, a
+run on the first k's top-k and M draws from the teacher's tail per token (``teacher-logprobs
+--tail_samples``; the support ``train distill`` builds from them, ``tail_sample_support``).
 
 ``--data``: ``sft`` (the default) is the real-model SFT rows of ``tests/real`` ("What is the capital of
 France?" → "The capital of France is Paris.", max_length 128). ``teacher-samples`` keeps those 16 prompts
@@ -24,10 +26,15 @@ after ``torch.manual_seed(SAMPLE_SEED)`` (0); the sampled tokens up to the first
 (special tokens skipped) and become the rows' assistant messages, tokenized as any row (max_length 256,
 so none is cut). A completion cut at 64 tokens gets the template's end-of-turn token all the same, and
 the decode-and-retokenize round trip may split a few tokens differently from the sampled ones: the text,
-as a distillation data set stores it, is what is scored. Deterministic on one machine and one torch build.
+as a distillation data set stores it, is what is scored. ``docs`` (``docs_rows``): 256 training and 64
+held-out rows of human-written text, the standard library's docstrings, trained on in batches of 16
+(step n on batch n mod 16) while the KL is measured on the held-out rows: the realistic case, where
+``sft`` and ``teacher-samples`` train and measure on one batch. Deterministic on one machine, one torch
+build and one Python (its standard library is the data).
 
 Run: OMP_NUM_THREADS=1 FASTALIGN_CACHE_DIR=... PYTHONPATH=. python benchmarks/offline_distill_cpu.py
-[--steps N] [--reps N] [--kl-at 10,20] [--top-k 32,64] [--data sft|teacher-samples] [--kl-only].
+[--steps N] [--reps N] [--kl-at 10,20] [--top-k 32,64] [--tail-samples 8] [--data sft|teacher-samples|docs]
+[--kl-only].
 Prints one JSON object.
 """
 
@@ -52,7 +59,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fastalign
 from fastalign.ops import linear_cross_entropy, linear_divergence
-from fastalign.ops.sparse_divergence import linear_sparse_divergence, linear_topk_logprobs
+from fastalign.ops.sparse_divergence import (
+    linear_sparse_divergence,
+    linear_topk_logprobs,
+    tail_sample_support,
+)
 from fastalign.train.config import TrainConfig
 from fastalign.train.objectives.distill import DistillObjective
 from tests.real.data import real_sft_rows
@@ -243,31 +254,26 @@ class Batch:
         return top.ids.reshape(*self.mask.shape, k), top.logprobs.reshape(*self.mask.shape, k)
 
     def sampled_tail(self, teacher, k: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The teacher's top-k and ``m`` draws (with replacement, ``SAMPLE_SEED``) from the rest of its
-        distribution at every completion position, as a support of k + m entries [B, T, k + m]: ids,
-        log-probs (a draw drawn c times stands for the tail's mass r as log(r·c/m), once: later copies
-        are off the support) and the support mask. Σ over the support is 1, so TRL's loss with the
-        tail sees an empty tail, and its gradient S − T̂ is unbiased for full-logit distillation's."""
-        ids, lps = self.tops[k]
-        with torch.no_grad():
-            probs = teacher(**self.inputs).logits[:, self.width - 1 : -1].double().softmax(-1)
-        probs = probs.reshape(-1, probs.shape[-1])
-        top = ids.reshape(-1, k)
-        rest = probs.scatter(1, top, 0.0)
-        mass = rest.sum(-1, keepdim=True)
+        """The support ``train distill`` builds from files scored with ``--tail_samples m``: the teacher's
+        top-k and m draws from the rest of its distribution at every completion position
+        (``linear_topk_logprobs``, uniforms from a generator seeded ``SAMPLE_SEED``), through
+        ``tail_sample_support``: ids, log-probs and support mask [B, T, k + m]."""
         generator = torch.Generator().manual_seed(SAMPLE_SEED)
-        draws = torch.multinomial((rest / mass.clamp_min(1e-300)).float(), m, True, generator=generator)
-        same = draws.unsqueeze(-1) == draws.unsqueeze(-2)  # [N, m, m]
-        counts = same.sum(-1)
-        first = ~torch.tril(same, diagonal=-1).any(-1)
-        pseudo = torch.log(mass * counts / m).float()
-        support = torch.cat([torch.ones_like(top, dtype=torch.bool), first & (mass > 0)], dim=-1)
+        uniforms = torch.rand(self.mask.numel(), m, generator=generator, dtype=torch.float64)
+        with torch.no_grad():
+            top = teacher(
+                **self.inputs,
+                head_fn=lambda h, w, b: linear_topk_logprobs(
+                    h[:, self.width - 1 : -1].reshape(-1, h.shape[-1]),
+                    w,
+                    k,
+                    tail_samples=m,
+                    uniforms=uniforms,
+                ),
+            ).head_output
+        ids, lps, support = tail_sample_support(top.ids, top.logprobs, top.tail, top.sample_ids)
         shape = (*self.mask.shape, k + m)
-        return (
-            torch.cat([top, draws], dim=-1).reshape(shape),
-            torch.cat([lps.reshape(-1, k), pseudo], dim=-1).reshape(shape),
-            support.reshape(shape),
-        )
+        return ids.reshape(shape), lps.reshape(shape), support.reshape(shape)
 
     def sampled_loss(self, model, m: int):
         ids, lps, support = self.sampled[m]
