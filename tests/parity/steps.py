@@ -22,10 +22,11 @@ def first_logged(output_dir: str | Path) -> dict:
 
 
 def fastalign_step(name: str, rows: list[dict], tmp_path: Path, **options) -> dict:
-    """``fastalign train <name>`` for one step on ``rows`` (written as JSONL); ``options`` are config keys."""
+    """``fastalign train <name>`` for one step on ``rows`` (written as JSONL); ``options`` are config keys.
+    No checkpoint is saved (as ``trl_step``): the first logged row is all either returns."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    settings = {**SHARED, "max_length": 128, **options}
+    settings = {**SHARED, "max_length": 128, "save_strategy": "no", **options}  # TRL's side saves none either
     config = TrainConfig(
         dataset_name=str(data),
         output_dir=str(tmp_path / "fastalign"),

@@ -34,6 +34,7 @@ def test_a_reward_model_learns_to_prefer_the_right_capitals(smollm2, tmp_path):
         logging_steps=1,
         seed=0,
         loss_curve_png=False,
+        save_strategy="no",  # the export is checked, not a checkpoint (weights + AdamW moments, ~1.6 GB)
     )
     output = run_training(config, "reward")
     logs = [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines()]

@@ -74,6 +74,7 @@ def config(smollm2, output_dir, **overrides) -> TrainConfig:
         loss_curve_png=False,
         seed=0,
         lr_scheduler_type="constant",
+        save_strategy="no",  # no test here reads a checkpoint (the export is written at the end regardless)
     )
     return TrainConfig(**{**options, **overrides})
 
