@@ -58,8 +58,11 @@ PRESETS = {
                "dtype": "bfloat16"},
     "cpu-long": {"model": "smollm2", "prompts": 4, "group": 8, "lengths": [64], "repeats": 2,
                  "dtype": "float32", "context_words": 400, "continuous_lengths": []},
+    # continuous_cache: the paged cache's size (ContinuousBatchingConfig). Left unset, transformers sizes
+    # it to 90% of the free memory, on a CPU the host's: a tiny model's four requests then wait ~20 s for
+    # gigabytes of cache to be zeroed (and take them from whatever runs beside), at every call.
     "quick": {"model": "tiny-llama", "prompts": 2, "group": 2, "lengths": [8], "repeats": 1,
-              "dtype": "float32"},
+              "dtype": "float32", "continuous_cache": {"num_blocks": 16, "max_batch_tokens": 512}},
 }  # fmt: skip
 
 
@@ -125,8 +128,11 @@ def completion_tokens(completions: list[list[int]], eos: int) -> int:
     return sum(row.index(eos) + 1 if eos in row else len(row) for row in completions)
 
 
-def sample(provider: str, model, ids, mask, group: int, options: dict) -> list[list[int]]:
-    """Each completion's ids (a prompt's ``group`` adjacent)."""
+def sample(
+    provider: str, model, ids, mask, group: int, options: dict, cache: dict | None = None
+) -> list[list[int]]:
+    """Each completion's ids (a prompt's ``group`` adjacent); ``cache``: continuous batching's paged cache
+    size (``ContinuousBatchingConfig``'s ``num_blocks``, ``max_batch_tokens``), None to let it size itself."""
     from fastalign.train.generation import sample_groups
 
     if provider == "generate":
@@ -141,8 +147,16 @@ def sample(provider: str, model, ids, mask, group: int, options: dict) -> list[l
     from transformers import GenerationConfig
 
     prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True) for _ in range(group)]
+    sizing: dict = {}
+    if cache:
+        try:
+            from transformers import ContinuousBatchingConfig
+
+            sizing["continuous_batching_config"] = ContinuousBatchingConfig(**cache)
+        except ImportError:  # transformers before ContinuousBatchingConfig: they were generation options
+            options = options | cache
     outputs = model.generate_batch(
-        inputs=prompts, generation_config=GenerationConfig(**options), progress_bar=False
+        inputs=prompts, generation_config=GenerationConfig(**options), progress_bar=False, **sizing
     )
     return [list(output.generated_tokens) for output in outputs.values()]
 
@@ -185,6 +199,7 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
     texts = questions(preset["prompts"], preset.get("context_words", 0))
     ids, mask = (t.to(device) for t in encode(tokenizer, texts))
     eos = tokenizer.eos_token_id
+    cache = preset.get("continuous_cache")
     rows, skipped = [], {}
     counter = TokenCounter(model)
     with keep_rows_on_termination(skipped), torch.no_grad():
@@ -206,7 +221,7 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                     wall, cpu = time.perf_counter(), time.process_time()
                     counter.take()
                     try:
-                        completions = sample(provider, model, ids, mask, preset["group"], options)
+                        completions = sample(provider, model, ids, mask, preset["group"], options, cache)
                     except Exception as failure:  # a provider that fails is a skipped row
                         skipped[f"{provider}/{length}"] = f"{type(failure).__name__}: {failure}"[:300]
                         continue
