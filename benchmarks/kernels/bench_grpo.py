@@ -30,7 +30,7 @@ PRESETS = {
         "repeats": 0,
     },
     "cpu": {"dtype": "float32", "shapes": [(8, 256, 256, 32000)], "repeats": 5},
-    "quick": {"dtype": "float32", "shapes": [(2, 64, 64, 2048)], "repeats": 5},
+    "quick": {"dtype": "float32", "shapes": [(2, 64, 64, 2048)], "repeats": 5, "ceiling_repeats": 1},
 }
 BETA, EPSILON, EPSILON_HIGH = 0.04, 0.2, 0.28
 

@@ -32,7 +32,7 @@ from fastalign.ops import linear_divergence
 PRESETS = {
     "gpu": {"dtype": "bfloat16", "shapes": [(8192, 2048, 4096, 128256)], "repeats": 0},
     "cpu": {"dtype": "float32", "shapes": [(1024, 256, 384, 32000)], "repeats": 5},
-    "quick": {"dtype": "float32", "shapes": [(128, 64, 96, 2048)], "repeats": 5},
+    "quick": {"dtype": "float32", "shapes": [(128, 64, 96, 2048)], "repeats": 5, "ceiling_repeats": 1},
 }
 BETA = 0.5
 IGNORE = -100

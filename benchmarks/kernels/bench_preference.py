@@ -27,7 +27,7 @@ from fastalign.losses import PreferenceLoss
 PRESETS = {
     "gpu": {"dtype": "bfloat16", "shapes": [(8, 2048, 4096, 128256)], "repeats": 0},
     "cpu": {"dtype": "float32", "shapes": [(4, 256, 256, 32000)], "repeats": 5},
-    "quick": {"dtype": "float32", "shapes": [(1, 64, 64, 2048)], "repeats": 5},
+    "quick": {"dtype": "float32", "shapes": [(1, 64, 64, 2048)], "repeats": 5, "ceiling_repeats": 1},
 }
 BETA = 0.1
 
