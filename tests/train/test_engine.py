@@ -50,9 +50,11 @@ def config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**{**defaults, **overrides})
 
 
-def sft_in_two_processes(cfg: TrainConfig) -> None:
-    """``run_sft(cfg)`` under torchrun × 2 (gloo, FSDP2)."""
-    run_two_processes(Path(__file__).with_name("train_worker.py"), json.dumps([["sft", asdict(cfg)]]))
+def sft_in_two_processes(*configs: TrainConfig) -> None:
+    """``run_sft(cfg)`` for each of ``configs`` under torchrun × 2 (gloo, FSDP2), one after the other in
+    the same two processes."""
+    payload = json.dumps([["sft", asdict(cfg)] for cfg in configs])
+    run_two_processes(Path(__file__).with_name("train_worker.py"), payload)
 
 
 def logged(output_dir) -> list[dict]:
@@ -247,12 +249,41 @@ def test_bf16_single_process_trains(tmp_path):
     assert all(math.isfinite(loss) for loss in losses.values()) and len(losses) == 3
 
 
+#: The 2-process runs of the tests below (label → options of ``config``, with
+#: ``model_name_or_path`` from_checkpoint: the local checkpoint of ``two_process_runs``).
+TWO_PROCESS_RUNS = {
+    "builtin": dict(max_steps=3, per_device_train_batch_size=2, save_steps=3),
+    "full": dict(from_checkpoint=True, max_steps=3, save_strategy="no", per_device_train_batch_size=2),
+    "lora": dict(
+        from_checkpoint=True, max_steps=3, save_strategy="no", per_device_train_batch_size=2,
+        use_peft=True, lora_r=4, lora_dropout=0.0,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> dict:
+    """The runs of ``TWO_PROCESS_RUNS`` under torchrun × 2, in one launch (starting the two processes
+    costs more than the runs): ``{"checkpoint": the local checkpoint, label: the run's config}``."""
+    root = tmp_path_factory.mktemp("two_process")
+    checkpoint = root / "checkpoint"
+    tiny_model("llama").save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+    runs = {}
+    for label, options in TWO_PROCESS_RUNS.items():
+        options = dict(options)
+        if options.pop("from_checkpoint", False):
+            options["model_name_or_path"] = str(checkpoint)
+        runs[label] = config(root / label, **options)
+    sft_in_two_processes(*runs.values())
+    return {"checkpoint": checkpoint, **runs}
+
+
 @pytest.mark.slow
-def test_two_process_fsdp2_run_matches_one_process(tmp_path):
+def test_two_process_fsdp2_run_matches_one_process(tmp_path, two_process_runs):
     """torchrun × 2 (gloo, FSDP2), 2 examples per rank = 1 process with 4: the same losses."""
     single = train_losses(run_sft(config(tmp_path / "one", max_steps=3, per_device_train_batch_size=4)))
-    cfg = config(tmp_path / "two", max_steps=3, per_device_train_batch_size=2, save_steps=3)
-    sft_in_two_processes(cfg)
+    cfg = two_process_runs["builtin"]
     two = train_losses(Path(cfg.output_dir))
     for step, loss in single.items():
         assert two[step] == pytest.approx(loss, rel=1e-5), (single, two)
@@ -262,22 +293,18 @@ def test_two_process_fsdp2_run_matches_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
-def test_runs_from_a_checkpoint_are_sharded_before_their_weights_exist(tmp_path, use_peft):
+def test_runs_from_a_checkpoint_are_sharded_before_their_weights_exist(tmp_path, use_peft, two_process_runs):
     """A local checkpoint becomes a meta skeleton that is wrapped and sharded before its weights are
     read (each rank keeps only its shard): 2 processes give the losses of 1, and the first loss is the
     one the same weights give as a built-in model."""
-    checkpoint = tmp_path / "checkpoint"
-    tiny_model("llama").save_pretrained(checkpoint)
-    tiny_tokenizer().save_pretrained(checkpoint)
+    checkpoint = two_process_runs["checkpoint"]
     lora = dict(use_peft=True, lora_r=4, lora_dropout=0.0) if use_peft else {}
     options = dict(max_steps=3, save_strategy="no", **lora)
     builtin = train_losses(run_sft(config(tmp_path / "builtin", **options)))
     single = train_losses(run_sft(config(tmp_path / "one", model_name_or_path=str(checkpoint), **options)))
     assert single[1] == pytest.approx(builtin[1], rel=1e-6)
-    cfg = config(
-        tmp_path / "two", model_name_or_path=str(checkpoint), per_device_train_batch_size=2, **options
-    )
-    sft_in_two_processes(cfg)
+    cfg = two_process_runs["lora" if use_peft else "full"]
+    assert cfg.model_name_or_path == str(checkpoint) and cfg.use_peft == use_peft
     two = train_losses(Path(cfg.output_dir))
     for step, loss in single.items():
         assert two[step] == pytest.approx(loss, rel=1e-5), (single, two)
