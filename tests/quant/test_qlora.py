@@ -192,24 +192,37 @@ def test_two_process_fsdp2_keeps_the_weights_4bit(tmp_path):
     assert record["all_lora_grads"] and record["loss"] > 0
 
 
+@pytest.fixture(scope="module")
+def two_process_qlora_runs(tmp_path_factory) -> dict[str, TrainConfig]:
+    """source → its run under torchrun × 2, both runs in one launch (starting the two processes costs
+    more than the runs): from the built-in tiny model and from a saved checkpoint of the same weights."""
+    root = tmp_path_factory.mktemp("two_process_qlora")
+    checkpoint = root / "model"
+    tiny_model("llama").save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+    models = {"built-in": "tiny-llama", "checkpoint": str(checkpoint)}
+    runs = {
+        source: config(root / source, max_steps=3, per_device_train_batch_size=4, model_name_or_path=model)
+        for source, model in models.items()
+    }
+    worker = REPO_ROOT / "tests" / "train" / "train_worker.py"
+    run_two_processes(worker, json.dumps([["sft", asdict(run)] for run in runs.values()]))
+    return runs
+
+
 @pytest.mark.slow
 @fsdp2_4bit
 @pytest.mark.parametrize("source", ["built-in", "checkpoint"])
-def test_two_process_qlora_matches_one_process(tmp_path, source):
+def test_two_process_qlora_matches_one_process(tmp_path, source, two_process_qlora_runs):
     """The same losses on 1 and 2 processes: from the built-in tiny model (quantized whole, then
     sharded) and from a saved checkpoint (a meta skeleton wrapped, sharded, then filled layer by
     layer: each rank quantizes every layer and keeps only its shard)."""
-    model = "tiny-llama"
-    if source == "checkpoint":
-        model = str(tmp_path / "checkpoint")
-        tiny_model("llama").save_pretrained(model)
-        tiny_tokenizer().save_pretrained(model)
+    two = two_process_qlora_runs[source]
+    model = two.model_name_or_path
+    assert (model == "tiny-llama") == (source == "built-in")
     single = config(tmp_path / "one", max_steps=3, model_name_or_path=model)
     run_training(single, "sft")
-    two = config(tmp_path / "two", max_steps=3, per_device_train_batch_size=4, model_name_or_path=model)
-    worker = REPO_ROOT / "tests" / "train" / "train_worker.py"
-    run_two_processes(worker, json.dumps([["sft", asdict(two)]]))
-    for a, b in zip(logged(tmp_path / "one"), logged(tmp_path / "two"), strict=True):
+    for a, b in zip(logged(tmp_path / "one"), logged(two.output_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
