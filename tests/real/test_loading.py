@@ -60,6 +60,13 @@ def reference(smollm2):
     )
 
 
+@pytest.fixture(scope="module")
+def quantized_reference(smollm2):
+    """The ``from_pretrained`` model quantized whole (NF4), which every 4-bit load must equal: quantized
+    once for the module (read only by the tests)."""
+    return quantize_model(AutoModelForCausalLM.from_pretrained(smollm2), QuantOptions())
+
+
 def test_the_fixture_is_the_real_instruct_model(reference):
     model, tokenizer = reference
     assert model.config.tie_word_embeddings and is_tied(model)
@@ -84,7 +91,7 @@ def test_meta_skeleton_filled_from_the_checkpoint_equals_from_pretrained(smollm2
 
 
 @pytest.mark.parametrize("quantization", [None, "nf4"])
-def test_lora_and_qlora_policies_start_from_the_checkpoint(smollm2, reference, quantization):
+def test_lora_and_qlora_policies_start_from_the_checkpoint(smollm2, reference, quantization, request):
     config = TrainConfig(model_name_or_path=str(smollm2), use_peft=True, lora_r=4, quantization=quantization)
     model, tokenizer = load_model_and_tokenizer(
         str(smollm2), QuantOptions() if quantization else None, materialize=False
@@ -95,15 +102,15 @@ def test_lora_and_qlora_policies_start_from_the_checkpoint(smollm2, reference, q
         assert_same_weights(model, reference[0])
         torch.testing.assert_close(logits(model, tokenizer), logits(*reference), rtol=0, atol=0)
     else:  # the same bytes as quantizing the from_pretrained model
-        quantized = quantize_model(AutoModelForCausalLM.from_pretrained(smollm2), QuantOptions())
+        quantized = request.getfixturevalue("quantized_reference")
         assert_same_weights(model, quantized)
         packed = [m for m in model.modules() if isinstance(m, FourBitLinear)]
         assert len(packed) == 30 * 7
 
 
-def test_4bit_layer_by_layer_load_equals_quantizing_from_pretrained(smollm2):
+def test_4bit_layer_by_layer_load_equals_quantizing_from_pretrained(smollm2, quantized_reference):
     loaded = load_4bit_model(smollm2, QuantOptions())
-    quantized = quantize_model(AutoModelForCausalLM.from_pretrained(smollm2), QuantOptions())
+    quantized = quantized_reference
     assert is_tied(loaded) and is_tied(quantized)
     assert_same_weights(loaded, quantized)
 
