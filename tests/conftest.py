@@ -49,6 +49,7 @@ def _patch_the_language_once_per_launch() -> None:
     if not (callable(patch_lang) and executor is not None and scope is not None):
         return
     launch = {"patched": None}  # ids of the language modules the launch under way has patched
+    sees: dict = {}  # function → ids of the language modules in its globals
     run_grid = executor.__call__
 
     def launch_grid(self, *args, **kwargs):
@@ -59,7 +60,10 @@ def _patch_the_language_once_per_launch() -> None:
             launch["patched"] = outer
 
     def patch_once(fn):
-        seen = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+        seen = sees.get(fn)
+        if seen is None:
+            seen = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+            sees[fn] = seen
         patched = launch["patched"]
         if patched is not None and seen and seen <= patched:
             return scope()  # nothing to restore: the launch's own scope restores the modules
