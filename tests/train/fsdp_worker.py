@@ -1,6 +1,7 @@
 """Worker of the 2-process FSDP2 test (run by ``torchrun``; not a test module itself).
 
-Usage: ``torchrun --standalone --nproc_per_node 2 fsdp_worker.py OUT_JSON TIE_WORD_EMBEDDINGS``.
+Usage: ``torchrun --standalone --nproc_per_node 2 fsdp_worker.py OUT_JSON TIE_WORD_EMBEDDINGS [OUT_JSON
+TIE_WORD_EMBEDDINGS ...]``: one run per pair, one after the other in the same process group.
 
 Each rank trains the same tiny patched Llama, sharded with FSDP2 on gloo, on its half of a fixed
 batch whose halves hold different numbers of label tokens, normalising by the global count. Rank 0
@@ -51,9 +52,15 @@ def build_model(tie_word_embeddings: bool) -> torch.nn.Module:
     return fastalign.patch_model(tiny_model("llama", tie_word_embeddings=tie_word_embeddings))
 
 
-def main(out_path: str, tie_word_embeddings: bool) -> None:
+def main(runs: list[tuple[str, bool]]) -> None:
     ctx = init_distributed()
     assert ctx.world_size == 2 and ctx.device.type == "cpu", ctx
+    for out_path, tie_word_embeddings in runs:
+        train(ctx, out_path, tie_word_embeddings)
+    shutdown_distributed()
+
+
+def train(ctx, out_path: str, tie_word_embeddings: bool) -> None:
     model = build_model(tie_word_embeddings)
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
     model = shard_model(model, mixed_precision=False)
@@ -86,7 +93,6 @@ def main(out_path: str, tie_word_embeddings: bool) -> None:
     if ctx.is_main:
         with open(out_path, "w") as handle:
             json.dump(result, handle)
-    shutdown_distributed()
 
 
 def all_reduce_one_hot(value: int, ctx) -> torch.Tensor:
@@ -97,4 +103,5 @@ def all_reduce_one_hot(value: int, ctx) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "True")
+    args = sys.argv[1:]
+    main([(out_path, tie == "True") for out_path, tie in zip(args[::2], args[1::2], strict=True)])

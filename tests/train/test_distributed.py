@@ -74,12 +74,20 @@ def _reference(tie_word_embeddings: bool) -> tuple[list[float], dict[str, torch.
     return losses, updates
 
 
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory) -> dict[bool, dict]:
+    """tie_word_embeddings → what rank 0 of the 2-process run wrote; both runs in one torchrun launch
+    (starting the two processes costs more than the runs)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    outs = {tie: root / f"tied-{tie}.json" for tie in (False, True)}
+    run_two_processes(WORKER, *[arg for tie, out in outs.items() for arg in (out, tie)], timeout=300)
+    return {tie: json.loads(out.read_text()) for tie, out in outs.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tie_word_embeddings", [False, True])
-def test_two_process_fsdp_matches_single_process(tmp_path, tie_word_embeddings):
-    out = tmp_path / "result.json"
-    run_two_processes(WORKER, out, tie_word_embeddings, timeout=300)
-    result = json.loads(out.read_text())
+def test_two_process_fsdp_matches_single_process(two_process_results, tie_word_embeddings):
+    result = two_process_results[tie_word_embeddings]
 
     # the halves hold different numbers of label tokens: per-rank means would not give the global mean
     first, second = result["local_tokens"]
