@@ -22,6 +22,9 @@ PAIRS = real_preference_rows()[:4]  # a step on 4 pairs (8 sequences) takes ~5 s
 
 
 def test_a_reward_model_learns_to_prefer_the_right_capitals(smollm2, tmp_path):
+    """Two steps on the same four pairs (both see the whole batch): the loss falls from 0.679 to 0.527
+    and the accuracy rises from 0.75 to 1; the model the second step leaves, which is exported, scores
+    every pair right (its loss on them is 0.237: a third step logged it when this test took three)."""
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in PAIRS))
     config = TrainConfig(
@@ -29,7 +32,7 @@ def test_a_reward_model_learns_to_prefer_the_right_capitals(smollm2, tmp_path):
         dataset_name=str(data),
         output_dir=str(tmp_path / "run"),
         per_device_train_batch_size=4,
-        max_steps=3,
+        max_steps=2,
         learning_rate=1e-4,  # TRL's RewardConfig default
         logging_steps=1,
         seed=0,
