@@ -138,8 +138,8 @@ def test_first_sft_loss_is_transformers_loss_and_the_export_stays_tied(
     expected = untrained_loss
     assert 0.1 < expected < 3, expected  # a real model on real text (ln(vocab) = 10.8 for garbage)
 
-    trained = FinalLogits(batch)
-    out = run_training(config(smollm2, tmp_path, dataset_name=str(rows_file), max_steps=2), "sft", [trained])
+    trained = FinalLogits(batch)  # after one step: it moves the loss on the rows from 0.318 to 0.094
+    out = run_training(config(smollm2, tmp_path, dataset_name=str(rows_file)), "sft", [trained])
     first = logged(out)[0]
     assert first["loss"] == pytest.approx(expected, rel=1e-4)
 
