@@ -76,6 +76,9 @@ def test_every_objective_trains_alike_in_one_and_two_processes(tmp_path):
         # GRPO samples each prompt micro-batch as a whole: one process accumulates the ranks' micro-batches
         sampled = objective in ("grpo", "rloo")
         whole = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4} if sampled else {}
+        # the one-process run is only read for its losses and metrics: it saves no checkpoint (the
+        # 2-process run still saves its own, under FSDP2)
+        whole["save_strategy"] = "no"
         run_training(config(tmp_path / f"{label}-1", objective, **{**options, **whole}), objective)
         half = config(tmp_path / f"{label}-2", objective, **{**options, "per_device_train_batch_size": 4})
         halves.append((label, objective, half))
