@@ -82,4 +82,9 @@ def run(args: argparse.Namespace) -> int:
         f"scored {report.rows} rows into {report.output_dir}{evaluation} ({report.shards_written} shards "
         f"written, {report.shards_skipped} already there, {report.tokens} tokens, {report.seconds:.1f} s)"
     )
+    if scoring.tail_samples:  # distill's default beta (1.0, TRL's) is refused with draws: say so now
+        print(
+            f"train on its {scoring.tail_samples} tail draws with forward KL: fastalign train distill "
+            f"--teacher_logprobs_path {report.output_dir} --beta 0"
+        )
     return 0

@@ -151,7 +151,10 @@ def test_tail_draws_are_the_teachers_and_do_not_depend_on_batching(tmp_path, tea
         for key, (_, row) in stored_rows(seeded.output_dir, rows).items()
     )
     args = cli_args(["teacher-logprobs", "--shard_rows", "3", "--tail_samples", "8"], config)
-    assert main(args) == 0 and "0 shards written, 3 already there" in capsys.readouterr().out
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "0 shards written, 3 already there" in out
+    assert f"--teacher_logprobs_path {config.output_dir} --beta 0" in out  # the default beta is refused
     err = one_line_error([*args, "--tail_samples_seed", "7"], capsys)
     assert f"(tail_samples_seed {config.seed} there, 7 now)" in err
 
@@ -529,6 +532,7 @@ def test_eval_dataset_is_scored_into_eval_and_evaluated_on(tmp_path, teacher_dir
     out = capsys.readouterr().out
     assert f"scored 6 rows into {scores} and 4 eval rows into {scores / EVAL_DIR}" in out
     assert "2 shards written, 2 already there" in out  # the training rows' shards kept
+    assert "--beta 0" not in out  # no draws stored: distill's default beta is fine
     assert (scores / shard_name(0)).stat().st_mtime_ns == first
     manifest = read_manifest(scores / EVAL_DIR)
     assert manifest.complete and manifest.rows == 4 and manifest.shards == 2

@@ -194,22 +194,6 @@ def test_the_policy_is_prepared_for_rows_of_the_longest_prompt_and_a_whole_compl
     assert seen["row_tokens"] == longest + 11 != config.max_length
 
 
-@pytest.mark.parametrize(
-    ("name", "options"),
-    [
-        ("grpo", {"num_iterations": 2, "save_steps": 3}),
-        ("rloo", {"steps_per_generation": 4, "gradient_accumulation_steps": 2, "save_steps": 5}),
-        ("grpo", {"num_iterations": 3, "save_steps": 0.25}),  # ceil(0.25 * 20) = 5 steps
-        ("ppo", {"num_ppo_epochs": 4, "num_mini_batches": 2, "save_steps": 4}),
-        ("ppo", {}),  # TRL's defaults: 4 steps a generation, saves every 500 steps
-    ],
-)
-def test_a_checkpoint_inside_a_generation_is_accepted(name, options):
-    """It holds the rest of the generation, which a resumed run trains on (test_resume_in_generation)."""
-    config = TrainConfig(reward_funcs=[DIGITS], max_steps=20, **options)
-    make_objective(name, config, CPU)
-
-
 def run(tmp_path: Path, name: str, **options) -> list[dict]:
     defaults = dict(reward_funcs=[DIGITS], num_generations=4, max_completion_length=6)
     config = short_config(tmp_path, tiny_prompt_rows(20), per_device_train_batch_size=8, **defaults | options)
