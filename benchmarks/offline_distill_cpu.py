@@ -67,7 +67,7 @@ from fastalign.ops.sparse_divergence import (
 from fastalign.train.config import TrainConfig
 from fastalign.train.objectives.distill import DistillObjective
 from tests.real.data import real_sft_rows
-from tests.real.model import smollm2_dir
+from tests.real.model import cut_layers, smollm2_dir
 
 #: ``--data teacher-samples``: the most new tokens per completion, and the seed set before sampling
 SAMPLE_TOKENS = 64
@@ -369,9 +369,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     teacher = fastalign.patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).eval()
     teacher.requires_grad_(False)
-    student0 = copy.deepcopy(teacher)
-    student0.model.layers = student0.model.layers[:2]
-    student0.config.num_hidden_layers = 2
+    student0 = cut_layers(copy.deepcopy(teacher))
     student0.requires_grad_(True).train()
     train_data, eval_data = data_of(tokenizer, args.data, teacher)
     held_out = eval_data is not train_data

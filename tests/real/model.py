@@ -88,3 +88,25 @@ def _convert(gguf_file: Path, output: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(output, safe_serialization=True)
     tokenizer.save_pretrained(output)
+
+
+def cut_layers(model, layers: int = 2):
+    """``model`` (a loaded SmolLM2) cut to its first ``layers`` decoder layers, in place: its embeddings,
+    final norm and tied head kept, so a student of its teacher, with the same tokenizer. Returned."""
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    return model
+
+
+def smollm2_student(directory: Path, layers: int = 2) -> Path:
+    """SmolLM2 cut to its first ``layers`` decoder layers (``cut_layers``), saved with its tokenizer into
+    ``directory``: a model directory ``train`` loads."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = smollm2_dir()
+    cut_layers(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), layers).save_pretrained(
+        directory
+    )
+    AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    return directory

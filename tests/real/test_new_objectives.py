@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from fastalign.train.engine import Callback
 from fastalign.train.objectives.ppo import VALUE_MODEL
 from fastalign.train.run import run_training
 from tests.real.data import real_prompt_rows, real_sft_rows
+from tests.real.model import smollm2_student
 from tests.train.runs import logged, short_config
 
 pytestmark = pytest.mark.real
@@ -66,16 +67,12 @@ def test_a_two_layer_student_learns_the_full_models_distributions(smollm2, tmp_p
     """The first two of SmolLM2's 30 layers (its embeddings, tied head and final norm) as the student,
     on the data's completions (lmbda 0): far from the teacher at first, and a step on the same rows
     brings it closer."""
-    student = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
-    student.model.layers = student.model.layers[:2]
-    student.config.num_hidden_layers = 2
-    student.save_pretrained(tmp_path / "student")
-    AutoTokenizer.from_pretrained(smollm2).save_pretrained(tmp_path / "student")
+    student = smollm2_student(tmp_path / "student")
     run = config(
         smollm2,
         tmp_path,
         real_sft_rows()[:4],
-        model_name_or_path=str(tmp_path / "student"),
+        model_name_or_path=str(student),
         teacher_model_name_or_path=str(smollm2),
         lmbda=0.0,
         max_steps=2,
