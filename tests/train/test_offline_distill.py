@@ -355,6 +355,53 @@ def test_loss_on_tail_draws_is_the_kl_to_the_estimate(tmp_path, teacher_dir):
     assert float(bucket) != pytest.approx(float(loss), rel=1e-3)
 
 
+class NegInfScores:
+    """Stored scores (k 8) of a teacher with 5 finite logits, ids 0-4 (its last 3 top-8 log-probs −inf,
+    at ids 5-7), that gives the completion's token at position 1 of every row no mass."""
+
+    def __init__(self, examples: list):
+        self.lengths = {row_hash(e.prompt_ids, e.completion_ids): len(e.completion_ids) for e in examples}
+
+    def get(self, key: bytes) -> dict:
+        n = self.lengths[key]
+        finite = torch.log_softmax(torch.linspace(0.0, -3.0, 5), -1)
+        logprobs = torch.cat([finite, torch.full((3,), float("-inf"))]).expand(n, 8).contiguous()
+        token_logprobs = torch.full((n,), -2.0)
+        token_logprobs[1] = float("-inf")
+        ids = torch.arange(8, dtype=torch.int32).expand(n, 8).contiguous()
+        return {"ids": ids, "logprobs": logprobs, "token_logprobs": token_logprobs}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_neginf_stored_logprobs(beta):
+    """Stored log-probs of −inf (a teacher with fewer than k finite logits): with β 0 the loss is
+    TRL's (the −inf top-k entries off the support: tests/kernels) and finite, with finite gradients;
+    with β > 0 a completion token of −inf teacher log-prob is refused naming the row, as TRL's server
+    path refuses it (its reverse KL is infinite)."""
+    import fastalign
+
+    tokenizer = tiny_tokenizer()
+    train = TrainConfig(
+        teacher_logprobs_path="unused", beta=beta, max_length=64, loss_top_k=8 if beta == 0 else 1
+    )
+    objective = DistillObjective.from_config("distill", train, None)
+    examples = objective.tokenize(tiny_sft_rows(3), tokenizer)
+    objective.teacher_logprobs = NegInfScores(examples)
+    collate = objective.collate(tokenizer)
+    if beta > 0:
+        with pytest.raises(ValueError, match=r"completion token 1 \(id \d+\) is -inf: with beta") as error:
+            collate(examples)
+        assert str(error.value).startswith(examples[0].where)
+        return
+    batch = collate(examples)
+    student = fastalign.patch_model(tiny_model("llama", seed=0))
+    loss, metrics = objective.compute_loss(student, batch, batch["completion_mask"].sum())
+    loss.backward()
+    assert math.isfinite(float(loss)) and float(loss) > 0 and math.isfinite(float(metrics["entropy"]))
+    grads = [p.grad for p in student.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(grad).all() for grad in grads)
+
+
 def test_tail_draws_refusals_are_one_line_errors(tmp_path, teacher_dir, capsys):
     """With draws: β > 0, a ``loss_top_k`` other than the stored k and ``loss_add_tail`` false are
     refused in one line saying how to turn the draws off (which then trains); ``loss_tail_samples`` true
