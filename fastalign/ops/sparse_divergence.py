@@ -85,7 +85,12 @@ def sparse_divergence_rows(
     add_tail: bool,
 ) -> torch.Tensor:
     """Per-row divergence [C] of the student's and teacher's log-probs [C, K] at a support (``mask``
-    [C, K]: which of the K entries belong to it), as TRL's server path computes it."""
+    [C, K]: which of the K entries belong to it), as TRL's server path computes it. An entry whose
+    teacher log-prob is −inf is off the support, as TRL's forward-KL path masks it (``valid =
+    teacher_topk_logprobs > -inf``): a teacher with fewer than K finite logits (a −inf bias, a masked
+    vocabulary) or a log-prob an fp16 store overflowed. Its student log-prob then leaves the
+    renormalisation (no tail) or goes to the tail bucket, and a row of no entry is 0 with no NaN."""
+    mask = mask & (teacher_logprobs > -math.inf)
     neg_inf = torch.full((), float("-inf"), dtype=student_logprobs.dtype, device=student_logprobs.device)
     student = torch.where(mask, student_logprobs, neg_inf)
     teacher = torch.where(mask, teacher_logprobs.to(student.dtype), neg_inf)
@@ -243,8 +248,9 @@ def linear_sparse_divergence(
     """The sparse-support divergence (TRL's server distillation loss) of the student whose final hidden
     states are ``hidden`` [..., D] and head ``weight`` [V, D] (and ``bias`` [V]), against the teacher's
     log-probs ``teacher_logprobs`` [..., K] at the token ids ``support_ids`` [..., K] (``support_mask``
-    [..., K]: entries of the support, default all), over the tokens where ``valid`` [...] holds (default
-    all). ``reduction`` 'sum' or 'mean' (over valid tokens). The student's distribution is
+    [..., K]: entries of the support, default all; an entry whose teacher log-prob is −inf never is,
+    as in TRL's forward-KL path: ``sparse_divergence_rows``), over the tokens where ``valid`` [...] holds
+    (default all). ``reduction`` 'sum' or 'mean' (over valid tokens). The student's distribution is
     ``softmax(logits / temperature)``; the teacher's log-probs are taken as given (scored at the same
     temperature). With ``return_entropy`` also the student's per-token entropy at the temperature
     (fp32 [...], 0 at tokens not counted, no gradient)."""

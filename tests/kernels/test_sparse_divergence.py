@@ -1,8 +1,9 @@
 """``linear_sparse_divergence`` against TRL 1.16's server-distillation loss (the oracle: its
 ``_add_tail_bucket``, ``_jsd_divergence``, forward-KL path ``_compute_server_forward_kl_loss`` and top-1
 path ``_compute_server_sparse_top_1_divergence_loss``, on the full [tokens, vocab] log-softmax), loss and
-gradients; with k = V it equals full-logit distillation (``linear_divergence``); the teacher's scoring
-pass ``linear_topk_logprobs`` against ``torch.topk`` of the full log-softmax; its tail draws against a
+gradients, stored teacher log-probs of −inf included (masked as TRL masks them); with k = V it equals
+full-logit distillation (``linear_divergence``); the teacher's scoring pass ``linear_topk_logprobs``
+against ``torch.topk`` of the full log-softmax; its tail draws against a
 float64 inverse CDF and a chi-square test, and the loss on them (``tail_sample_support``) against the
 dense KL to the estimate and, averaged over draws, full-logit distillation's gradient."""
 
@@ -182,6 +183,111 @@ def test_jsd_on_top_k_equals_trls_functions(k, add_tail):
     assert_equals_trls(ours, theirs, k, add_tail, leaves(hidden, weight, bias))
 
 
+def teacher_with_neginf(cause: str, k: int, temperature: float, seed: int = 4):
+    """A teacher's top-k [N, k] (values, indices) with −inf log-probs in some rows: ``masked``, row i
+    has 1 + i % 12 finite logits (fewer than k in most rows: a −inf bias, a masked vocabulary; the
+    other top-k entries are −inf at arbitrary ids); ``fp16``, some top-k log-probs are below −65,504
+    and a float16 store overflows them to −inf."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, V, generator=g) * 2
+    if cause == "masked":
+        finite = 1 + torch.arange(N)[:, None] % 12
+        logits = logits.masked_fill(torch.arange(V)[None] >= finite, float("-inf"))
+    else:
+        # every third row: 3 logits near the top, 5 so far below that their log-probs overflow float16
+        logits[::3, 3:] = float("-inf")
+        logits[::3, 40:45] = logits[::3, :3].amax(-1, keepdim=True) - 7e4 * temperature
+    top = torch.log_softmax(logits / temperature, -1).topk(k, dim=-1)
+    values = top.values.half().float() if cause == "fp16" else top.values
+    assert torch.isneginf(values).any() and not values.isnan().any()
+    assert cause == "masked" or torch.isfinite(top.values).all()
+    return values, top.indices
+
+
+@pytest.mark.parametrize("cause", ["masked", "fp16"])
+@pytest.mark.parametrize("beta", [0.0, 0.3])
+@pytest.mark.parametrize("add_tail", [True, False])
+def test_neginf_teacher_logprobs_are_off_the_support_as_trls(cause, beta, add_tail):
+    """Stored teacher log-probs of −inf (fewer than k finite logits, or an fp16 overflow) are masked
+    as TRL's forward-KL path masks them (``valid = teacher_topk_logprobs > -inf`` before the tail bucket
+    or the renormalisation): β 0 ``_compute_server_forward_kl_loss`` itself, β 0.3 its composition with
+    that ``valid`` and ``_jsd_divergence``; loss and gradients equal, none NaN."""
+    trl = server_trainer()
+    k, temperature = 8, 0.9
+    hidden, weight, bias, _, valid, _ = make(30)
+    t, ids = teacher_with_neginf(cause, k, temperature)
+    student = student_log_probs(hidden, weight, bias, temperature)
+    if beta == 0:
+        fake = SimpleNamespace(
+            loss_add_tail=add_tail,
+            _reduce_divergence_loss=trl.ServerDistillationTrainer._reduce_divergence_loss,
+        )
+        theirs = trl.ServerDistillationTrainer._compute_server_forward_kl_loss(
+            fake,
+            {"topk_logprobs": t[None], "topk_token_ids": ids[None]},
+            student[None],
+            torch.where(valid, 1, -100)[None],
+        )
+    else:
+        support = t > float("-inf")
+        s = torch.where(support, student.gather(1, ids), float("-inf"))
+        tt = torch.where(support, t, float("-inf"))
+        if add_tail:
+            s, mask = trl._add_tail_bucket(s, support)
+            tt, _ = trl._add_tail_bucket(tt, support)
+        else:
+            mask = support
+            s, tt = s - s.logsumexp(-1, keepdim=True), tt - tt.logsumexp(-1, keepdim=True)
+        theirs = trl._jsd_divergence(s, tt, beta, mask).sum(-1)[valid].sum() / valid.sum()
+    ours = linear_sparse_divergence(
+        hidden,
+        weight,
+        ids,
+        t,
+        valid=valid,
+        beta=beta,
+        temperature=temperature,
+        add_tail=add_tail,
+        bias=bias,
+        reduction="mean",
+        workspace_bytes=8 * V * 4,
+    )
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-7)
+    assert math.isfinite(float(theirs.detach())) and float(theirs.detach()) > 0
+    tensors = leaves(hidden, weight, bias)
+    for mine, ref in zip(grads_of(ours, tensors), grads_of(theirs, tensors), strict=True):
+        assert torch.isfinite(mine).all()
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+@pytest.mark.parametrize("add_tail", [True, False])
+def test_a_neginf_support_entry_is_as_if_masked(beta, add_tail):
+    """TRL's top-1 path refuses a completion token whose teacher log-prob is −inf (β > 0; ``train
+    distill`` refuses such a row the same way); the op itself takes the entry off the support: loss and
+    gradients those of the support mask that leaves it out, finite (not the +inf of p_s·(log p_s + inf))."""
+    hidden, weight, bias, teacher_logits, valid, tokens = make(31)
+    teacher_lp = torch.log_softmax(teacher_logits, -1)
+    top1 = teacher_lp.argmax(-1)
+    tokens = torch.where(tokens == top1, (tokens + 1) % V, tokens)
+    actual = teacher_lp.gather(1, tokens[:, None]).squeeze(1)
+    actual[1::2] = float("-inf")
+    if beta == 1:
+        ids, lp, mask = tokens[:, None], actual[:, None], torch.ones(N, 1, dtype=torch.bool)
+    else:
+        ids, lp = torch.stack([top1, tokens], -1), torch.stack([teacher_lp.amax(-1), actual], -1)
+        mask = torch.ones(N, 2, dtype=torch.bool)
+    options = dict(valid=valid, beta=beta, add_tail=add_tail, bias=bias)
+    ours = linear_sparse_divergence(hidden, weight, ids, lp, mask, **options)
+    masked = linear_sparse_divergence(hidden, weight, ids, lp, mask & (lp > float("-inf")), **options)
+    assert math.isfinite(float(ours.detach()))
+    assert float(ours.detach()) == pytest.approx(float(masked.detach()), rel=1e-6)
+    tensors = leaves(hidden, weight, bias)
+    for mine, ref in zip(grads_of(ours, tensors), grads_of(masked, tensors), strict=True):
+        assert torch.isfinite(mine).all()
+        torch.testing.assert_close(mine, ref)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_k_equal_to_the_vocabulary_is_full_logit_distillation(beta):
     """Without the tail, the support of every token id is the whole distribution: the loss and its
@@ -306,21 +412,42 @@ def test_tail_draws_follow_the_tail_distribution():
         assert chi2 < critical, (row, chi2, critical, df)
 
 
-def test_a_row_with_an_empty_tail_draws_id_0_and_the_support_masks_it():
+@pytest.mark.parametrize("k", [3, 5])
+def test_a_row_with_an_empty_tail_draws_id_0_and_the_support_masks_it(k):
     """Where the top-k hold all the mass (every other logit −inf: a −inf bias), the tail is −inf, its
     draws are id 0 and ``tail_sample_support`` masks them; the other rows' draws are kept once each,
-    with log(r·c/M)."""
-    hidden, weight, _, _, _, _ = make(2, bias=False)
-    hidden, weight = hidden.detach()[:4], weight.detach()
+    with log(r·c/M). With fewer finite logits (3) than k (5), the scoring pass stores the 3 first, then
+    k − 3 log-probs of −inf (at ids of −inf logits), the tail −inf and a masked token's log-prob −inf,
+    no NaN; the loss on that top-5 (with the draws, the tail bucket alone, or neither) is, loss and
+    gradients, the top-3's: the −inf entries are off the support."""
+    hidden, weight, _, _, _, tokens = make(2, bias=False)
+    hidden, weight, tokens = hidden.detach()[:4], weight.detach(), tokens[:4]
     bias = torch.full((V,), float("-inf"))
     bias[10:13] = 0.0
     uniforms = torch.rand(4, 6, generator=torch.Generator().manual_seed(1))
+    tokens[0] = 11  # the others' tokens have a −inf logit
     empty = linear_topk_logprobs(
-        hidden, weight, 3, bias=bias, vocab_slice=16, tail_samples=6, uniforms=uniforms
+        hidden, weight, k, tokens, bias=bias, vocab_slice=16, tail_samples=6, uniforms=uniforms
     )
+    assert not any(t.isnan().any() for t in (empty.logprobs, empty.tail, empty.token_logprobs))
     assert torch.isneginf(empty.tail).all() and (empty.sample_ids == 0).all()
+    assert (empty.ids[:, :3].sort().values == torch.tensor([10, 11, 12])).all()
+    assert torch.isfinite(empty.logprobs[:, :3]).all() and torch.isneginf(empty.logprobs[:, 3:]).all()
+    assert torch.isfinite(empty.token_logprobs[0]) and torch.isneginf(empty.token_logprobs[1:]).all()
     _, _, mask = tail_sample_support(empty.ids, empty.logprobs, empty.tail, empty.sample_ids)
-    assert mask[:, :3].all() and not mask[:, 3:].any()
+    assert mask[:, :k].all() and not mask[:, k:].any()
+    student = torch.randn(4, D, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    for draws, add_tail in ((True, True), (False, True), (False, False)):
+        losses = []
+        for top in (k, 3):
+            ids, lp = empty.ids[:, :top], empty.logprobs[:, :top]
+            support = tail_sample_support(ids, lp, empty.tail, empty.sample_ids) if draws else (ids, lp, None)
+            loss = linear_sparse_divergence(student, weight, *support, beta=0.0, add_tail=add_tail)
+            losses.append((loss, *grads_of(loss, [student])))
+        (loss, grad), (loss3, grad3) = losses
+        assert math.isfinite(float(loss)) and torch.isfinite(grad).all()
+        torch.testing.assert_close(loss, loss3)
+        torch.testing.assert_close(grad, grad3)
     draws = torch.tensor([[5, 7, 5, 9, 5, 7]])
     ids, logprobs, mask = tail_sample_support(
         torch.tensor([[1, 2]]), torch.tensor([[-0.5, -1.5]]), torch.tensor([-2.0]), draws

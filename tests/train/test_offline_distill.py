@@ -12,11 +12,13 @@ import os
 import random
 import shutil
 import stat
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastalign.builtin import tiny_model, tiny_sft_rows, tiny_tokenizer
 from fastalign.cli.main import main
@@ -32,9 +34,10 @@ from fastalign.data.teacher_logprobs import (
 )
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
 from fastalign.train.config import ConfigError, TrainConfig
-from fastalign.train.objectives.distill import DistillObjective, tail_samples_in_use
+from fastalign.train.distributed import DistributedContext
+from fastalign.train.objectives.distill import CompletionCollator, DistillObjective, tail_samples_in_use
 from fastalign.train.run import run_training
-from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher, teacher_weights
+from fastalign.train.teacher_logprobs import ScoringOptions, _score_batch, score_teacher, teacher_weights
 from tests import torchrun
 from tests.train.runs import logged, short_config
 
@@ -355,6 +358,53 @@ def test_loss_on_tail_draws_is_the_kl_to_the_estimate(tmp_path, teacher_dir):
     assert float(bucket) != pytest.approx(float(loss), rel=1e-3)
 
 
+class NegInfScores:
+    """Stored scores (k 8) of a teacher with 5 finite logits, ids 0-4 (its last 3 top-8 log-probs −inf,
+    at ids 5-7), that gives the completion's token at position 1 of every row no mass."""
+
+    def __init__(self, examples: list):
+        self.lengths = {row_hash(e.prompt_ids, e.completion_ids): len(e.completion_ids) for e in examples}
+
+    def get(self, key: bytes) -> dict:
+        n = self.lengths[key]
+        finite = torch.log_softmax(torch.linspace(0.0, -3.0, 5), -1)
+        logprobs = torch.cat([finite, torch.full((3,), float("-inf"))]).expand(n, 8).contiguous()
+        token_logprobs = torch.full((n,), -2.0)
+        token_logprobs[1] = float("-inf")
+        ids = torch.arange(8, dtype=torch.int32).expand(n, 8).contiguous()
+        return {"ids": ids, "logprobs": logprobs, "token_logprobs": token_logprobs}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_neginf_stored_logprobs(beta):
+    """Stored log-probs of −inf (a teacher with fewer than k finite logits): with β 0 the loss is
+    TRL's (the −inf top-k entries off the support: tests/kernels) and finite, with finite gradients;
+    with β > 0 a completion token of −inf teacher log-prob is refused naming the row, as TRL's server
+    path refuses it (its reverse KL is infinite)."""
+    import fastalign
+
+    tokenizer = tiny_tokenizer()
+    train = TrainConfig(
+        teacher_logprobs_path="unused", beta=beta, max_length=64, loss_top_k=8 if beta == 0 else 1
+    )
+    objective = DistillObjective.from_config("distill", train, None)
+    examples = objective.tokenize(tiny_sft_rows(3), tokenizer)
+    objective.teacher_logprobs = NegInfScores(examples)
+    collate = objective.collate(tokenizer)
+    if beta > 0:
+        with pytest.raises(ValueError, match=r"completion token 1 \(id \d+\) is -inf: with beta") as error:
+            collate(examples)
+        assert str(error.value).startswith(examples[0].where)
+        return
+    batch = collate(examples)
+    student = fastalign.patch_model(tiny_model("llama", seed=0))
+    loss, metrics = objective.compute_loss(student, batch, batch["completion_mask"].sum())
+    loss.backward()
+    assert math.isfinite(float(loss)) and float(loss) > 0 and math.isfinite(float(metrics["entropy"]))
+    grads = [p.grad for p in student.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(grad).all() for grad in grads)
+
+
 def test_tail_draws_refusals_are_one_line_errors(tmp_path, teacher_dir, capsys):
     """With draws: β > 0, a ``loss_top_k`` other than the stored k and ``loss_add_tail`` false are
     refused in one line saying how to turn the draws off (which then trains); ``loss_tail_samples`` true
@@ -470,15 +520,66 @@ def test_two_ranks_score_alternate_shards_like_one(tmp_path, teacher_dir, tail_s
     assert written == [3, 2]  # rank 0 shards 0, 2, 4; rank 1 shards 1, 3
 
 
-def test_scoring_pass_holds_no_full_logits():
-    """The scoring op's largest logits block is [C, vocab_slice]: with slices of 32 over 512 ids and a
-    budget of 4 rows, 500 rows never build more than 4 × 32 logits at a time (checked by the result
-    matching the full computation while the chunking is that small)."""
-    g = torch.Generator().manual_seed(0)
-    hidden, weight = torch.randn(50, 8, generator=g), torch.randn(512, 8, generator=g)
-    out = linear_topk_logprobs(hidden, weight, 4, vocab_slice=32, workspace_bytes=4 * 32 * 8)
-    full = (hidden @ weight.t()).log_softmax(-1)
-    torch.testing.assert_close(out.logprobs, full.topk(4).values)
+class TensorShapes(TorchDispatchMode):
+    """Every aten op's output shape while active, and those of the matmuls that read ``weight`` (a
+    view of it: a slice, its transpose): the logits blocks."""
+
+    MATMULS = ("aten.mm", "aten.addmm", "aten.matmul", "aten.linear", "aten.bmm", "aten.baddbmm")
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.storage = weight.untyped_storage().data_ptr()
+        self.shapes: set[tuple[int, ...]] = set()
+        self.blocks: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = [
+            t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)
+        ]
+        self.shapes.update(tuple(t.shape) for t in outputs)
+        if str(func).startswith(self.MATMULS) and any(
+            isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.storage for t in args
+        ):
+            self.blocks.extend(tuple(t.shape) for t in outputs)
+        return out
+
+
+def test_scoring_pass_holds_no_full_logits(monkeypatch):
+    """The scoring pass (``_score_batch``: the teacher's forward, its head fused, with tail draws) with
+    vocabulary slices of 64 ids and a budget of 4 rows builds its logits a [4, 64] block at a time: every
+    matmul that reads the head's weight makes at most 4 × 64 logits, together each of the 19 × 512
+    logits once per walk (the top-k's, the draws'), and no tensor of the pass has a dimension of the
+    vocabulary's size (a plain ``hidden @ weight.T`` head makes a [19, 512] one); the stored top-k equal
+    the full log-softmax's."""
+    import fastalign
+
+    slice_width, rows, k, m = 64, 4, 4, 3
+    op = partial(linear_topk_logprobs, vocab_slice=slice_width, workspace_bytes=rows * slice_width * 8)
+    monkeypatch.setattr("fastalign.train.teacher_logprobs.linear_topk_logprobs", op)
+    tokenizer = tiny_tokenizer()
+    train = TrainConfig(teacher_logprobs_path="unused", beta=0.0, max_length=64)
+    objective = DistillObjective.from_config("distill", train, None)
+    batch = CompletionCollator(tokenizer.pad_token_id)(objective.tokenize(tiny_sft_rows(3), tokenizer))
+    mask = batch["completion_mask"].bool()
+    tokens = int(mask.sum())
+    teacher = fastalign.patch_model(tiny_model("llama", seed=1)).eval()
+    weight = teacher.get_output_embeddings().weight
+    vocab = weight.shape[0]
+    uniforms = torch.rand(tokens, m, generator=torch.Generator().manual_seed(0))
+    config = TrainConfig(top_k=k, max_length=64)
+    cpu = DistributedContext(0, 1, 0, torch.device("cpu"))
+    with TensorShapes(weight) as seen:
+        scores = _score_batch(teacher, batch, config, cpu, uniforms)
+    assert seen.blocks and all(math.prod(shape) <= rows * slice_width for shape in seen.blocks), seen.blocks
+    assert sum(math.prod(shape) for shape in seen.blocks) == 2 * tokens * vocab
+    assert tokens > rows and not [shape for shape in seen.shapes if vocab in shape]
+    width = batch["input_ids"].shape[1] - mask.shape[1]
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        full = tiny_model("llama", seed=1)(**inputs).logits[:, width - 1 : -1][mask].log_softmax(-1)
+    stored = torch.cat([row[1] for row in scores])
+    torch.testing.assert_close(stored, full.topk(k).values, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])

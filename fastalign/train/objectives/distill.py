@@ -38,7 +38,10 @@ loaded: the loss is TRL's ``ServerDistillationTrainer``'s on the teacher's store
 (``loss_top_k``, ``loss_add_tail``; ``beta`` 0 forward KL on the top-k support, ``beta`` > 0 TRL's top-1
 support of the teacher's top token and the completion's own), through the fused
 ``linear_sparse_divergence`` (the student's log-sum-exp over the whole vocabulary and its logits at the
-support from one pass of its head). Where the files hold tail draws (``teacher-logprobs --tail_samples``;
+support from one pass of its head). A stored top-k log-prob of −inf (a teacher with fewer than k finite
+logits, or an fp16 store's overflow) is off the support, as TRL masks it; with ``beta`` > 0 a completion
+token the teacher gives no mass (−inf) is an error naming the row, as in TRL (its reverse KL is infinite).
+Where the files hold tail draws (``teacher-logprobs --tail_samples``;
 fastalign's, not TRL's), the β 0 support is the top-k and the draws, each draw standing for its share of
 the tail's mass (``tail_sample_support``): an unbiased estimate of full-logit distillation's gradient,
 where the tail bucket alone only moves the tail's total mass. ``loss_tail_samples`` false ignores them;
@@ -192,11 +195,13 @@ class CompletionCollator:
         teacher_logprobs: TeacherLogprobs | None = None,
         k: int = 1,
         tail_samples: int = 0,
+        beta: float = 0.0,
     ):
         self.pad_token_id = pad_token_id
         self.teacher_logprobs = teacher_logprobs
         self.k = k
         self.tail_samples = tail_samples  # the stored tail draws the loss reads (0: none)
+        self.beta = beta  # > 0: TRL's top-1 support, whose teacher log-probs must be finite
 
     def __call__(self, examples: Sequence[DistillExample]) -> dict:
         prompt_ids, prompt_mask = _pad([e.prompt_ids for e in examples], self.pad_token_id, left=True)
@@ -215,7 +220,10 @@ class CompletionCollator:
     def _teacher(self, examples: Sequence[DistillExample], width: int) -> dict:
         """The stored top-k ids and log-probs [B, T, k] and completion-token log-probs [B, T] of the
         examples (matched by their hash; zeros at padding), and with ``tail_samples`` their tail draws
-        [B, T, M] and the log of the mass outside the top-k [B, T]."""
+        [B, T, M] and the log of the mass outside the top-k [B, T]. With ``beta`` > 0 a completion token
+        whose stored log-prob is −inf (the teacher gives it no mass: a masked vocabulary), or, below 1, a
+        top-1 of −inf, is a ValueError naming the row, as TRL's server path refuses it: the reverse KL
+        is infinite there (β 0 masks −inf top-k entries off the support, as TRL does)."""
         size = (len(examples), width)
         batch = {
             "teacher_ids": torch.zeros((*size, self.k), dtype=torch.long),
@@ -231,10 +239,27 @@ class CompletionCollator:
             batch["teacher_ids"][index, :length] = stored["ids"][:, : self.k].long()
             batch["teacher_logprobs"][index, :length] = stored["logprobs"][:, : self.k].float()
             batch["teacher_token_logprobs"][index, :length] = stored["token_logprobs"]
+            if self.beta > 0:
+                _check_top1_support(example, stored, self.beta)
             if self.tail_samples:
                 batch["teacher_sample_ids"][index, :length] = stored["sample_ids"].long()
                 batch["teacher_tail"][index, :length] = stored["tail"]
         return batch
+
+
+def _check_top1_support(example: DistillExample, stored: dict, beta: float) -> None:
+    """TRL's refusal (``_compute_server_sparse_top_1_divergence_loss``) of a −inf teacher log-prob on
+    the β > 0 support: the completion's token, and the top-1 below β 1."""
+    missing = torch.isneginf(stored["token_logprobs"])
+    if beta < 1:
+        missing |= torch.isneginf(stored["logprobs"][:, 0])
+    if bool(missing.any()):
+        position = int(missing.nonzero()[0, 0])
+        raise ValueError(
+            f"{example.where}: the stored teacher log-prob of completion token {position} (id "
+            f"{example.completion_ids[position]}) is -inf: with beta {beta} the reverse KL there is "
+            "infinite (TRL's server path refuses it too): train with beta 0, or leave the row out"
+        )
 
 
 def _pad(rows: Sequence[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,7 +400,11 @@ class DistillObjective(Objective):
 
     def collate(self, tokenizer) -> CompletionCollator:
         return CompletionCollator(
-            tokenizer.pad_token_id, self.teacher_logprobs, self.loss_top_k, self.tail_samples
+            tokenizer.pad_token_id,
+            self.teacher_logprobs,
+            self.loss_top_k,
+            self.tail_samples,
+            self.options.beta,
         )
 
     @property
