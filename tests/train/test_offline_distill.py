@@ -431,6 +431,15 @@ def test_manifest_mismatches_are_one_line_errors(tmp_path, teacher_dir, capsys):
     assert "'loss_top_k' (9) is over the k of" in error(loss_top_k=9) and "(8)" in error(loss_top_k=9)
     assert "'temperature' (2.0) is not the one" in error(temperature=2.0)
     assert "'lmbda'" in error(lmbda=0.5)
+    top_k = error(top_k=4)  # nothing is sampled: the sampling keys are refused, the support's key named
+    assert "config key 'top_k' (4): with teacher_logprobs_path nothing is sampled (lmbda 0)" in top_k
+    assert "fastalign teacher-logprobs --top_k; loss_top_k trains on fewer" in top_k
+    sampling = error(top_p=0.9, min_p=0.1, generation_kwargs={"num_beams": 1}, max_completion_length=64)
+    assert (
+        "config keys 'top_p' (0.9), 'min_p' (0.1), 'generation_kwargs' ({'num_beams': 1}), "
+        "'max_completion_length' (64): with teacher_logprobs_path nothing is sampled" in sampling
+    )
+    assert "--top_k" not in sampling
     assert "must be 1 with beta>0 (got loss_top_k=8)" in error(beta=0.5, loss_top_k=8)
     assert "no teacher log-probs in" in error(max_length=12, truncation=True)  # other tokens
     assert "tokenizer (hash" in error(chat_template_path=str(_template(tmp_path)))
