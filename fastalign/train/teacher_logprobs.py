@@ -194,8 +194,12 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         for part in parts:
             shards = range(part.manifest.shards)
             missing = [i for i in shards if not (part.directory / shard_name(i)).exists()]
-            if missing:
-                raise RuntimeError(f"{part.directory}: shards {missing[:5]} were not written")
+            if missing:  # a rank's files rank 0 cannot see (a directory not shared), or removed meanwhile
+                raise ConfigError(
+                    f"config key 'output_dir': {part.directory} lacks shards {missing[:5]} after scoring "
+                    "(every rank must write to one directory they all see; or a file was removed meanwhile): "
+                    "rerun fastalign teacher-logprobs on it to score them"
+                )
             total = _count_tokens(part.directory, part.manifest.shards)
             write_manifest(part.directory, dataclasses.replace(part.manifest, complete=True, tokens=total))
     eval_rows = len(parts[1].examples) if len(parts) > 1 else 0

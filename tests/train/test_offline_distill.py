@@ -232,6 +232,27 @@ def test_another_scoring_in_the_same_directory_is_refused(tmp_path, teacher_dir,
     assert "scored 4 rows" in capsys.readouterr().out
 
 
+def test_shards_missing_after_scoring_are_a_one_line_error(tmp_path, teacher_dir, monkeypatch, capsys):
+    """A shard that is not there when rank 0 finishes (another rank's, in a directory rank 0 does not
+    see) is a one-line CLI error saying what to do, not a traceback; the manifest stays incomplete and a
+    rerun scores the missing shard."""
+    import fastalign.train.teacher_logprobs as scoring
+
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(6))
+    real = scoring._score_shard
+
+    def elsewhere(model, collate, part, shard, *rest):  # shard 1 written where rank 0 cannot see it
+        return 0 if shard == 1 else real(model, collate, part, shard, *rest)
+
+    monkeypatch.setattr(scoring, "_score_shard", elsewhere)
+    args = cli_args(["teacher-logprobs", "--shard_rows", "3"], config)
+    err = one_line_error(args, capsys)
+    assert f"config key 'output_dir': {config.output_dir} lacks shards [1] after scoring" in err
+    assert not read_manifest(config.output_dir).complete
+    monkeypatch.setattr(scoring, "_score_shard", real)
+    assert main(args) == 0 and "1 shards written, 1 already there" in capsys.readouterr().out
+
+
 def offline_config(tmp_path: Path, scores: str, rows: list[dict], **options) -> TrainConfig:
     defaults = dict(teacher_logprobs_path=scores, beta=0.0, per_device_train_batch_size=2, max_length=64)
     return short_config(tmp_path, rows, **defaults | options)
