@@ -17,7 +17,8 @@ under ``torchrun`` rank r scores shards r, r + world, ... (a whole teacher on ea
 collective during scoring). A rerun on the same directory skips the shards that exist: a killed run
 resumes from its last complete shard, and adding ``eval_dataset_name`` later scores only its rows. A rerun
 whose teacher (its weights' fingerprint: a local directory's weight files' names, sizes and mtimes, a Hub
-model's resolved commit; and whether it is patched: ``use_liger_kernel``), data or keys differ from the
+model's resolved commit; whether it is patched: ``use_liger_kernel``; its weights' dtype and attention
+kernel: ``dtype``, ``attn_implementation`` or ``model_init_kwargs``), data or keys differ from the
 directory's manifest is refused. Memory holds one batch's activations and one shard's scores.
 """
 
@@ -59,7 +60,7 @@ from fastalign.train.loading import (
     resolve_model,
 )
 from fastalign.train.objectives.distill import CompletionCollator, DistillExample, DistillObjective
-from fastalign.train.policy import set_model_options
+from fastalign.train.policy import model_dtype, set_model_options
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,10 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     out = Path(config.output_dir)
     path = resolve_model(config.model_name_or_path, config.model_revision)
     model, tokenizer = load_model_and_tokenizer(path, None, ctx.device, materialize=False)
-    model = materialize_model(model, path, None, ctx.device, config.seed)
+    set_model_options(model, str(path), config, ctx.device)  # on the skeleton: filled in its dtype
+    model = materialize_model(
+        model, path, None, ctx.device, config.seed, dtype=model_dtype(config, str(path))
+    )
     override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
     vocab = model.get_output_embeddings().weight.shape[0]
     if config.top_k > vocab:
@@ -150,6 +154,8 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         teacher_revision=config.model_revision,
         teacher_weights=teacher_weights(config, path),
         teacher_patched=config.use_liger_kernel,
+        teacher_dtype=str(_weights_dtype(model)).removeprefix("torch."),
+        teacher_attn_implementation=model.config._attn_implementation,
         tokenizer_hash=tokenizer_hash(tokenizer),
         k=config.top_k,
         dtype=scoring.logprobs_dtype,
@@ -173,7 +179,6 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     if ctx.enabled:
         torch.distributed.barrier()
 
-    set_model_options(model, str(path), config, ctx.device)
     if config.use_liger_kernel:
         fastalign.patch_model(model)
     else:  # the fused head alone
@@ -205,6 +210,12 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     eval_rows = len(parts[1].examples) if len(parts) > 1 else 0
     seconds = time.perf_counter() - started
     return ScoringReport(out, len(parts[0].examples), written, skipped, tokens, seconds, eval_rows)
+
+
+def _weights_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the teacher's floating weights as loaded (``dtype``, ``model_init_kwargs``): its
+    numerics, recorded in the manifest."""
+    return next(param.dtype for param in model.parameters() if param.is_floating_point())
 
 
 def _part(directory: Path, examples: list[DistillExample], teacher: dict, scoring: ScoringOptions) -> _Part:

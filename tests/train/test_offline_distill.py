@@ -32,7 +32,12 @@ from fastalign.data.teacher_logprobs import (
 )
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
 from fastalign.train.config import ConfigError, TrainConfig
-from fastalign.train.objectives.distill import DistillObjective, tail_samples_in_use
+from fastalign.train.objectives.distill import (
+    DistillObjective,
+    DistillOptions,
+    open_teacher_logprobs,
+    tail_samples_in_use,
+)
 from fastalign.train.run import run_training
 from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher, teacher_weights
 from tests import torchrun
@@ -585,13 +590,13 @@ def test_eval_dataset_is_scored_into_eval_and_evaluated_on(tmp_path, teacher_dir
     assert "remove it, then score them" in err
 
     data = json.loads((scores / EVAL_DIR / MANIFEST).read_text())  # scored by another teacher than DIR
-    (scores / EVAL_DIR / MANIFEST).write_text(json.dumps(data | {"teacher_weights": "files:1:0123"}))
-    (tmp_path / "v").mkdir()
-    err = one_line_error(
-        cli_args(["train", "distill"], dataclasses.replace(train, output_dir=str(tmp_path / "v" / "run"))),
-        capsys,
-    )
-    assert f"{scores / EVAL_DIR} was not scored as {scores} was (teacher_weights 'files:1:0123'" in err
+    for name, other in (("v", {"teacher_weights": "files:1:0123"}), ("w", {"teacher_dtype": "bfloat16"})):
+        (scores / EVAL_DIR / MANIFEST).write_text(json.dumps(data | other))
+        (tmp_path / name).mkdir()
+        run = dataclasses.replace(train, output_dir=str(tmp_path / name / "run"))
+        err = one_line_error(cli_args(["train", "distill"], run), capsys)
+        key, value = next(iter(other.items()))
+        assert f"{scores / EVAL_DIR} was not scored as {scores} was ({key} {value!r}" in err
 
 
 def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir, capsys):
@@ -616,6 +621,45 @@ def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir
     now = teacher_weights(config, teacher)
     assert now != manifest.teacher_weights
     assert f"(teacher_weights {manifest.teacher_weights!r} there, {now!r} now): use another directory" in err
+
+
+def test_the_teachers_dtype_and_attention_are_recorded_and_resumed_alike(tmp_path, teacher_dir, capsys):
+    """The manifest records the teacher's weights' dtype and attention kernel: a rerun in another dtype
+    or with another kernel (``dtype``, ``model_init_kwargs``) is refused in one line naming both values,
+    a bf16 teacher's scores are stored (its scores, not the fp32 teacher's); a manifest written before
+    they were recorded still opens for training."""
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config)
+    manifest = read_manifest(config.output_dir)
+    assert (manifest.teacher_dtype, manifest.teacher_attn_implementation) == ("float32", "sdpa")
+    args = cli_args(["teacher-logprobs"], config)
+    err = one_line_error([*args, "--dtype", "bfloat16"], capsys)
+    assert "(teacher_dtype 'float32' there, 'bfloat16' now): use another directory" in err
+    eager = ["--model_init_kwargs", json.dumps({"attn_implementation": "eager"})]
+    assert "(teacher_attn_implementation 'sdpa' there, 'eager' now)" in one_line_error(
+        [*args, *eager], capsys
+    )
+
+    low = dataclasses.replace(config, output_dir=str(tmp_path / "bf16"), dtype="bfloat16")
+    score_teacher(low)
+    assert read_manifest(low.output_dir).teacher_dtype == "bfloat16"
+    full, half = stored_rows(config.output_dir, rows), stored_rows(low.output_dir, rows)
+    assert all(
+        torch.allclose(half[key][1]["logprobs"], row["logprobs"], atol=0.1) for key, (_, row) in full.items()
+    )
+    assert any(not torch.equal(half[key][1]["logprobs"], row["logprobs"]) for key, (_, row) in full.items())
+
+    data = json.loads((Path(config.output_dir) / MANIFEST).read_text())
+    old = {
+        key: value
+        for key, value in data.items()
+        if key not in ("teacher_dtype", "teacher_attn_implementation")
+    }
+    (Path(config.output_dir) / MANIFEST).write_text(json.dumps(old))
+    options = DistillOptions.from_config(TrainConfig(teacher_logprobs_path=config.output_dir, beta=0.0))
+    stored = open_teacher_logprobs(options, tiny_tokenizer(), 8)
+    assert stored.manifest.teacher_dtype is None and len(stored) == len(full)
 
 
 def test_teacher_weights_of_hub_and_builtin_models():

@@ -695,6 +695,8 @@ SHARED_KEYS = (
     "teacher_revision",
     "teacher_weights",
     "teacher_patched",
+    "teacher_dtype",
+    "teacher_attn_implementation",
     "tokenizer_hash",
     "k",
     "tail_samples",
