@@ -697,6 +697,8 @@ SHARED_KEYS = (
     "teacher_patched",
     "teacher_dtype",
     "teacher_attn_implementation",
+    "teacher_autocast",
+    "teacher_quantization",
     "tokenizer_hash",
     "k",
     "tail_samples",
