@@ -62,14 +62,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--top-k",
-        default="32",
-        help="distill-offline: the stored teacher top-k, for the disk per token (default: 32)",
+        help="distill-offline only: the stored teacher top-k, for the disk per token (default: 32)",
     )
     parser.add_argument(
         "--tail-samples",
-        default="0",
-        help="distill-offline: the stored tail draws per token (teacher-logprobs --tail_samples), 4 B each "
-        "on disk (default: 0)",
+        help="distill-offline only: the stored tail draws per token (teacher-logprobs --tail_samples), "
+        "4 B each on disk (default: 0)",
     )
     parser.add_argument("--gpus", default="1", help="GPUs; more than 1 shards with FSDP2 (default: 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 24GB (default: 80GB)")
@@ -167,9 +165,19 @@ def _plan_flags(args: argparse.Namespace, dropout: float) -> dict:
         device=args.device,
         fused_loss_head=not args.materialized_logits,
         tiled_mlp_mib=_tile_mib(args.tiled_mlp),
-        top_k=_positive_int("--top-k", args.top_k),
-        tail_samples=_positive_int("--tail-samples", args.tail_samples, least=0),
+        **_stored_logprobs(args),
     )
+
+
+def _stored_logprobs(args: argparse.Namespace) -> dict:
+    """``--top-k`` and ``--tail-samples``, those given: the planner takes its defaults for the others, and
+    refuses either one for a method other than distill-offline, which alone reads them."""
+    stored = {}
+    if args.top_k is not None:
+        stored["top_k"] = _positive_int("--top-k", args.top_k)
+    if args.tail_samples is not None:
+        stored["tail_samples"] = _positive_int("--tail-samples", args.tail_samples, least=0)
+    return stored
 
 
 def _tile_mib(text: str) -> float:

@@ -2,10 +2,13 @@
 the teacher's top-k log-probs of a data set's completions, stored once for ``fastalign train distill
 --teacher_logprobs_path DIR`` (``fastalign.train.teacher_logprobs``).
 
-Other keys are ``TrainConfig``'s, as ``train distill`` reads them (``max_length``, ``truncation``,
-``truncation_mode``, ``chat_template_kwargs``, ``temperature``, ``per_device_eval_batch_size``, the
-dataset keys); ``--config FILE`` reads them from YAML first. ``--eval_dataset_name EVAL`` scores its rows
-too, into ``DIR/eval``, where ``train distill --eval_dataset_name EVAL`` finds them.
+Other keys are ``TrainConfig``'s that scoring reads (``SCORING_KEYS``: the teacher's loading and
+precision, ``dtype``, ``attn_implementation``, ``quantization``, ``bf16``; the data and tokenizing keys
+``train distill`` reads, ``max_length``, ``truncation``, ``truncation_mode``, ``chat_template_kwargs``;
+``temperature``, ``per_device_eval_batch_size``, ``seed``); ``--config FILE`` reads them from YAML first. A
+training key (``learning_rate``, ``use_peft``, ``loss_top_k``, ...) set away from its default is refused in
+one line naming it, never ignored. ``--eval_dataset_name EVAL`` scores its rows too, into ``DIR/eval``,
+where ``train distill --eval_dataset_name EVAL`` finds them.
 """
 
 from __future__ import annotations
@@ -22,13 +25,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="store a teacher's top-k log-probs of a data set, for offline distillation",
         description="Scores every completion token of the data (the formats train distill reads) with the "
         "teacher and writes its top-k token ids and log-probs, sharded, beside a manifest. Keys are "
-        "TrainConfig fields, read as train distill reads them (max_length, truncation, chat template, "
-        "dataset keys): pass the training run's. --eval_dataset_name EVAL (a Hub dataset's "
+        "TrainConfig fields, read as train distill reads them: the teacher's (model_name_or_path, "
+        "model_revision, dtype, attn_implementation, model_init_kwargs, quantization, "
+        "bnb_4bit_use_double_quant, bf16 or fp16 autocast, use_liger_kernel, seed), the data's (dataset "
+        "keys, max_length, truncation, truncation_mode, chat template keys, eos_token, pad_token: pass the "
+        "training run's), top_k, temperature, per_device_eval_batch_size and output_dir; a training key "
+        "set is refused. --eval_dataset_name EVAL (a Hub dataset's "
         "dataset_test_split) also scores the evaluation rows, into OUTPUT_DIR/eval, where train distill "
         "with the same eval_dataset_name finds them (eval_split_ratio holds out training rows: nothing "
         "more to score). A rerun on the same output_dir resumes from its complete shards (adding "
         "eval_dataset_name later scores only its rows); one with another teacher (a local directory's "
-        "weight files changed: names, sizes, mtimes), use_liger_kernel, data or keys is refused.",
+        "weight files changed: names, sizes, mtimes), dtype, attention, autocast, quantization, "
+        "use_liger_kernel, data or keys is refused.",
         epilog="example: fastalign teacher-logprobs --model_name_or_path TEACHER --dataset_name data.jsonl "
         "--eval_dataset_name held_out.jsonl --top_k 32 --output_dir teacher_lp; then fastalign train "
         "distill --teacher_logprobs_path teacher_lp --dataset_name data.jsonl --eval_dataset_name "
@@ -61,10 +69,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fastalign.train.config import load_config
+    from fastalign.train.teacher_logprobs import SCORING_KEYS, ScoringOptions, score_teacher
 
     try:
-        config = load_config(args.config, getattr(args, "extra", ()), evaluates=False)
-        from fastalign.train.teacher_logprobs import ScoringOptions, score_teacher
+        config = load_config(args.config, getattr(args, "extra", ()), reads=SCORING_KEYS)
 
         scoring = ScoringOptions(
             args.shard_rows, args.logprobs_dtype, args.tail_samples, args.tail_samples_seed

@@ -14,12 +14,12 @@ own token (fp32):
   top-k (``linear_topk_logprobs``), at uniforms from a generator seeded by (``tail_samples_seed``, the
   row's hash): ``tail_uniforms``. ``train distill`` turns them into an unbiased estimate of the tail.
 
-Every file is written atomically (a temporary file in the same directory, then ``os.replace``), with the
-mode a plain ``open`` gives (0o666 less the umask): a shard that exists is complete, so a killed run
-resumes from the shards it finished. The manifest names what was scored (teacher, revision and a
-fingerprint of its weights, whether fastalign patched it, tokenizer hash, k, dtype, temperature, the tail
-draws and their seed, the data set's hash, row count) and says ``complete`` once every shard is written.
-Readers match rows by their content hash, not position.
+Every file is written atomically (a temporary file in the same directory, then ``os.replace``), with the mode
+a plain ``open`` gives (0o666 less the umask): a shard that exists is complete, so a killed run resumes from
+the shards it finished. The manifest names what was scored (teacher, revision and a fingerprint of its
+weights, whether fastalign patched it, its weights' dtype, attention kernel, autocast and 4-bit quantization,
+tokenizer hash, k, dtype, temperature, the tail draws and their seed, the data set's hash, row count) and says
+``complete`` once every shard is written. Readers match rows by their content hash, not position.
 
 The evaluation rows (``eval_dataset_name``) are scored into the sub-directory ``eval`` (``EVAL_DIR``), the
 same layout with its own manifest: scoring them later leaves the training rows' shards as they are.
@@ -123,6 +123,15 @@ class Manifest:
     # (use_liger_kernel: slightly other numerics); None in a manifest written before they were recorded
     teacher_weights: str | None = None
     teacher_patched: bool | None = None
+    # how it ran: its floating weights' dtype ("float32", "bfloat16", ...) and attention kernel
+    # (transformers' name, e.g. "sdpa"), which change the numerics; None in a manifest written before
+    # they were recorded (training reads such a manifest all the same; resuming it is refused)
+    teacher_dtype: str | None = None
+    teacher_attn_implementation: str | None = None
+    # its forward's autocast ("bfloat16" or "float16": bf16 / fp16) and 4-bit quantization (e.g.
+    # "nf4+double_quant"); None: none, as in every manifest written before they were recorded
+    teacher_autocast: str | None = None
+    teacher_quantization: str | None = None
     # draws per token from the tail (``sample_ids``) and their seed (None without draws); a manifest
     # written before they existed has none
     tail_samples: int = 0

@@ -43,6 +43,7 @@ from fastalign.ops.chunked_head import (
     upcasts_for_fp32_sum,
 )
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
+from fastalign.ops.linear_cross_entropy import autocast_aware
 from fastalign.ops.linear_divergence import _fp32_logits
 
 #: TRL's clamp of the top-k mass's log below 0 (``_add_tail_bucket``): the tail stays a real log.
@@ -324,6 +325,7 @@ def _logits_block(hidden, weight, bias, v0: int, v1: int, inv_t: float) -> torch
     return logits.mul_(inv_t) if inv_t != 1.0 else logits
 
 
+@autocast_aware
 @torch.no_grad()
 def linear_topk_logprobs(
     hidden: torch.Tensor,
@@ -340,7 +342,10 @@ def linear_topk_logprobs(
 ) -> TopK:
     """The top-``k`` next-token log-probs of ``softmax((hidden·weightᵀ + bias) / temperature)`` for every
     row of ``hidden`` [N, D], their ids, the log of the mass outside them, and the log-prob of ``tokens``
-    [N] (0 where not given). Never more than one [C, vocab_slice] block of logits.
+    [N] (0 where not given). Never more than one [C, vocab_slice] block of logits. Inside an autocast
+    region the head runs as ``F.linear`` would there (``autocast_aware``: hidden states, weight and bias
+    in the autocast dtype), its logits accumulated in fp32 all the same: a teacher scored under ``bf16``
+    is scored as training's online teacher is.
 
     With ``tail_samples`` M > 0, also M draws per row from its tail (the distribution renormalised over
     the ids outside its top-k), by inverse CDF at ``uniforms`` [N, M] in [0, 1) (the caller's, so that

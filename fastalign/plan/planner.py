@@ -447,8 +447,8 @@ def plan_memory(
     double_quant: bool = True,
     tiled_mlp_mib: float = 0,
     suggest: bool = True,
-    top_k: int = 32,
-    tail_samples: int = 0,
+    top_k: int | None = None,
+    tail_samples: int | None = None,
 ) -> MemoryPlan:
     """Plan the memory of training ``config`` (a HF config, a ``ModelShape``, or a built-in shape name /
     local config.json path) with ``method`` on ``gpus`` GPUs of ``gpu_memory_bytes`` each.
@@ -465,8 +465,9 @@ def plan_memory(
     ``tiled_mlp_mib``: the gated MLPs run in token tiles of that working set (``TrainConfig.tiled_mlp``
     with ``tiled_mlp_budget_mib``; needs the fused kernels): a layer keeps only its MLP's input, and the
     tile's working set is held once; 0: untiled.
-    ``top_k``, ``tail_samples``: with ``distill-offline``, the teacher's stored top-k and tail draws per
-    token (the disk per token).
+    ``top_k``, ``tail_samples``: with ``distill-offline``, the teacher's stored top-k (None: 32) and tail
+    draws per token (None: 0), for the disk per token; no other method reads them, so setting them there
+    is an error (a size that changed nothing would read as planned).
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
@@ -476,6 +477,14 @@ def plan_memory(
     if tiled_mlp_mib and not fused_loss_head:
         raise PlanError("tiled_mlp_mib", "tiles the fused MLP: needs fused_loss_head (fastalign's kernels)")
     _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype)
+    if method != DISTILL_OFFLINE:
+        for name, value in (("top_k", top_k), ("tail_samples", tail_samples)):
+            if value is not None:
+                raise PlanError(
+                    name,
+                    f"applies to method {DISTILL_OFFLINE} only (the stored teacher log-probs' disk), not "
+                    f"{method!r}: remove it",
+                )
     if keep_on_device != "auto" and (
         isinstance(keep_on_device, bool)
         or not isinstance(keep_on_device, int)
@@ -505,7 +514,9 @@ def plan_memory(
     if method in PPO_METHODS:
         return _ppo_plan(shape, flags, suggest)
     if method == DISTILL_OFFLINE:
-        return _distill_offline_plan(shape, flags, suggest, top_k, tail_samples)
+        return _distill_offline_plan(
+            shape, flags, suggest, 32 if top_k is None else top_k, 0 if tail_samples is None else tail_samples
+        )
     setup = _Setup(model=shape.name, **flags, shape=shape)
     if setup.offload:
         setup = replace(setup, keep=_largest_keep(setup) if keep_on_device == "auto" else keep_on_device)

@@ -11,7 +11,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -505,14 +505,19 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 
 
 def load_config(
-    path: str | Path | None = None, overrides: Sequence[str] = (), *, evaluates: bool = True
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    reads: Collection[str] | None = None,
 ) -> TrainConfig:
     """Defaults, then the YAML mapping at ``path``, then ``--key value`` / ``--key=value`` overrides.
 
     Keys and types come from the ``TrainConfig`` fields, so a new field is configurable with no other change;
-    every problem is a one-line ``ConfigError`` naming the key and where it was set. ``evaluates`` False
-    (a command that reads the held-out data but runs no evaluation: ``fastalign teacher-logprobs``) lets
-    ``eval_dataset_name`` / ``eval_split_ratio`` go without an ``eval_strategy``.
+    every problem is a one-line ``ConfigError`` naming the key and where it was set. ``reads``: the keys of
+    a command that runs a model without training it (``fastalign teacher-logprobs``): any other key set
+    away from its default is refused first (``refuse_unread``), and the checks that only a training run
+    needs are left out (held-out data without an ``eval_strategy``, ``quantization`` without
+    ``use_peft``).
     """
     values: dict[str, tuple[object, str | None]] = {}  # key → (raw value, file it came from; None: a flag)
     if path is not None:
@@ -537,8 +542,28 @@ def load_config(
                 f"got {raw!r} ({type(raw).__name__})"
             ) from None
     config = TrainConfig(**kwargs)
-    _check(config, where, evaluates)
+    if reads is not None:
+        refuse_unread(config, reads, where)
+    _check(config, where, trains=reads is None)
     return config
+
+
+def refuse_unread(config: TrainConfig, reads: Collection[str], where: dict[str, str] | None = None) -> None:
+    """The keys ``config`` sets away from their defaults that a command which trains nothing would ignore
+    (it reads only ``reads``): one ``ConfigError`` naming them all, and where each was set, so that a
+    training key (an optimizer's, a loss's, LoRA's) is never taken as honoured."""
+    where = where or {}
+    unread = [key for key in _set_keys(config, _field_names()) if key not in reads]
+    if not unread:
+        return
+    named = ", ".join(f"{key!r}" + (f" ({where[key]})" if key in where else "") for key in unread)
+    keys, are, them = (
+        ("keys", "are training keys", "them") if len(unread) > 1 else ("key", "is a training key", "it")
+    )
+    raise ConfigError(
+        f"config {keys} {named} {are}: this command trains nothing and does not read {them}; remove {them} "
+        f"(it reads {', '.join(sorted(reads))})"
+    )
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
@@ -735,15 +760,16 @@ def _fail(where: dict[str, str], key: str, message: str) -> typing.NoReturn:
     raise ConfigError(f"config key {key!r}{f' ({where[key]})' if key in where else ''} {message}")
 
 
-def _check(config: TrainConfig, where: dict[str, str], evaluates: bool = True) -> None:
-    """Values that have the right type but cannot work, named with where they were set."""
+def _check(config: TrainConfig, where: dict[str, str], trains: bool = True) -> None:
+    """Values that have the right type but cannot work, named with where they were set (``trains``
+    False: for a command that trains nothing, without the checks of training's own needs)."""
     for key, test, wanted in _VALUE_CHECKS:
         value = getattr(config, key)
         if not test(value):
             _fail(where, key, f"must be {wanted}, got {value!r}")
-    _check_model_options(config, where)
+    _check_model_options(config, where, trains)
     _check_truncation_mode(config, where)
-    if config.quantization and not config.use_peft:
+    if trains and config.quantization and not config.use_peft:
         _fail(
             where,
             "quantization",
@@ -770,7 +796,7 @@ def _check(config: TrainConfig, where: dict[str, str], evaluates: bool = True) -
             for key in ("max_steps", "num_train_epochs")
         )
         raise ConfigError(f"config key 'max_steps' or 'num_train_epochs' must be positive, got {got}")
-    _check_evaluation_and_saving(config, where, evaluates)
+    _check_evaluation_and_saving(config, where, trains)
 
 
 def _installed(package: str) -> bool:
@@ -864,11 +890,12 @@ def model_option(config: TrainConfig, key: str) -> str | None:
     return next((value for name, value in kwargs.items() if MODEL_INIT_KEYS.get(name) == key), None)
 
 
-def _check_model_options(config: TrainConfig, where: dict[str, str]) -> None:
+def _check_model_options(config: TrainConfig, where: dict[str, str], trains: bool = True) -> None:
     """``model_init_kwargs`` (TRL's from_pretrained options) and the LoRA options: a key fastalign's loader
     takes (dtype, attn_implementation) with a valid value given once, or an option it handles itself with
     the value that says what it does anyway; LoRA options only with use_peft; DoRA not over 4-bit weights.
-    Anything else would be silently ignored, or clash with what fastalign does: an error."""
+    Anything else would be silently ignored, or clash with what fastalign does: an error. ``trains`` False
+    (nothing trains): fp16 over float16 weights is allowed, having no gradient scaler to break."""
 
     for name, value in (config.model_init_kwargs or {}).items():
         if name in MODEL_INIT_KEYS:
@@ -904,7 +931,7 @@ def _check_model_options(config: TrainConfig, where: dict[str, str]) -> None:
             "attn_implementation",
             f"({attention}) computes in bf16 or fp16 only: set bf16 (or fp16, or dtype)",
         )
-    if dtype == "float16" and config.fp16 and not config.use_peft:
+    if trains and dtype == "float16" and config.fp16 and not config.use_peft:
         _fail(
             where,
             "dtype",

@@ -1,24 +1,27 @@
 """``fastalign teacher-logprobs``: score a data set's completions with a teacher once, for offline
 distillation (``fastalign train distill --teacher_logprobs_path``).
 
-The rows are read and tokenized as ``train distill`` reads them (prompt-completion, conversational or
-messages rows; the same ``max_length``, ``truncation`` and chat template keys); prompt-only rows have
-nothing to score and are left out. ``dataset_name``'s rows (a Hub dataset's ``dataset_train_split``) go to
-``output_dir``, ``eval_dataset_name``'s (its ``dataset_test_split``), when set, to ``output_dir/eval`` with
-their own manifest, where ``train distill`` looks for its evaluation rows (``eval_split_ratio`` holds out
-training rows, which are scored already). The teacher (``model_name_or_path``) runs in eval mode, patched, its
-head fused: per completion token, ``linear_topk_logprobs`` walks the vocabulary in slices and keeps a
-running top-``top_k`` and log-sum-exp (no [tokens, vocab] logits), at ``temperature``; with
+The rows are read and tokenized as ``train distill`` reads them (prompt-completion, conversational or messages
+rows; the same ``max_length``, ``truncation`` and chat template keys); prompt-only rows have nothing to score
+and are left out. ``dataset_name``'s rows (a Hub dataset's ``dataset_train_split``) go to ``output_dir``,
+``eval_dataset_name``'s (its ``dataset_test_split``), when set, to ``output_dir/eval`` with their own
+manifest, where ``train distill`` looks for its evaluation rows (``eval_split_ratio`` holds out training rows,
+which are scored already). The teacher (``model_name_or_path``) is loaded as ``train distill`` loads its
+teacher (``dtype``, ``attn_implementation`` or ``model_init_kwargs``; 4-bit with ``quantization``, its
+unquantized rest in bf16 under ``bf16`` as there) and runs in eval mode, patched, under the engine's autocast
+(``bf16`` or ``fp16``), its head fused: per completion token, ``linear_topk_logprobs`` walks the vocabulary in
+slices and keeps a running top-``top_k`` and log-sum-exp (no [tokens, vocab] logits), at ``temperature``; with
 ``tail_samples`` M > 0 (fastalign's), a second walk over the slices draws M ids per token from the
-distribution outside the top-k, at uniforms seeded by (``tail_samples_seed``, default the run's ``seed``;
-the row's content hash), so the draws do not depend on batches, shards, ranks or resumes. Rows go to shards
-of ``shard_rows`` (``fastalign.data.teacher_logprobs``), each written atomically once its rows are scored;
-under ``torchrun`` rank r scores shards r, r + world, ... (a whole teacher on each process, no
-collective during scoring). A rerun on the same directory skips the shards that exist: a killed run
-resumes from its last complete shard, and adding ``eval_dataset_name`` later scores only its rows. A rerun
-whose teacher (its weights' fingerprint: a local directory's weight files' names, sizes and mtimes, a Hub
-model's resolved commit; and whether it is patched: ``use_liger_kernel``), data or keys differ from the
-directory's manifest is refused. Memory holds one batch's activations and one shard's scores.
+distribution outside the top-k, at uniforms seeded by (``tail_samples_seed``, default the run's ``seed``; the
+row's content hash), so the draws do not depend on batches, shards, ranks or resumes. Rows go to shards of
+``shard_rows`` (``fastalign.data.teacher_logprobs``), each written atomically once its rows are scored; under
+``torchrun`` rank r scores shards r, r + world, ... (a whole teacher on each process, no collective during
+scoring). A rerun on the same directory skips the shards that exist: a killed run resumes from its last
+complete shard, and adding ``eval_dataset_name`` later scores only its rows. A rerun whose teacher (its
+weights' fingerprint: a local directory's weight files' names, sizes and mtimes, a Hub model's resolved
+commit; whether it is patched: ``use_liger_kernel``; its weights' dtype, attention kernel, autocast and
+quantization), data or keys differ from the directory's manifest is refused. Only ``SCORING_KEYS`` are read: a
+training key set is refused, never ignored. Memory holds one batch's activations and one shard's scores.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ from fastalign.data.teacher_logprobs import (
 )
 from fastalign.data.tokenizer_options import override_tokenizer
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
-from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.config import ConfigError, TrainConfig, refuse_unread
 from fastalign.train.distributed import DistributedContext, init_distributed, shutdown_distributed
+from fastalign.train.engine import autocast
 from fastalign.train.loading import (
     is_hub_dataset,
     load_dataset_rows,
@@ -59,7 +63,46 @@ from fastalign.train.loading import (
     resolve_model,
 )
 from fastalign.train.objectives.distill import CompletionCollator, DistillExample, DistillObjective
-from fastalign.train.policy import set_model_options
+from fastalign.train.policy import model_dtype, quant_options, set_model_options
+
+#: The ``TrainConfig`` keys scoring reads; any other one set away from its default (a training key: an
+#: optimizer's, a loss's, LoRA's, sampling's) is refused rather than ignored (``refuse_unread``).
+SCORING_KEYS = frozenset(
+    {
+        # the teacher, loaded and run as train distill loads and runs its teacher (``load_frozen_model``
+        # under the engine's autocast)
+        "model_name_or_path",
+        "model_revision",
+        "dtype",
+        "attn_implementation",
+        "model_init_kwargs",
+        "quantization",
+        "bnb_4bit_use_double_quant",
+        "bf16",
+        "fp16",
+        "use_liger_kernel",
+        "seed",  # the fill of weights a checkpoint lacks; the tail draws' default seed
+        # the rows, read and tokenized as train distill reads them
+        "dataset_name",
+        "dataset_config",
+        "dataset_train_split",
+        "dataset_test_split",
+        "dataset_revision",
+        "eval_dataset_name",
+        "max_length",
+        "truncation",
+        "truncation_mode",
+        "chat_template_kwargs",
+        "eos_token",
+        "pad_token",
+        "chat_template_path",
+        # the scores
+        "top_k",
+        "temperature",
+        "per_device_eval_batch_size",
+        "output_dir",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -114,7 +157,9 @@ class _Part:
 def score_teacher(config: TrainConfig, scoring: ScoringOptions = ScoringOptions()) -> ScoringReport:
     """Score ``config.dataset_name``'s completions with ``config.model_name_or_path`` (the teacher), its
     ``top_k`` log-probs into ``config.output_dir``, and ``config.eval_dataset_name``'s (when set) into its
-    ``EVAL_DIR`` sub-directory; returns what was done (this rank's part)."""
+    ``EVAL_DIR`` sub-directory; returns what was done (this rank's part). A key other than
+    ``SCORING_KEYS`` set away from its default is a ``ConfigError`` naming it."""
+    refuse_unread(config, SCORING_KEYS)
     if config.top_k < 1:
         raise ConfigError("config key 'top_k' must be positive: how many of the teacher's log-probs to store")
     ctx = init_distributed()
@@ -139,8 +184,12 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     started = time.perf_counter()
     out = Path(config.output_dir)
     path = resolve_model(config.model_name_or_path, config.model_revision)
-    model, tokenizer = load_model_and_tokenizer(path, None, ctx.device, materialize=False)
-    model = materialize_model(model, path, None, ctx.device, config.seed)
+    quantization = quant_options(config)  # 4-bit as training's teacher (its unquantized rest as there)
+    model, tokenizer = load_model_and_tokenizer(path, quantization, ctx.device, materialize=False)
+    set_model_options(model, str(path), config, ctx.device)  # on the skeleton: filled in its dtype
+    model = materialize_model(
+        model, path, quantization, ctx.device, config.seed, dtype=model_dtype(config, str(path))
+    )
     override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
     vocab = model.get_output_embeddings().weight.shape[0]
     if config.top_k > vocab:
@@ -150,6 +199,12 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         teacher_revision=config.model_revision,
         teacher_weights=teacher_weights(config, path),
         teacher_patched=config.use_liger_kernel,
+        teacher_dtype=_dtype_name(_weights_dtype(model)),
+        teacher_attn_implementation=model.config._attn_implementation,
+        teacher_autocast=_dtype_name(_autocast_dtype(config)),
+        teacher_quantization=None
+        if quantization is None
+        else quantization.quant_type + ("+double_quant" if quantization.double_quant else ""),
         tokenizer_hash=tokenizer_hash(tokenizer),
         k=config.top_k,
         dtype=scoring.logprobs_dtype,
@@ -173,7 +228,6 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     if ctx.enabled:
         torch.distributed.barrier()
 
-    set_model_options(model, str(path), config, ctx.device)
     if config.use_liger_kernel:
         fastalign.patch_model(model)
     else:  # the fused head alone
@@ -194,13 +248,34 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         for part in parts:
             shards = range(part.manifest.shards)
             missing = [i for i in shards if not (part.directory / shard_name(i)).exists()]
-            if missing:
-                raise RuntimeError(f"{part.directory}: shards {missing[:5]} were not written")
+            if missing:  # a rank's files rank 0 cannot see (a directory not shared), or removed meanwhile
+                raise ConfigError(
+                    f"config key 'output_dir': {part.directory} lacks shards {missing[:5]} after scoring "
+                    "(every rank must write to one directory they all see; or a file was removed meanwhile): "
+                    "rerun fastalign teacher-logprobs on it to score them"
+                )
             total = _count_tokens(part.directory, part.manifest.shards)
             write_manifest(part.directory, dataclasses.replace(part.manifest, complete=True, tokens=total))
     eval_rows = len(parts[1].examples) if len(parts) > 1 else 0
     seconds = time.perf_counter() - started
     return ScoringReport(out, len(parts[0].examples), written, skipped, tokens, seconds, eval_rows)
+
+
+def _autocast_dtype(config: TrainConfig) -> torch.dtype | None:
+    """The autocast of the teacher's forward: bf16 or fp16 over its weights, as the engine runs an online
+    teacher under ``bf16`` / ``fp16`` (here on every rank: each holds a whole teacher, no FSDP policy)."""
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    """A dtype as the manifest records it: "bfloat16", ... (None: none)."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _weights_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the teacher's floating weights as loaded (``dtype``, ``model_init_kwargs``): its
+    numerics, recorded in the manifest."""
+    return next(param.dtype for param in model.parameters() if param.is_floating_point())
 
 
 def _part(directory: Path, examples: list[DistillExample], teacher: dict, scoring: ScoringOptions) -> _Part:
@@ -299,7 +374,9 @@ def _score_batch(model, batch: dict, config: TrainConfig, ctx: DistributedContex
             uniforms=None if uniforms is None else uniforms.to(ctx.device),
         )
 
-    top = model(**inputs, head_fn=head).head_output
+    precision = _autocast_dtype(config)
+    with autocast(ctx.device, precision, precision or _weights_dtype(model)):  # the engine's GEMMs too
+        top = model(**inputs, head_fn=head).head_output
     lengths = mask.sum(-1).tolist()
     parts = [torch.split(tensor.cpu(), lengths) for tensor in top]
     return list(zip(*parts, strict=True))

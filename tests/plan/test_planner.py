@@ -539,7 +539,17 @@ def _moe(tmp_path):
         (["--model", "llama-3-8b", "--gpu-memory", "0GB"], "--gpu-memory", "positive"),
         (["--model", "llama-3-8b", "--method", "dora"], "--method", "full, lora, qlora"),
         (["--model", "llama-3-8b", "--lora-r", "0"], "--lora-r", "positive"),
-        (["--model", "llama-3-8b", "--tail-samples", "-1"], "--tail-samples", "an integer of 0 or more"),
+        (
+            ["--model", "llama-3-8b", "--method", "distill-offline", "--tail-samples", "-1"],
+            "--tail-samples",
+            "an integer of 0 or more",
+        ),
+        (["--model", "llama-3-8b", "--top-k", "64"], "--top-k", "method distill-offline only"),
+        (
+            ["--model", "llama-3-8b", "--method", "lora", "--tail-samples", "8"],
+            "--tail-samples",
+            "method distill-offline only (the stored teacher log-probs' disk), not 'lora'",
+        ),
         (["--model", "llama-3-8b", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
         (["--model", "llama-3-8b", "--method", "ppo-lora", "--gpus", "2"], "--gpus", "use --method ppo"),
         (["--model", "{not_causal}"], "--model", "BertForMaskedLM, not a causal LM"),
@@ -791,7 +801,7 @@ def test_a_tiled_mlp_holds_one_tile_and_goes_longer():
 def test_distill_offline_is_the_students_full_plan_with_no_teacher():
     """``--method distill-offline``: the student's full fine-tuning memory, a teacher term of 0 bytes, and
     the disk per token of the stored top-k and tail draws (as ``fastalign.data.teacher_logprobs`` writes
-    them)."""
+    them); another method given either one is refused."""
     from fastalign.data.teacher_logprobs import disk_bytes_per_token
     from fastalign.plan import plan_memory as plan
 
@@ -804,3 +814,8 @@ def test_distill_offline_is_the_students_full_plan_with_no_teacher():
     draws = plan("llama-3-8b", method="distill-offline", gpus=8, seq_len=2048, top_k=32, tail_samples=8)
     assert draws.teacher_logprobs_bytes_per_token == disk_bytes_per_token(32, tail_samples=8) == 296
     assert any("296 B per completion token at top_k 32 and 8 tail draws" in note for note in draws.notes)
+    for method in ("full", "qlora", "ppo"):  # no other method reads them: set, they are refused
+        for stored in (dict(top_k=32), dict(tail_samples=0)):
+            with pytest.raises(PlanError, match="applies to method distill-offline only") as error:
+                plan("llama-3-8b", method=method, gpus=1, seq_len=2048, **stored)
+            assert error.value.option == next(iter(stored))

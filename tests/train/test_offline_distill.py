@@ -33,11 +33,25 @@ from fastalign.data.teacher_logprobs import (
     tail_uniforms,
 )
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
-from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.quant import QuantOptions
+from fastalign.train.config import ConfigError, TrainConfig, load_config
 from fastalign.train.distributed import DistributedContext
-from fastalign.train.objectives.distill import CompletionCollator, DistillObjective, tail_samples_in_use
+from fastalign.train.loading import load_model_and_tokenizer
+from fastalign.train.objectives.distill import (
+    CompletionCollator,
+    DistillObjective,
+    DistillOptions,
+    open_teacher_logprobs,
+    tail_samples_in_use,
+)
 from fastalign.train.run import run_training
-from fastalign.train.teacher_logprobs import ScoringOptions, _score_batch, score_teacher, teacher_weights
+from fastalign.train.teacher_logprobs import (
+    SCORING_KEYS,
+    ScoringOptions,
+    _score_batch,
+    score_teacher,
+    teacher_weights,
+)
 from tests import torchrun
 from tests.train.runs import logged, short_config
 
@@ -233,6 +247,27 @@ def test_another_scoring_in_the_same_directory_is_refused(tmp_path, teacher_dir,
     )
     assert main([*args[:5], "--top_k", "8", "--output_dir", str(tmp_path / "cli"), "--max_length", "64"]) == 0
     assert "scored 4 rows" in capsys.readouterr().out
+
+
+def test_shards_missing_after_scoring_are_a_one_line_error(tmp_path, teacher_dir, monkeypatch, capsys):
+    """A shard that is not there when rank 0 finishes (another rank's, in a directory rank 0 does not
+    see) is a one-line CLI error saying what to do, not a traceback; the manifest stays incomplete and a
+    rerun scores the missing shard."""
+    import fastalign.train.teacher_logprobs as scoring
+
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(6))
+    real = scoring._score_shard
+
+    def elsewhere(model, collate, part, shard, *rest):  # shard 1 written where rank 0 cannot see it
+        return 0 if shard == 1 else real(model, collate, part, shard, *rest)
+
+    monkeypatch.setattr(scoring, "_score_shard", elsewhere)
+    args = cli_args(["teacher-logprobs", "--shard_rows", "3"], config)
+    err = one_line_error(args, capsys)
+    assert f"config key 'output_dir': {config.output_dir} lacks shards [1] after scoring" in err
+    assert not read_manifest(config.output_dir).complete
+    monkeypatch.setattr(scoring, "_score_shard", real)
+    assert main(args) == 0 and "1 shards written, 1 already there" in capsys.readouterr().out
 
 
 def offline_config(tmp_path: Path, scores: str, rows: list[dict], **options) -> TrainConfig:
@@ -481,6 +516,15 @@ def test_manifest_mismatches_are_one_line_errors(tmp_path, teacher_dir, capsys):
     assert "'loss_top_k' (9) is over the k of" in error(loss_top_k=9) and "(8)" in error(loss_top_k=9)
     assert "'temperature' (2.0) is not the one" in error(temperature=2.0)
     assert "'lmbda'" in error(lmbda=0.5)
+    top_k = error(top_k=4)  # nothing is sampled: the sampling keys are refused, the support's key named
+    assert "config key 'top_k' (4): with teacher_logprobs_path nothing is sampled (lmbda 0)" in top_k
+    assert "fastalign teacher-logprobs --top_k; loss_top_k trains on fewer" in top_k
+    sampling = error(top_p=0.9, min_p=0.1, generation_kwargs={"num_beams": 1}, max_completion_length=64)
+    assert (
+        "config keys 'top_p' (0.9), 'min_p' (0.1), 'generation_kwargs' ({'num_beams': 1}), "
+        "'max_completion_length' (64): with teacher_logprobs_path nothing is sampled" in sampling
+    )
+    assert "--top_k" not in sampling
     assert "must be 1 with beta>0 (got loss_top_k=8)" in error(beta=0.5, loss_top_k=8)
     assert "no teacher log-probs in" in error(max_length=12, truncation=True)  # other tokens
     assert "tokenizer (hash" in error(chat_template_path=str(_template(tmp_path)))
@@ -656,13 +700,17 @@ def test_eval_dataset_is_scored_into_eval_and_evaluated_on(tmp_path, teacher_dir
     assert "remove it, then score them" in err
 
     data = json.loads((scores / EVAL_DIR / MANIFEST).read_text())  # scored by another teacher than DIR
-    (scores / EVAL_DIR / MANIFEST).write_text(json.dumps(data | {"teacher_weights": "files:1:0123"}))
-    (tmp_path / "v").mkdir()
-    err = one_line_error(
-        cli_args(["train", "distill"], dataclasses.replace(train, output_dir=str(tmp_path / "v" / "run"))),
-        capsys,
-    )
-    assert f"{scores / EVAL_DIR} was not scored as {scores} was (teacher_weights 'files:1:0123'" in err
+    for name, other in (
+        ("v", {"teacher_weights": "files:1:0123"}),
+        ("w", {"teacher_dtype": "bfloat16"}),
+        ("x", {"teacher_quantization": "nf4+double_quant"}),
+    ):
+        (scores / EVAL_DIR / MANIFEST).write_text(json.dumps(data | other))
+        (tmp_path / name).mkdir()
+        run = dataclasses.replace(train, output_dir=str(tmp_path / name / "run"))
+        err = one_line_error(cli_args(["train", "distill"], run), capsys)
+        key, value = next(iter(other.items()))
+        assert f"{scores / EVAL_DIR} was not scored as {scores} was ({key} {value!r}" in err
 
 
 def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir, capsys):
@@ -687,6 +735,129 @@ def test_a_teacher_retrained_in_place_is_refused_on_resume(tmp_path, teacher_dir
     now = teacher_weights(config, teacher)
     assert now != manifest.teacher_weights
     assert f"(teacher_weights {manifest.teacher_weights!r} there, {now!r} now): use another directory" in err
+
+
+def test_the_teachers_dtype_and_attention_are_recorded_and_resumed_alike(tmp_path, teacher_dir, capsys):
+    """The manifest records the teacher's weights' dtype and attention kernel: a rerun in another dtype
+    or with another kernel (``dtype``, ``model_init_kwargs``) is refused in one line naming both values,
+    a bf16 teacher's scores are stored (its scores, not the fp32 teacher's); a manifest written before
+    they were recorded still opens for training."""
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config)
+    manifest = read_manifest(config.output_dir)
+    assert (manifest.teacher_dtype, manifest.teacher_attn_implementation) == ("float32", "sdpa")
+    args = cli_args(["teacher-logprobs"], config)
+    err = one_line_error([*args, "--dtype", "bfloat16"], capsys)
+    assert "(teacher_dtype 'float32' there, 'bfloat16' now): use another directory" in err
+    eager = ["--model_init_kwargs", json.dumps({"attn_implementation": "eager"})]
+    assert "(teacher_attn_implementation 'sdpa' there, 'eager' now)" in one_line_error(
+        [*args, *eager], capsys
+    )
+
+    low = dataclasses.replace(config, output_dir=str(tmp_path / "bf16"), dtype="bfloat16")
+    score_teacher(low)
+    assert read_manifest(low.output_dir).teacher_dtype == "bfloat16"
+    full, half = stored_rows(config.output_dir, rows), stored_rows(low.output_dir, rows)
+    assert all(
+        torch.allclose(half[key][1]["logprobs"], row["logprobs"], atol=0.1) for key, (_, row) in full.items()
+    )
+    assert any(not torch.equal(half[key][1]["logprobs"], row["logprobs"]) for key, (_, row) in full.items())
+
+    data = json.loads((Path(config.output_dir) / MANIFEST).read_text())
+    old = {
+        key: value
+        for key, value in data.items()
+        if key not in ("teacher_dtype", "teacher_attn_implementation")
+    }
+    (Path(config.output_dir) / MANIFEST).write_text(json.dumps(old))
+    options = DistillOptions.from_config(TrainConfig(teacher_logprobs_path=config.output_dir, beta=0.0))
+    stored = open_teacher_logprobs(options, tiny_tokenizer(), 8)
+    assert stored.manifest.teacher_dtype is None and len(stored) == len(full)
+
+
+def test_teacher_logprobs_refuses_the_training_keys(tmp_path, teacher_dir, capsys):
+    """Scoring reads ``SCORING_KEYS`` only: every training key set (on the command line, in the YAML
+    file or in code) is named in one line, never ignored, ``loss_top_k`` included; ``quantization``
+    needs no ``use_peft`` there, nor fp16 over float16 weights a gradient scaler."""
+    config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(4))
+    args = cli_args(["teacher-logprobs"], config)
+    training = ["--use_peft", "true", "--learning_rate", "5", "--packing", "true", "--beta", "0.7"]
+    err = one_line_error(
+        [*args, "--quantization", "nf4", "--bf16", "true", *training, "--max_steps", "3"], capsys
+    )
+    named = ", ".join(f"'{key}' (on the command line)" for key in ("packing", "max_steps", "learning_rate"))
+    assert (
+        f"config keys {named}, 'use_peft' (on the command line), 'beta' (on the command line) are training "
+        "keys: this command trains nothing and does not read them; remove them (it reads "
+        "attn_implementation, bf16,"
+    ) in err
+    assert "'quantization'" not in err and "'bf16' (" not in err
+    err = one_line_error([*args, "--loss_top_k", "4"], capsys)
+    assert (
+        "config key 'loss_top_k' (on the command line) is a training key: this command trains nothing" in err
+    )
+    yaml_file = tmp_path / "train.yaml"
+    yaml_file.write_text("learning_rate: 1.0e-5\ntop_k: 8\n")
+    err = one_line_error([*args, "--config", str(yaml_file)], capsys)
+    assert f"config key 'learning_rate' (in {yaml_file}) is a training key" in err
+    assert not Path(config.output_dir).exists()  # refused before anything is loaded or written
+    with pytest.raises(ConfigError, match="'eval_split_ratio' is a training key"):
+        score_teacher(dataclasses.replace(config, eval_split_ratio=0.1))
+    for flags, training_error in (
+        (["--quantization", "nf4"], "needs use_peft"),
+        (["--dtype", "float16", "--fp16", "true"], "cannot train in full with fp16"),
+    ):
+        load_config(None, flags, reads=SCORING_KEYS)
+        with pytest.raises(ConfigError, match=training_error):
+            load_config(None, flags)
+
+
+def test_autocast_and_quantization_are_honoured_and_recorded(tmp_path, teacher_dir, capsys):
+    """``bf16`` runs the teacher's forward under bf16 autocast (its head's logits accumulated in fp32, as
+    ``F.linear`` would run them under autocast), ``quantization`` loads it in 4 bits as training loads
+    its teacher: the stored scores are those, the manifest records both, and resuming without them is
+    refused in one line naming both values."""
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config)
+    full = stored_rows(config.output_dir, rows)
+
+    low = dataclasses.replace(config, output_dir=str(tmp_path / "bf16"), bf16=True)
+    score_teacher(low)
+    manifest = read_manifest(low.output_dir)
+    assert (manifest.teacher_autocast, manifest.teacher_dtype, manifest.teacher_quantization) == (
+        "bfloat16",
+        "float32",
+        None,
+    )
+    half = stored_rows(low.output_dir, rows)
+    assert all(
+        torch.allclose(half[key][1]["logprobs"], row["logprobs"], atol=0.1) for key, (_, row) in full.items()
+    )
+    assert any(not torch.equal(half[key][1]["logprobs"], row["logprobs"]) for key, (_, row) in full.items())
+    err = one_line_error(cli_args(["teacher-logprobs"], dataclasses.replace(low, bf16=False)), capsys)
+    assert "(teacher_autocast 'bfloat16' there, None now): use another directory" in err
+
+    g = torch.Generator().manual_seed(0)  # the head under autocast: the op on bf16 inputs, fp32 logits
+    hidden, weight = torch.randn(6, 8, generator=g), torch.randn(40, 8, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = linear_topk_logprobs(hidden, weight, 4)
+    outside = linear_topk_logprobs(hidden.bfloat16(), weight.bfloat16(), 4)
+    assert inside.logprobs.dtype == torch.float32 and torch.equal(inside.logprobs, outside.logprobs)
+
+    quantized = dataclasses.replace(config, output_dir=str(tmp_path / "nf4"))
+    assert main([*cli_args(["teacher-logprobs"], quantized), "--quantization", "nf4"]) == 0
+    assert read_manifest(quantized.output_dir).teacher_quantization == "nf4+double_quant"
+    model, _ = load_model_and_tokenizer(teacher_dir, QuantOptions("nf4"))
+    model.eval()
+    for example, row in stored_rows(quantized.output_dir, rows).values():
+        ids = torch.tensor([example.prompt_ids + example.completion_ids])
+        with torch.no_grad():
+            logprobs = model(ids).logits[0, len(example.prompt_ids) - 1 : -1].log_softmax(-1)
+        torch.testing.assert_close(row["logprobs"], logprobs.topk(8).values, rtol=1e-4, atol=1e-4)
+    err = one_line_error([*cli_args(["teacher-logprobs"], quantized), "--quantization", "fp4"], capsys)
+    assert "(teacher_quantization 'nf4+double_quant' there, 'fp4+double_quant' now)" in err
 
 
 def test_teacher_weights_of_hub_and_builtin_models():

@@ -46,12 +46,13 @@ fastalign's, not TRL's), the β 0 support is the top-k and the draws, each draw 
 the tail's mass (``tail_sample_support``): an unbiased estimate of full-logit distillation's gradient,
 where the tail bucket alone only moves the tail's total mass. ``loss_tail_samples`` false ignores them;
 β > 0, a ``loss_top_k`` other than the stored k or ``loss_add_tail`` false with them is an error.
-Only the data's completions have stored scores: ``lmbda`` is 0 and
-``seq_kd`` off. Rows are matched to the stored ones by the hash of their tokens; a row without scores, or
-a tokenizer, teacher or temperature other than the manifest's, or a k over its, is a one-line error
-naming both. An ``eval_dataset_name``'s rows are looked for in the directory's ``eval`` sub-directory
-(``fastalign teacher-logprobs --eval_dataset_name`` writes it), scored by the same teacher; held-out
-training rows (``eval_split_ratio``) in the directory itself.
+Only the data's completions have stored scores: ``lmbda`` is 0, ``seq_kd`` off, and the keys only sampling
+reads (``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``generation_kwargs``, ``generation_engine``,
+``max_completion_length``) are refused when set. Rows are matched to the stored ones by the hash of their
+tokens; a row without scores, or a tokenizer, teacher or temperature other than the manifest's, or a k over
+its, is a one-line error naming both. An ``eval_dataset_name``'s rows are looked for in the directory's
+``eval`` sub-directory (``fastalign teacher-logprobs --eval_dataset_name`` writes it), scored by the same
+teacher; held-out training rows (``eval_split_ratio``) in the directory itself.
 The loss is summed over the completion tokens and divided by the step's count of them on all ranks
 (TRL's server path divides by its micro-batch's count: the same with one micro-batch on one process).
 """
@@ -91,6 +92,11 @@ from fastalign.train.objectives.grpo import (
     sample_completions,
 )
 from fastalign.train.rollout import Completions, SamplingKeys, SamplingOptions, scoring_batch
+
+#: The sampling keys (``SamplingKeys``') that only sampling reads: offline (``teacher_logprobs_path``), where
+#: nothing is sampled, they are refused when set, with ``max_completion_length`` (``temperature`` is the
+#: divergence's too, checked against the stored scores').
+SAMPLING_ONLY_KEYS = tuple(key for key in SamplingKeys.__dataclass_fields__ if key != "temperature")
 
 #: TRL's DistillationConfig defaults where the config leaves a key None.
 DISTILL_DEFAULTS = {"beta": 1.0, "disable_dropout": False, "lmbda": 1.0}
@@ -148,11 +154,33 @@ class DistillOptions(SamplingKeys):
         return options
 
     def _check_offline(self) -> None:
+        """What stored scores cannot serve, refused in one line: sampled completions (``lmbda``,
+        ``seq_kd``: they have no stored scores), the keys only sampling reads (nothing is sampled, so they
+        would be ignored) and a ``loss_top_k`` over TRL's top-1 with ``beta`` > 0."""
         if self.lmbda != 0 or self.seq_kd:
             key = "lmbda" if self.lmbda != 0 else "seq_kd"
             raise ConfigError(
                 f"config key {key!r}: with teacher_logprobs_path only the data's completions have the "
                 "teacher's log-probs (lmbda 0, seq_kd false); sampled ones would need the teacher"
+            )
+        defaults = TrainConfig()
+        sampling = [
+            key
+            for key in (*SAMPLING_ONLY_KEYS, "max_completion_length")
+            if getattr(self, key) != getattr(defaults, key)
+        ]
+        if sampling:
+            named = ", ".join(f"{key!r} ({getattr(self, key)!r})" for key in sampling)
+            hint = (
+                " (the teacher's top-k support is chosen when scoring, fastalign teacher-logprobs --top_k; "
+                "loss_top_k trains on fewer of the stored ids)"
+                if "top_k" in sampling
+                else ""
+            )
+            keys, them = ("keys", "them") if len(sampling) > 1 else ("key", "it")
+            raise ConfigError(
+                f"config {keys} {named}: with teacher_logprobs_path nothing is sampled (lmbda 0), so the "
+                f"sampling keys are not read{hint}: remove {them}"
             )
         if self.beta > 0 and self.loss_top_k not in (None, 1):
             raise ConfigError(  # TRL's ServerDistillationConfig
@@ -696,6 +724,10 @@ SHARED_KEYS = (
     "teacher_revision",
     "teacher_weights",
     "teacher_patched",
+    "teacher_dtype",
+    "teacher_attn_implementation",
+    "teacher_autocast",
+    "teacher_quantization",
     "tokenizer_hash",
     "k",
     "tail_samples",
