@@ -340,6 +340,25 @@ def test_another_trl_protocol_keeps_trl_head_with_one_warning(mismatch, monkeypa
         assert calls["fastalign"] == 0 and calls["trl"] > 0
 
 
+def test_patching_after_trl_added_its_fused_head_is_refused():
+    """TRL's trainers give the model its fused head (an instance ``forward``) when they are built; patching
+    after that would replace it silently (``model(..., fused_lm_head=True)`` then gives no log-probs):
+    one clear error instead, and TRL's forward stays."""
+    model = tiny_model("llama", seed=0)
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs",))
+    trl_forward = model.__dict__["forward"]
+    with pytest.raises(ValueError, match="patch the model before the trainer is built"):
+        integration.patch_model(model)
+    assert model.__dict__["forward"] is trl_forward and not fastalign.patching.patched_pieces(model)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    assert model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.shape == (1, 3)
+
+    patched_first = integration.patch_model(tiny_model("llama", seed=0))  # the order the docs give
+    trl_utils.add_fused_lm_head(patched_first, outputs=("log_probs",))
+    assert patched_first(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.shape == (1, 3)
+    assert fastalign.patch_model(tiny_model("llama", seed=0), loss=False)  # no head patched: nothing refused
+
+
 def test_a_kept_reference_passes_every_call_to_trl_after_disable(calls):
     """``disable()`` gives TRL its function back; a reference to fastalign's taken while it was enabled then
     passes every call to TRL's (it used to drop TRL's function and fail on the calls it leaves to it)."""
