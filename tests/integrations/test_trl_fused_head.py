@@ -15,6 +15,7 @@ import torch
 import fastalign
 from fastalign.builtin import (
     digit_ratio,
+    tiny_kto_rows,
     tiny_model,
     tiny_preference_rows,
     tiny_prompt_rows,
@@ -87,15 +88,26 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
     config, trainer_class = {
         "sft": (trl.SFTConfig, trl.SFTTrainer),
         "dpo": (trl.DPOConfig, trl.DPOTrainer),
+        "kto": (trl.KTOConfig, trl.KTOTrainer),
         "grpo": (trl.GRPOConfig, trl.GRPOTrainer),
+        "rloo": (trl.RLOOConfig, trl.RLOOTrainer),
     }[kind]
-    rows = {"sft": tiny_sft_rows, "dpo": tiny_preference_rows, "grpo": tiny_prompt_rows}[kind](4, seed=1)
-    # GRPO samples 2 completions of 8 tokens per prompt, at a temperature its fused head divides by
+    rows = {
+        "sft": tiny_sft_rows,
+        "dpo": tiny_preference_rows,
+        "kto": tiny_kto_rows,
+        "grpo": tiny_prompt_rows,
+        "rloo": tiny_prompt_rows,
+    }[kind](4, seed=1)
+    # GRPO and RLOO sample 2 completions of 8 tokens per prompt, at a temperature their fused head divides
+    # by; RLOO without its KL term (beta 0: no reference model)
     lengths = (
         {"max_completion_length": 8, "num_generations": 2, "temperature": 0.7}
-        if kind == "grpo"
+        if kind in ("grpo", "rloo")
         else {"max_length": 64}
     )
+    if kind == "rloo":
+        lengths["beta"] = 0.0
     model = tiny_model("llama", seed=0)
     if patch == "trl":
         integration.patch_model(model)
@@ -110,9 +122,9 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
         extra["peft_config"] = LoraConfig(
             r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
         )
-    elif kind == "dpo":
+    elif kind in ("dpo", "kto"):
         extra["ref_model"] = tiny_model("llama", seed=1)
-    if kind == "grpo":
+    if kind in ("grpo", "rloo"):
         extra["reward_funcs"] = [digit_ratio]
     args = config(
         output_dir=str(tmp_path),
@@ -154,7 +166,7 @@ def assert_same_step(ours, theirs):
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo", "rloo"])
 def test_a_trl_step_is_the_same_with_fastalign_serving_the_fused_head(kind, setup, tmp_path, calls):
     require("peft")
     theirs = one_step(kind, tmp_path / "trl", **SETUPS[setup])
@@ -168,7 +180,9 @@ def test_a_trl_step_is_the_same_with_fastalign_serving_the_fused_head(kind, setu
     expected = {
         "sft": ("mean_token_accuracy", "entropy"),
         "dpo": ("logits/chosen", "mean_token_accuracy", "entropy"),
+        "kto": ("logits/chosen", "logits/rejected", "kl", "entropy"),
         "grpo": ("entropy", "reward"),
+        "rloo": ("entropy", "reward"),
     }
     assert set(expected[kind]) <= ours[0].keys()
 
