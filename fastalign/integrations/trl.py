@@ -19,20 +19,26 @@ warns once and leaves TRL's own head in place: a slower step, never a wrong numb
 not cover go to TRL's function too: ``log_sum_sq_probs`` (DPO's WPO weighting), an empty batch, and a
 DeepSpeed ZeRO-3 head (whose backward must re-gather the weight, which only TRL's backward does).
 
-One documented difference: ``is_top1`` counts a target that ties another token for the largest logit as
-top-1 (TRL counts it only when no earlier token ties); with continuous logits such ties have measure zero.
+``is_top1`` is TRL's: the target is the argmax, the first of the largest logits, so a target tied with an
+earlier token for the maximum (frequent with bf16 logits) is not top-1.
+
+``enable()`` and ``disable()`` take a lock. TRL's own function is kept in one place from the first swap on;
+``disable()`` puts it back only while TRL's slot still holds fastalign's function (a third party's patch
+installed since stays, with one warning), and from then on ``FusedLogProbs``, wherever a reference to it
+was kept, passes every call to TRL's function.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 
 import torch
 from packaging.version import Version
 
 from fastalign.ops import token_logprobs
-from fastalign.ops.head_workspace import head_workspace_bytes
+from fastalign.ops.head_workspace import configured_head_workspace_bytes, head_workspace_bytes
 
 #: The TRL releases whose fused-head protocol ``FusedLogProbs`` implements.
 SUPPORTED_TRL = (Version("1.16"), Version("1.17"))
@@ -53,15 +59,31 @@ PROTOCOL = (
 TRL_TOKEN_TILE = 4096
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
-#: TRL's own function while ``enable()`` is in effect (the fallback), else None.
+#: Guards the swap of TRL's slot and the state below.
+_lock = threading.Lock()
+#: The function TRL's slot held when fastalign first took it (TRL's own): the fallback of the calls
+#: fastalign does not cover, and what ``disable()`` puts back. Set by the first swap, never changed after.
 _trl_function = None
+#: Whether ``FusedLogProbs`` serves calls with fastalign's kernels (between ``enable()`` and ``disable()``).
+_serving = False
 _warned = False
+_warned_foreign = False
+
+
+def _trl_original():
+    """TRL's function: the one fastalign took from TRL's slot, or, before any swap, TRL's own class."""
+    if _trl_function is not None:
+        return _trl_function
+    from trl.kernels import ChunkedLogProbFunction
+
+    return ChunkedLogProbFunction
 
 
 class FusedLogProbs:
     """Stand-in for ``trl.kernels.ChunkedLogProbFunction``: ``apply`` takes its arguments and returns its
     five outputs (None where not requested), differentiable like TRL's (log-probs and entropy w.r.t.
-    hidden, weight and bias; the rest detached)."""
+    hidden, weight and bias; the rest detached). Outside ``enable()`` (never enabled, or after
+    ``disable()``) every call goes to TRL's function."""
 
     @staticmethod
     def apply(
@@ -75,27 +97,32 @@ class FusedLogProbs:
         logit_scale: float = 1.0,
         outputs: tuple[str, ...] = OPTIONAL_OUTPUTS,
     ):
-        if "log_sum_sq_probs" in outputs or hidden.shape[0] == 0 or hasattr(weight, "ds_id"):
+        uncovered = "log_sum_sq_probs" in outputs or hidden.shape[0] == 0 or hasattr(weight, "ds_id")
+        if uncovered or not _serving:
             args = (hidden, weight, bias, targets, temperature, chunk_size)
-            return _trl_function.apply(*args, final_logit_softcapping, logit_scale, outputs)
-        if not torch.is_autocast_enabled(hidden.device.type) and weight.dtype != hidden.dtype:
+            return _trl_original().apply(*args, final_logit_softcapping, logit_scale, outputs)
+        autocast = torch.is_autocast_enabled(hidden.device.type)
+        # TRL's compute dtype: autocast's (fastalign's ops cast hidden, weight and bias to it there), else the
+        # hidden states'. Outside autocast a head weight or bias of another dtype is cast to it, as TRL does.
+        dtype = torch.get_autocast_dtype(hidden.device.type) if autocast else hidden.dtype
+        if not autocast and weight.dtype != dtype:
             # `cast_lm_head_to_fp32`: TRL runs the projection in the hidden states' dtype (fp32). It casts
             # one vocabulary chunk at a time; this whole-weight copy costs V·H·4 bytes more (docs/trl.md)
-            weight = weight.to(hidden.dtype)
-            bias = None if bias is None else bias.to(hidden.dtype)
+            weight = weight.to(dtype)
+        if not autocast and bias is not None and bias.dtype != dtype:
+            bias = bias.to(dtype)
         if logit_scale != 1.0:
             # The logits are linear in (hidden, bias): scaling both scales them before the softcap, as in TRL
             hidden = hidden * logit_scale
             bias = None if bias is None else bias * logit_scale
-        # TRL's head holds one [4096 tokens, chunk_size vocabulary] tile; fastalign's chunks may take as much
-        # (more rows per GEMM: on CPU its 32 MiB default makes 32-row chunks of a 49k vocabulary, 2.5x slower)
-        dtype = (
-            torch.get_autocast_dtype(hidden.device.type)
-            if torch.is_autocast_enabled(hidden.device.type)
-            else hidden.dtype
-        )
-        trl_tile = min(hidden.shape[0], TRL_TOKEN_TILE) * min(weight.shape[0], chunk_size) * dtype.itemsize
-        workspace = max(head_workspace_bytes(hidden.device.type, None, weight), trl_tile)
+        workspace = configured_head_workspace_bytes()
+        if workspace is None:
+            # Unless the user set a budget, TRL's: its head holds one [4096 tokens, chunk_size vocabulary]
+            # tile, and fastalign's chunks may take as much (more rows per GEMM: on CPU its 32 MiB default
+            # makes 32-row chunks of a 49k vocabulary, 2.5x slower)
+            tokens, columns = min(hidden.shape[0], TRL_TOKEN_TILE), min(weight.shape[0], chunk_size)
+            trl_tile = tokens * columns * dtype.itemsize
+            workspace = max(head_workspace_bytes(hidden.device.type, None, weight), trl_tile)
         with_entropy = "entropy" in outputs
         with_stats = "mean_logits" in outputs or "is_top1" in outputs
         result = token_logprobs(
@@ -139,25 +166,30 @@ def _protocol_mismatch(trl_utils) -> str | None:
 def enable() -> bool:
     """Make TRL's fused LM head (every ``model(..., fused_lm_head=True)``) run on fastalign's kernels.
 
-    Idempotent. Returns whether fastalign now serves the head: False, with one warning per process, when
-    the installed TRL is not the supported protocol (TRL's own head stays, unchanged)."""
-    global _trl_function, _warned
+    Idempotent and thread-safe. Returns whether fastalign now serves the head: False, with one warning
+    per process, when the installed TRL is not the supported protocol (TRL's own head stays,
+    unchanged)."""
+    global _trl_function, _serving, _warned
     from trl.trainer import utils as trl_utils
 
-    if _trl_function is not None:
+    with _lock:
+        if trl_utils._ChunkedLogProbFunction is FusedLogProbs:
+            _serving = True
+            return True
+        mismatch = _protocol_mismatch(trl_utils)
+        if mismatch is not None:
+            if not _warned:
+                warnings.warn(
+                    f"fastalign.integrations.trl: {mismatch}; TRL's fused LM head keeps its own kernels",
+                    stacklevel=2,
+                )
+                _warned = True
+            return False
+        if _trl_function is None:  # the first swap: what TRL's slot holds is TRL's function, kept for good
+            _trl_function = trl_utils._ChunkedLogProbFunction
+        trl_utils._ChunkedLogProbFunction = FusedLogProbs
+        _serving = True
         return True
-    mismatch = _protocol_mismatch(trl_utils)
-    if mismatch is not None:
-        if not _warned:
-            warnings.warn(
-                f"fastalign.integrations.trl: {mismatch}; TRL's fused LM head keeps its own kernels",
-                stacklevel=2,
-            )
-            _warned = True
-        return False
-    _trl_function = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = FusedLogProbs
-    return True
 
 
 def patch_model(model, **options):
@@ -173,11 +205,24 @@ def patch_model(model, **options):
 
 
 def disable() -> None:
-    """Give TRL its own fused head back (e.g. to compare both in one process)."""
-    global _trl_function
-    if _trl_function is None:
-        return
+    """Give TRL its own fused head back (e.g. to compare both in one process). Thread-safe.
+
+    TRL's slot gets TRL's function back only if it still holds fastalign's: a function another library
+    put there since stays, with one warning. Either way ``FusedLogProbs`` (a reference to it kept
+    anywhere) passes every call to TRL's function from now on."""
+    global _serving, _warned_foreign
     from trl.trainer import utils as trl_utils
 
-    trl_utils._ChunkedLogProbFunction = _trl_function
-    _trl_function = None
+    with _lock:
+        _serving = False
+        current = trl_utils._ChunkedLogProbFunction
+        if current is FusedLogProbs:
+            trl_utils._ChunkedLogProbFunction = _trl_original()
+        elif _trl_function is not None and current is not _trl_function and not _warned_foreign:
+            warnings.warn(
+                f"fastalign.integrations.trl.disable(): trl.trainer.utils._ChunkedLogProbFunction is now "
+                f"{getattr(current, '__qualname__', current)!r}, put there by another library: left in "
+                "place (fastalign's function, if it still calls it, passes every call to TRL's)",
+                stacklevel=2,
+            )
+            _warned_foreign = True

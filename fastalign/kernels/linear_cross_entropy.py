@@ -9,7 +9,9 @@ vocabulary in ``BLOCK_V`` tiles:
 1. ``softmax_row_stats``: online (single pass) statistics of the transformed logits
    ``z = softcap · tanh(x / softcap) / temperature`` (``z = x / temperature`` without softcap):
    ``lse = log Σ_j exp z_j``, the target logit ``z_t``, ``Σ_j z_j`` (label smoothing),
-   ``μ = Σ_j p_j z_j`` (entropy ``H = lse − μ``) and ``max_j z_j`` (token accuracy).
+   ``μ = Σ_j p_j z_j`` (entropy ``H = lse − μ``), ``max_j z_j`` and whether the target is the argmax
+   (token accuracy: the first maximal index, as ``torch.argmax``; a tile's maximum replaces the running
+   one's index only when strictly greater).
 2. ``softmax_row_grad_``: overwrites the chunk, in place, with the gradient w.r.t. the raw logits of
    ``Σ_i [a_i·lse_i + b_i·z_{i,t} + c_i·Σ_j z_ij − e_i·H_i]``-shaped outputs. With ``p = softmax(z)``:
 
@@ -76,17 +78,25 @@ def _softmax_row_stats_kernel(
     sum_logits_ptr,
     mean_pz_ptr,
     max_logit_ptr,
+    top1_ptr,
     HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row, row_ptr = _this_row(logits_ptr, stride_row)
     running_max = float("-inf")
+    running_argmax = 0  # the first column holding running_max (torch.argmax's choice among ties)
     exp_sum = 0.0  # Σ exp(z - running_max)
     exp_z_sum = 0.0  # Σ exp(z - running_max) · z
     logit_sum = 0.0
     for start in range(0, V, BLOCK_V):
         _, in_vocab, z, _ = _load_tile(row_ptr, start, V, softcap, inv_temperature, HAS_SOFTCAP, BLOCK_V)
-        new_max = tl.maximum(running_max, tl.max(tl.where(in_vocab, z, float("-inf")), axis=0))
+        # the tile's maximum and its first column, in the one reduction; an earlier tile's equal maximum wins
+        masked = tl.where(in_vocab, z, float("-inf"))
+        tile_max, tile_argmax = tl.max(
+            masked, axis=0, return_indices=True, return_indices_tie_break_left=True
+        )
+        running_argmax = tl.where(tile_max > running_max, start + tile_argmax, running_argmax)
+        new_max = tl.maximum(running_max, tile_max)
         rescale = tl.exp(running_max - new_max)
         e = tl.where(in_vocab, tl.exp(z - new_max), 0.0)
         exp_sum = exp_sum * rescale + tl.sum(e, axis=0)
@@ -103,6 +113,7 @@ def _softmax_row_stats_kernel(
     tl.store(sum_logits_ptr + row, logit_sum)
     tl.store(mean_pz_ptr + row, exp_z_sum / exp_sum)
     tl.store(max_logit_ptr + row, running_max)
+    tl.store(top1_ptr + row, tl.where(is_target & (running_argmax == target), 1.0, 0.0))
 
 
 @triton.jit
@@ -170,9 +181,10 @@ def softmax_row_stats(
     softcap: float | None,
     inv_temperature: float,
     block_v: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (lse, target logit, Σ logits, Σ p·z, max logit) of ``logits`` [C, V], all fp32 [C]."""
-    stats = torch.empty((5, logits.shape[0]), dtype=torch.float32, device=logits.device)
+) -> tuple[torch.Tensor, ...]:
+    """Per-row (lse, target logit, Σ logits, Σ p·z, max logit, target is the argmax) of ``logits`` [C, V],
+    all fp32 [C]."""
+    stats = torch.empty((6, logits.shape[0]), dtype=torch.float32, device=logits.device)
     _launch_per_row(
         _softmax_row_stats_kernel,
         logits,
@@ -183,7 +195,7 @@ def softmax_row_stats(
         inv_temperature=inv_temperature,
         block_v=block_v,
     )
-    return stats[0], stats[1], stats[2], stats[3], stats[4]
+    return tuple(stats)
 
 
 def softmax_row_grad_(

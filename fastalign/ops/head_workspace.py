@@ -64,6 +64,21 @@ def head_workspace_bytes(
     CUDA, to half its fp32 gradient accumulator (``accumulator_budget``)."""
     if workspace_bytes is not None:
         return _positive_bytes("workspace_bytes", workspace_bytes)
+    configured = configured_head_workspace_bytes()
+    if configured is not None:
+        return configured
+    default = DEFAULT_HEAD_WORKSPACE_BYTES.get(device_type, DEFAULT_HEAD_WORKSPACE_BYTES["cpu"])
+    trained_low_precision = (
+        weight is not None and weight.requires_grad and weight.dtype in (torch.bfloat16, torch.float16)
+    )
+    if device_type == "cuda" and trained_low_precision:
+        return max(default, accumulator_budget(weight.numel()))
+    return default
+
+
+def configured_head_workspace_bytes() -> int | None:
+    """The process-wide budget the user set, in bytes: ``set_head_workspace``'s, else
+    ``FASTALIGN_HEAD_WORKSPACE_MIB``'s; None when neither is set (the device default applies)."""
     if _budget_override is not None:
         return _budget_override
     env = os.environ.get(ENV_VAR)
@@ -73,13 +88,7 @@ def head_workspace_bytes(
         except ValueError:
             raise ValueError(f"{ENV_VAR} must be a number of MiB, got {env!r}") from None
         return _positive_bytes(ENV_VAR, mib * MiB)
-    default = DEFAULT_HEAD_WORKSPACE_BYTES.get(device_type, DEFAULT_HEAD_WORKSPACE_BYTES["cpu"])
-    trained_low_precision = (
-        weight is not None and weight.requires_grad and weight.dtype in (torch.bfloat16, torch.float16)
-    )
-    if device_type == "cuda" and trained_low_precision:
-        return max(default, accumulator_budget(weight.numel()))
-    return default
+    return None
 
 
 def accumulator_budget(head_elements: int) -> int:

@@ -52,7 +52,9 @@ class LinearCrossEntropyStats(NamedTuple):
 
     lse: torch.Tensor  # log Σ exp(logits), fp32
     entropy: torch.Tensor  # entropy of softmax(logits), fp32
-    accuracy: torch.Tensor  # argmax(logits) == target, bool
+    #: argmax(logits) == target, bool: the first maximal logit, as ``torch.argmax`` (and TRL's token
+    #: accuracy) picks it, so a target tied with an earlier token for the maximum is not counted
+    accuracy: torch.Tensor
     #: mean over the vocabulary of the logits, fp32: TRL's ``logits/*`` metrics average it over tokens. The
     #: row sum comes with the softmax statistics (label smoothing needs it), so it costs no extra pass.
     mean_logit: torch.Tensor
@@ -219,7 +221,7 @@ def _stats_for_user(
     return LinearCrossEntropyStats(
         lse=torch.where(valid, fields.lse, 0.0).view(shape),
         entropy=token_entropy(fields, valid, spec).view(shape),
-        accuracy=((fields.target_logit >= fields.max_logit) & valid).view(shape),
+        accuracy=((fields.top1 > 0) & valid).view(shape),
         mean_logit=torch.where(valid, fields.sum_logits / vocab, 0.0).view(shape),
     )
 

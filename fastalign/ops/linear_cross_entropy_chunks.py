@@ -143,7 +143,7 @@ def _sweep(
 ) -> tuple[torch.Tensor, tuple]:
     """Walk the token chunks once.
 
-    Returns the per-token statistics as a [5, N] fp32 tensor (fields of ``SoftmaxRowStats``; ``saved``
+    Returns the per-token statistics as a [6, N] fp32 tensor (fields of ``SoftmaxRowStats``; ``saved``
     when given, which skips computing them) and the gradients w.r.t. (hidden, weight, bias) of
     ``Σ outputs`` weighted by ``coefficients`` (None for inputs not in ``needs``; ``coefficients`` is
     not called when nothing is needed).
@@ -152,7 +152,8 @@ def _sweep(
     every_row, row_chunks = loss_row_chunks(targets != spec.ignore_index, spec.chunk_size)
     # rows no chunk covers (ignored tokens) keep statistics of 0
     fill = torch.empty if every_row else torch.zeros
-    all_stats = fill((5, n), dtype=torch.float32, device=hidden.device) if saved is None else saved
+    fields = len(SoftmaxRowStats._fields)
+    all_stats = fill((fields, n), dtype=torch.float32, device=hidden.device) if saved is None else saved
     grads = InputGrads(hidden, weight, bias, needs) if coefficients is not None and any(needs) else None
     for rows in row_chunks:
         targets_chunk = targets[rows]

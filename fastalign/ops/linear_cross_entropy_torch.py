@@ -23,7 +23,11 @@ class SoftmaxRowStats(NamedTuple):
     target_logit: torch.Tensor  # z_t, 0 where the target is ignored
     sum_logits: torch.Tensor  # Σ_j z_j (label smoothing)
     mean_pz: torch.Tensor  # Σ_j p_j z_j (entropy = lse − mean_pz); NaN when not requested (PyTorch path)
-    max_logit: torch.Tensor  # max_j z_j (token accuracy)
+    max_logit: torch.Tensor  # max_j z_j
+    #: 1 where the target is ``argmax_j z_j``, the first of the maximal logits as ``torch.argmax`` picks it
+    #: (a target tied with an earlier token is not top-1, as in TRL's token accuracy); 0 elsewhere and
+    #: where the target is ignored.
+    top1: torch.Tensor
 
 
 class GradCoefficients(NamedTuple):
@@ -82,7 +86,8 @@ def softmax_row_stats(
     safe_targets = torch.where(is_target, targets, 0)
     target_logit = z.gather(1, safe_targets[:, None]).squeeze(1) * is_target
     sum_logits = z.sum(dim=-1)
-    max_logit = z.amax(dim=-1)
+    # the maximum and its first index in the one reduction (torch.max returns the first maximal index)
+    max_logit, argmax = z.max(dim=-1)
     exp = (z.clone() if with_entropy else z).sub_(max_logit[:, None]).exp_()
     exp_sum = exp.sum(dim=-1)
     if with_entropy:
@@ -96,6 +101,7 @@ def softmax_row_stats(
         sum_logits=sum_logits,
         mean_pz=mean_pz,
         max_logit=max_logit,
+        top1=((argmax == safe_targets) & is_target).float(),
     )
     return stats, exp
 

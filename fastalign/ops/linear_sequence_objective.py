@@ -63,7 +63,8 @@ class SequenceObjectiveResult(NamedTuple):
     aligned: torch.Tensor | None  # [S] WPO's Σ (log p − log Σ_v p_v²), when asked for
     #: [S] Σ over loss tokens of the mean logit (Σ_v z_v / V) and [S] how many loss tokens have their
     #: target as the argmax, detached: TRL's ``logits/*`` and ``mean_token_accuracy`` over a sequence's
-    #: tokens. Both come from the row statistics every chunk computes (Σ_v z_v, max z), no extra pass.
+    #: tokens (the argmax is the first maximal logit, as ``torch.argmax``). Both come from the row
+    #: statistics every chunk computes (Σ_v z_v, the argmax), no extra pass.
     logit_sums: torch.Tensor
     top1: torch.Tensor
 
@@ -175,8 +176,7 @@ class _SequenceObjectiveFunction(GradientInForward):
             logit_sums[index] = per_sequence.new_zeros(len(seqs)).index_add_(
                 0, local, stats.sum_logits / vocab
             )
-            is_top1 = (stats.target_logit >= stats.max_logit).float()
-            top1[index] = per_sequence.new_zeros(len(seqs)).index_add_(0, local, is_top1)
+            top1[index] = per_sequence.new_zeros(len(seqs)).index_add_(0, local, stats.top1)
             if spec.with_entropy:
                 entropy[rows] = stats.lse - stats.mean_pz
             if grads is not None:

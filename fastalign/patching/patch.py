@@ -216,6 +216,8 @@ def patch_model(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     causal_lm = _base_causal_lm(model, head=loss, generic=generic)
+    if loss:
+        _refuse_foreign_forward(causal_lm)
     config = causal_lm.config
     tile_budget = _tile_budget(tiled_mlp, tiled_mlp_budget_mib)
     wanted = {"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "loss": loss}
@@ -273,6 +275,23 @@ def patch_model(
     if lora:
         patch_lora_layers(model)
     return model
+
+
+def _refuse_foreign_forward(causal_lm: nn.Module) -> None:
+    """Patching the head replaces the causal LM's instance ``forward``: refuse when one is there that
+    fastalign did not install (TRL's fused LM head, which its trainers add when they are built, answers
+    ``fused_lm_head=True`` with per-token log-probs that fastalign's forward does not give). On a module
+    hooked by accelerate the patch replaces ``_old_forward`` and leaves the hook's ``forward`` alone."""
+    if _slot(causal_lm, "forward") != "forward" or "forward" not in causal_lm.__dict__:
+        return
+    if _patched_piece(causal_lm) is None:
+        forward = causal_lm.__dict__["forward"]
+        name = getattr(forward, "__qualname__", type(forward).__name__)
+        raise ValueError(
+            f"patch_model: {type(causal_lm).__name__} already has an instance forward fastalign did not "
+            f"install ({name}: TRL's fused LM head, if its trainer was built) and patching would replace it; "
+            "patch the model before the trainer is built"
+        )
 
 
 def _tile_budget(tiled: bool | None, budget_mib: float | None) -> int | None:

@@ -75,7 +75,7 @@ Loss head: fastalign's fused head walks the tokens in chunks sized by the head w
 (``fastalign.ops.head_workspace``: 256 MiB on CUDA, 32 MiB on CPU, or ``FASTALIGN_HEAD_WORKSPACE_MIB``;
 ``_loss_head_chunk`` takes its rows from the ops' own ``chunk_rows``) and forms the gradients during
 the forward: one chunk + the gradient of
-the hidden states (T·h·a) + 5 fp32 statistics per token + an fp32 accumulator of the head's weight
+the hidden states (T·h·a) + 6 fp32 statistics per token + an fp32 accumulator of the head's weight
 gradient (4·V·h) when a trainable head runs in bf16. A materialized head (HF's own loss: SFT without
 ``use_liger_kernel``) holds at least the fp32 logits [T, V] and their gradient: 8·T·V.
 
@@ -817,7 +817,7 @@ def _fused_loss_head_bytes(setup: _Setup) -> int:
     shape, tokens, a = setup.shape, setup.tokens, setup.regime.compute
     chunk = _loss_head_chunk(setup) * shape.vocab_size * _loss_head_logit_bytes(setup)
     hidden_grad = tokens * shape.hidden_size * a
-    return chunk + hidden_grad + 20 * tokens + _head_grad_accumulator(setup)
+    return chunk + hidden_grad + 24 * tokens + _head_grad_accumulator(setup)
 
 
 def _materialized_loss_head_bytes(setup: _Setup) -> int:

@@ -15,6 +15,7 @@ import torch
 import fastalign
 from fastalign.builtin import (
     digit_ratio,
+    tiny_kto_rows,
     tiny_model,
     tiny_preference_rows,
     tiny_prompt_rows,
@@ -22,6 +23,7 @@ from fastalign.builtin import (
     tiny_tokenizer,
 )
 from fastalign.integrations import trl as integration
+from fastalign.ops import head_workspace
 from tests.helpers import require
 
 # the module, not the op that fastalign.ops exports under the same name
@@ -86,15 +88,26 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
     config, trainer_class = {
         "sft": (trl.SFTConfig, trl.SFTTrainer),
         "dpo": (trl.DPOConfig, trl.DPOTrainer),
+        "kto": (trl.KTOConfig, trl.KTOTrainer),
         "grpo": (trl.GRPOConfig, trl.GRPOTrainer),
+        "rloo": (trl.RLOOConfig, trl.RLOOTrainer),
     }[kind]
-    rows = {"sft": tiny_sft_rows, "dpo": tiny_preference_rows, "grpo": tiny_prompt_rows}[kind](4, seed=1)
-    # GRPO samples 2 completions of 8 tokens per prompt, at a temperature its fused head divides by
+    rows = {
+        "sft": tiny_sft_rows,
+        "dpo": tiny_preference_rows,
+        "kto": tiny_kto_rows,
+        "grpo": tiny_prompt_rows,
+        "rloo": tiny_prompt_rows,
+    }[kind](4, seed=1)
+    # GRPO and RLOO sample 2 completions of 8 tokens per prompt, at a temperature their fused head divides
+    # by; RLOO without its KL term (beta 0: no reference model)
     lengths = (
         {"max_completion_length": 8, "num_generations": 2, "temperature": 0.7}
-        if kind == "grpo"
+        if kind in ("grpo", "rloo")
         else {"max_length": 64}
     )
+    if kind == "rloo":
+        lengths["beta"] = 0.0
     model = tiny_model("llama", seed=0)
     if patch == "trl":
         integration.patch_model(model)
@@ -109,9 +122,9 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
         extra["peft_config"] = LoraConfig(
             r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
         )
-    elif kind == "dpo":
+    elif kind in ("dpo", "kto"):
         extra["ref_model"] = tiny_model("llama", seed=1)
-    if kind == "grpo":
+    if kind in ("grpo", "rloo"):
         extra["reward_funcs"] = [digit_ratio]
     args = config(
         output_dir=str(tmp_path),
@@ -153,7 +166,7 @@ def assert_same_step(ours, theirs):
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo", "rloo"])
 def test_a_trl_step_is_the_same_with_fastalign_serving_the_fused_head(kind, setup, tmp_path, calls):
     require("peft")
     theirs = one_step(kind, tmp_path / "trl", **SETUPS[setup])
@@ -167,19 +180,44 @@ def test_a_trl_step_is_the_same_with_fastalign_serving_the_fused_head(kind, setu
     expected = {
         "sft": ("mean_token_accuracy", "entropy"),
         "dpo": ("logits/chosen", "mean_token_accuracy", "entropy"),
+        "kto": ("logits/chosen", "logits/rejected", "kl", "entropy"),
         "grpo": ("entropy", "reward"),
+        "rloo": ("entropy", "reward"),
     }
     assert set(expected[kind]) <= ours[0].keys()
 
 
-def trl_head_call(function, outputs, weight_dtype=torch.float32, tokens=24, **options):
-    """``function`` called as TRL's fused head calls it, on random inputs; outputs and input gradients."""
+#: Vocabulary columns whose logits tie for the largest (``trl_head_call(..., ties=True)``), one in each of
+#: TRL's 128-wide vocabulary chunks
+TIED = (5, 150, 290)
+
+
+def trl_head_call(
+    function,
+    outputs,
+    weight_dtype=torch.float32,
+    tokens=24,
+    hidden_dtype=torch.float32,
+    bias_dtype=torch.float32,
+    ties=False,
+    **options,
+):
+    """``function`` called as TRL's fused head calls it, on random inputs; outputs and input gradients.
+    With ``ties`` the columns ``TIED`` hold the largest logit of every row, equal (zero weight rows, one
+    bias), and the targets cycle through them: only the first is the argmax."""
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(tokens, 16, generator=generator).requires_grad_()
-    weight = torch.randn(300, 16, generator=generator).to(weight_dtype).requires_grad_()
-    bias = torch.randn(300, generator=generator).requires_grad_()
+    hidden = torch.randn(tokens, 16, generator=generator)
+    weight = torch.randn(300, 16, generator=generator)
+    bias = torch.randn(300, generator=generator)
+    if ties:
+        weight, bias = weight * 0.05, bias * 0.1
+        weight[list(TIED)], bias[list(TIED)] = 0.0, 4.0
+    hidden, weight = hidden.to(hidden_dtype).requires_grad_(), weight.to(weight_dtype).requires_grad_()
+    bias = bias.to(bias_dtype).requires_grad_()
     targets = torch.randint(0, 300, (tokens,), generator=generator)
-    targets[::2] = (hidden @ weight.float().T + bias).argmax(-1)[::2]  # some top-1 hits
+    targets[::2] = (hidden.float() @ weight.float().T + bias.float()).argmax(-1)[::2]  # some top-1 hits
+    if ties:
+        targets = torch.tensor(TIED).repeat(tokens)[:tokens]
     args = {
         "temperature": 0.7,
         "chunk_size": 128,
@@ -192,6 +230,26 @@ def trl_head_call(function, outputs, weight_dtype=torch.float32, tokens=24, **op
         return result, ()
     loss = result[0].sum() + (0.3 * result[1].sum() if result[1] is not None else 0)
     return result, torch.autograd.grad(loss, (hidden, weight, bias))
+
+
+def assert_same_head_call(ours, theirs, low_precision=False):
+    """Outputs and input gradients of two ``trl_head_call``s: equal, to bf16's rounding of the logits
+    (an ulp: TRL adds the bias after rounding the product) with ``low_precision``."""
+    (ours, our_grads), (theirs, their_grads) = ours, theirs
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if low_precision else {"rtol": 1e-5, "atol": 2e-5}
+    for name, mine, expected in zip(
+        ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"), ours, theirs, strict=True
+    ):
+        assert (mine is None) == (expected is None), name
+        if expected is not None:
+            assert mine.dtype == expected.dtype and mine.shape == expected.shape, name
+            torch.testing.assert_close(mine, expected, **tolerance, msg=name)
+    for mine, expected in zip(our_grads, their_grads, strict=True):
+        assert mine.dtype == expected.dtype
+        if low_precision:  # a few elements differ by a bf16 ulp of a logit: the whole is within 1%
+            assert (mine.float() - expected.float()).norm() <= 1e-2 * expected.float().norm()
+        else:
+            torch.testing.assert_close(mine, expected, rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize(
@@ -207,20 +265,70 @@ def trl_head_call(function, outputs, weight_dtype=torch.float32, tokens=24, **op
     ],
 )
 def test_the_head_function_answers_trl_protocol_as_trl_does(case):
-    theirs, their_grads = trl_head_call(chunked_logprob.ChunkedLogProbFunction, **case)
+    theirs = trl_head_call(chunked_logprob.ChunkedLogProbFunction, **case)
     assert integration.enable()
-    ours, our_grads = trl_head_call(integration.FusedLogProbs, **case)
-    for name, mine, expected in zip(
-        ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"), ours, theirs, strict=True
-    ):
-        assert (mine is None) == (expected is None), name
-        if expected is not None:
-            assert mine.dtype == expected.dtype and mine.shape == expected.shape, name
-            torch.testing.assert_close(mine, expected, rtol=1e-5, atol=2e-5, msg=name)
+    ours = trl_head_call(integration.FusedLogProbs, **case)
+    assert_same_head_call(ours, theirs)
     if "is_top1" in case["outputs"]:
-        assert ours[4].any() and not ours[4].all()
-    for mine, expected in zip(our_grads, their_grads, strict=True):
-        torch.testing.assert_close(mine, expected, rtol=1e-4, atol=2e-5)
+        assert ours[0][4].any() and not ours[0][4].all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_is_top1_is_trls_argmax_when_bf16_logits_tie(temperature):
+    """A target tied with an earlier token for the largest logit is not top-1 (TRL's ``argmax ==
+    target``): bf16 logits tying across TRL's vocabulary chunks, the targets cycling through the tied
+    columns."""
+    case = {"outputs": ("log_probs", "mean_logits", "is_top1"), "ties": True, "temperature": temperature}
+    case |= {"hidden_dtype": torch.bfloat16, "weight_dtype": torch.bfloat16, "bias_dtype": torch.bfloat16}
+    theirs = trl_head_call(chunked_logprob.ChunkedLogProbFunction, **case)
+    assert integration.enable()
+    ours = trl_head_call(integration.FusedLogProbs, **case)
+    first_tied = torch.arange(24) % len(TIED) == 0
+    assert torch.equal(theirs[0][4], first_tied)
+    assert torch.equal(ours[0][4], theirs[0][4])
+    assert_same_head_call(ours, theirs, low_precision=True)
+
+
+def test_a_bias_of_another_dtype_is_cast_as_trl_does():
+    """bf16 hidden states and head with an fp32 bias: TRL casts the bias to the compute dtype (its
+    gradient comes back in fp32); so does fastalign, which used to refuse the call."""
+    case = {"outputs": ("log_probs", "entropy"), "hidden_dtype": torch.bfloat16}
+    case["weight_dtype"] = torch.bfloat16  # the bias stays fp32
+    theirs = trl_head_call(chunked_logprob.ChunkedLogProbFunction, **case)
+    assert integration.enable()
+    ours = trl_head_call(integration.FusedLogProbs, **case)
+    assert ours[1][2].dtype == torch.float32
+    assert_same_head_call(ours, theirs, low_precision=True)
+
+
+@pytest.mark.parametrize("how", ["setter", "environment"])
+def test_a_head_workspace_the_user_set_is_honoured(how, monkeypatch):
+    """TRL's tile size (4,096 tokens × its vocabulary chunk) is the head's workspace only when the user set
+    none: a smaller ``set_head_workspace`` / ``FASTALIGN_HEAD_WORKSPACE_MIB`` budget is kept, not raised to
+    it."""
+    budgets = []
+
+    def recording(*args, workspace_bytes=None, **kwargs):
+        budgets.append(workspace_bytes)
+        return fastalign.ops.token_logprobs(*args, workspace_bytes=workspace_bytes, **kwargs)
+
+    monkeypatch.setattr(integration, "token_logprobs", recording)
+    monkeypatch.delenv(head_workspace.ENV_VAR, raising=False)
+    monkeypatch.setattr(head_workspace, "_budget_override", None)
+    case = {"outputs": ("log_probs", "entropy")}
+    theirs = trl_head_call(chunked_logprob.ChunkedLogProbFunction, **case)
+    assert integration.enable()
+    trl_head_call(integration.FusedLogProbs, **case)  # none set: 24 tokens × 128 columns of TRL's, or more
+    assert budgets.pop() == max(head_workspace.DEFAULT_HEAD_WORKSPACE_BYTES["cpu"], 24 * 128 * 4)
+
+    small = 0.002  # MiB: 2,097 bytes, under TRL's 12,288-byte tile of this call
+    if how == "setter":
+        head_workspace.set_head_workspace(small)
+    else:
+        monkeypatch.setenv(head_workspace.ENV_VAR, str(small))
+    ours = trl_head_call(integration.FusedLogProbs, **case)
+    assert budgets.pop() == int(small * 2**20) < 24 * 128 * 4
+    assert_same_head_call(ours, theirs)  # smaller chunks, the same numbers
 
 
 @pytest.mark.parametrize("mismatch", ["version", "signature"])
@@ -244,3 +352,103 @@ def test_another_trl_protocol_keeps_trl_head_with_one_warning(mismatch, monkeypa
     if mismatch == "version":
         one_step("sft", tmp_path)
         assert calls["fastalign"] == 0 and calls["trl"] > 0
+
+
+def test_patching_after_trl_added_its_fused_head_is_refused():
+    """TRL's trainers give the model its fused head (an instance ``forward``) when they are built; patching
+    after that would replace it silently (``model(..., fused_lm_head=True)`` then gives no log-probs):
+    one clear error instead, and TRL's forward stays."""
+    model = tiny_model("llama", seed=0)
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs",))
+    trl_forward = model.__dict__["forward"]
+    with pytest.raises(ValueError, match="patch the model before the trainer is built"):
+        integration.patch_model(model)
+    assert model.__dict__["forward"] is trl_forward and not fastalign.patching.patched_pieces(model)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    assert model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.shape == (1, 3)
+
+    patched_first = integration.patch_model(tiny_model("llama", seed=0))  # the order the docs give
+    trl_utils.add_fused_lm_head(patched_first, outputs=("log_probs",))
+    assert patched_first(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.shape == (1, 3)
+    assert fastalign.patch_model(tiny_model("llama", seed=0), loss=False)  # no head patched: nothing refused
+
+
+def test_a_kept_reference_passes_every_call_to_trl_after_disable(calls):
+    """``disable()`` gives TRL its function back; a reference to fastalign's taken while it was enabled then
+    passes every call to TRL's (it used to drop TRL's function and fail on the calls it leaves to it)."""
+    assert integration.enable()
+    kept = trl_utils._ChunkedLogProbFunction
+    assert kept is integration.FusedLogProbs
+    integration.disable()
+    assert trl_utils._ChunkedLogProbFunction is chunked_logprob.ChunkedLogProbFunction
+    for outputs in [("log_probs", "log_sum_sq_probs"), ("log_probs", "entropy", "is_top1")]:
+        theirs = trl_head_call(chunked_logprob.ChunkedLogProbFunction, outputs)
+        assert_same_head_call(trl_head_call(kept, outputs), theirs)
+    assert calls["fastalign"] == 0
+
+
+def test_disable_leaves_a_third_party_function_in_trls_slot_with_one_warning(monkeypatch):
+    """Another library that replaced fastalign's function in TRL's slot keeps it: ``disable()`` restores
+    TRL's only over fastalign's own, and says once that it did not."""
+    monkeypatch.setattr(integration, "_warned_foreign", False, raising=False)
+    assert integration.enable()
+
+    class ThirdParty(chunked_logprob.ChunkedLogProbFunction):
+        pass
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ThirdParty)
+    with pytest.warns(UserWarning, match="another library: left in place"):
+        integration.disable()
+    assert trl_utils._ChunkedLogProbFunction is ThirdParty
+    integration.disable()  # no second warning: pytest.warns above took the only one
+    assert not integration._serving
+
+
+def test_enable_installs_again_when_trls_slot_lost_fastalign(monkeypatch, calls):
+    """``enable()`` checks TRL's slot, not its own record: after the slot got TRL's function back behind
+    its back (a monkeypatch undone, another library), ``enable()`` installs fastalign's again, and TRL's
+    function kept as the fallback is still TRL's own."""
+    assert integration.enable()
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", chunked_logprob.ChunkedLogProbFunction)
+    assert integration.enable()
+    assert trl_utils._ChunkedLogProbFunction is integration.FusedLogProbs
+    assert integration._trl_original() is chunked_logprob.ChunkedLogProbFunction
+    trl_head_call(trl_utils._ChunkedLogProbFunction, ("log_probs", "entropy"))
+    assert calls == {"fastalign": 1, "trl": 0}
+
+
+def test_two_threads_enabling_at_once_swap_trls_function_once(monkeypatch):
+    """``enable()`` holds a lock: a second thread's ``enable()`` meeting the first inside its protocol check
+    must neither check fastalign's function as if it were TRL's (it used to fail there) nor record it as
+    TRL's (``disable()`` would then put fastalign's back)."""
+    import threading
+
+    check, callers, second = integration._protocol_mismatch, [], threading.Event()
+
+    def meeting_check(utils):
+        callers.append(threading.get_ident())
+        if len(callers) == 1:
+            second.wait(timeout=1.0)  # the second thread comes in here too, unless a lock holds it back
+        else:
+            second.set()
+        return check(utils)
+
+    monkeypatch.setattr(integration, "_protocol_mismatch", meeting_check)
+    monkeypatch.setattr(integration, "_trl_function", None)  # as in a fresh process
+    results = []
+
+    def enable():
+        try:
+            results.append(integration.enable())
+        except Exception as error:
+            results.append(error)
+
+    threads = [threading.Thread(target=enable) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [True, True]
+    assert trl_utils._ChunkedLogProbFunction is integration.FusedLogProbs
+    integration.disable()
+    assert trl_utils._ChunkedLogProbFunction is chunked_logprob.ChunkedLogProbFunction

@@ -290,6 +290,38 @@ def test_stats_lse_entropy_accuracy(backend):
     assert stats.accuracy.any() and not stats.lse.requires_grad
 
 
+def test_accuracy_is_the_first_argmax_when_bf16_logits_tie(backend):
+    """A target tied with an earlier token for the largest logit is not a hit: accuracy is ``argmax ==
+    target`` with torch's first maximal index (as TRL's token accuracy), not ``target logit >= max``.
+    The tied columns (zero weight rows, one bias) sit in different Triton vocabulary tiles of 64."""
+    tied = [5, 150, 290]
+    hidden, weight, bias, _ = make_inputs(torch.bfloat16, bias=True, ignore_every=0)
+    with torch.no_grad():
+        weight[tied], bias[tied] = 0.0, 8.0
+    targets = torch.tensor(tied, device=DEVICE).repeat(BATCH * SEQ)[: BATCH * SEQ].view(BATCH, SEQ)
+    targets.view(-1)[1::7] = IGNORE
+    logits = F.linear(hidden, weight, bias).float()
+    first = (logits.argmax(-1) == targets) & (targets != IGNORE)
+    assert first.any() and not first.all() and (logits.argmax(-1) == tied[0]).all()
+    _, stats = token_logprobs(
+        hidden, weight, targets, bias, return_stats=True, chunk_size=CHUNK, backend=backend
+    )
+    assert torch.equal(stats.accuracy, first)
+    if backend == "triton":
+        from fastalign.kernels.linear_cross_entropy import softmax_row_stats
+
+        flat = targets.view(-1)
+        row_stats = softmax_row_stats(
+            F.linear(hidden, weight, bias).view(-1, VOCAB).detach(),
+            flat,
+            ignore_index=IGNORE,
+            softcap=30.0,
+            inv_temperature=1 / 0.7,
+            block_v=64,
+        )
+        assert torch.equal(row_stats[-1].bool(), first.view(-1))
+
+
 def test_default_chunk_size_and_single_chunk_agree(backend):
     hidden, weight, _, targets = make_inputs(torch.float32)
     whole = linear_cross_entropy(hidden, weight, targets, backend=backend)

@@ -168,3 +168,28 @@ def test_mean_logits_and_argmax_hits_equal_trls_fused_head(backend):
     assert torch.equal(stats.accuracy, their_top1)
     torch.testing.assert_close(out.logit_sums, their_mean.sum(-1), rtol=1e-5, atol=1e-6)
     assert torch.equal(out.top1, their_top1.sum(-1).float())
+
+
+def test_argmax_hits_with_tied_bf16_logits_equal_trls(backend):
+    """With bf16 logits where the target ties an earlier token for the maximum, the pair head's per-sequence
+    ``top1`` and ``token_logprobs``' accuracy count it as TRL's ``is_top1`` does (``argmax == target``:
+    not a hit); only the first tied column is."""
+    require("trl")
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    hidden, weight, bias, targets, _ = make_inputs(torch.bfloat16)
+    tied = torch.tensor([2, 17, 30], device=DEVICE)
+    weight[tied], bias[tied] = 0.0, 8.0
+    valid = targets != IGNORE
+    cycling = tied[torch.arange(targets.numel(), device=DEVICE) % 3].view_as(targets)
+    targets = torch.where(valid, cycling, IGNORE)
+    hits = targets == tied[0]
+    out = call(hidden, weight, bias, targets, None, backend, 16)
+    _, stats = token_logprobs(hidden, weight, targets, bias, return_stats=True, backend=backend)
+    *_, is_top1 = ChunkedLogProbFunction.apply(
+        hidden[valid], weight, bias, targets[valid], 1.0, 16, None, 1.0, ("is_top1",)
+    )
+    their_top1 = torch.zeros_like(stats.accuracy).masked_scatter_(valid, is_top1)
+    assert torch.equal(their_top1, hits) and hits.any()
+    assert torch.equal(stats.accuracy, their_top1)
+    assert torch.equal(out.top1, their_top1.sum(-1).float())
