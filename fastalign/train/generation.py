@@ -35,7 +35,6 @@ encoder-decoder, beam search, a streamer, stop strings, a cache with linear-atte
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from typing import Any
 
@@ -80,6 +79,9 @@ _INERT_OPTIONS = frozenset(
         "disable_compile", "low_memory", "length_penalty", "early_stopping", "num_beam_groups",
     }
 )  # fmt: skip
+#: What the engine reads of a model's transformers generation mixin (internals, tested on every supported
+#: transformers).
+_GENERATION_METHODS = ("generation_config", "_prepare_generation_config", "_get_logits_processor")
 #: Cache layers whose state is all keys and values along the batch (``batch_repeat_interleave`` and
 #: ``batch_select_indices`` repeat and select all of it). A linear-attention layer's conv and recurrent
 #: states, or a hybrid layer's, are not; such a model samples with ``generate``.
@@ -96,10 +98,12 @@ COMPACT_SHARE = 1 / 8
 
 
 def merged_generation_config(model: torch.nn.Module, kwargs: dict[str, Any]):
-    """The generation config ``generate`` would sample with: the model's, updated with ``kwargs``.
-    Returns (config, keys of ``kwargs`` that are not generation-config fields)."""
-    config = copy.deepcopy(model.generation_config)
-    unused = config.update(**kwargs)
+    """The generation config ``generate`` would sample with, merged by ``generate``'s own
+    ``_prepare_generation_config``: ``kwargs`` over the model's ``generation_config`` over transformers'
+    global defaults (``top_k`` 50 where neither sets it, ...). Returns (config, keys of ``kwargs`` that are
+    not generation-config fields)."""
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    unused = {key: value for key, value in kwargs.items() if not hasattr(config, key)}
     return config, unused
 
 
@@ -122,7 +126,7 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None
     """Why the engine cannot sample ``model`` with ``generate``'s ``kwargs`` (None: it can)."""
     if getattr(model.config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model"
-    if not hasattr(model, "_get_logits_processor") or not hasattr(model, "generation_config"):
+    if not all(hasattr(model, name) for name in _GENERATION_METHODS):
         return f"{type(model).__name__} has no transformers generation mixin"
     config, unused = merged_generation_config(model, kwargs)
     if unused:
@@ -138,7 +142,8 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None
     for layer in DynamicCache(config=model.config).layers:
         if type(layer) not in _BATCHED_LAYERS:  # e.g. linear attention: conv and recurrent states
             return f"its cache has {type(layer).__name__} layers, which the engine cannot repeat"
-    default = type(config)()
+    default = type(config)()  # as generate merges it: the global defaults where the model sets nothing
+    default.update(**getattr(default, "_get_default_generation_params", dict)(), defaults_only=True)
     known = _DECODING_OPTIONS | _PROCESSOR_OPTIONS | _INERT_OPTIONS
     for name, value in config.to_dict().items():
         if name.startswith("_") or name in known:

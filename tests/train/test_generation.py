@@ -267,6 +267,34 @@ def test_sampled_tokens_follow_generates_distribution():
     assert fits(torch.bincount(after, minlength=second.numel()).float(), second)
 
 
+def test_the_generation_config_merges_as_generates_does(monkeypatch):
+    """Options over the model's generation config over transformers' global defaults, as ``generate``
+    merges them: a model that sets no ``top_k`` samples from the top 50 with ``do_sample`` alone, as
+    ``generate`` does (the config ``generate`` hands its logits processors is the engine's)."""
+    model = tiny_model("llama", seed=4).eval()
+    model.generation_config.temperature = 0.9  # the model's own, kept; top_k: the global default
+    assert model.generation_config.top_k is None
+    ids, mask = left_padded([5], seed=5)
+    options = dict(do_sample=True, max_new_tokens=1, eos_token_id=2, pad_token_id=PAD)
+    seen = []
+    processors = model._get_logits_processor
+    spy = lambda *args, **kwargs: (seen.append(kwargs["generation_config"]), processors(*args, **kwargs))[1]  # noqa: E731
+    monkeypatch.setattr(model, "_get_logits_processor", spy)
+    with torch.no_grad():
+        generate(model, ids, mask, 1, **options)
+    monkeypatch.setattr(model, "_get_logits_processor", processors)
+    ours, unused = generation.merged_generation_config(model, options)
+    theirs = seen[0].to_dict()
+    differ = {key for key, value in ours.to_dict().items() if theirs.get(key) != value}
+    differ = {key for key in differ if not key.startswith("_")}  # the special tokens' tensors: generate's
+    assert differ <= {"max_length"} and not unused  # max_length: generate's from the prompt's width
+    assert ours.top_k == 50 and ours.temperature == 0.9
+    torch.manual_seed(0)
+    with torch.no_grad():
+        first = sample_groups(model, ids, mask, 1000, options)[:, -1]
+    assert first.unique().numel() <= 50
+
+
 def test_a_prompts_completions_depend_on_its_seed_only():
     model = tiny_model("llama", seed=5).eval()
     ids, mask = left_padded([4, 7, 5], seed=6)
