@@ -28,8 +28,8 @@ every supported version (``tests/train/test_generation.py`` runs in the lowest-v
 
 Under FSDP2 (``synced``) a rank whose rows have all ended keeps stepping one row until every rank's have:
 the sharded layers' all-gathers are collective. A model or an option the engine cannot run (an
-encoder-decoder, beam search, a streamer, stop strings, a cache with linear-attention or conv states,
-...) is sampled by ``generate``, said once in one log line (``engine_refusal``).
+encoder-decoder, beam search, a streamer, stop strings, a cache with linear-attention or conv states, a
+quantized cache, ...) is sampled by ``generate``, said once in one log line (``engine_refusal``).
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ except ImportError:
 logger = logging.getLogger(__name__)
 
 #: ``generate`` options the engine implements besides the logits processors' (which it takes from the
-#: model): the stopping and the ids it needs. Any other generation option that is set makes the rollout
-#: use ``generate`` (``engine_refusal``).
+#: model): the stopping, the ids it needs and the cache (``_SAME_CACHE_IMPLEMENTATIONS``). Any other
+#: generation option that is set makes the rollout use ``generate`` (``engine_refusal``).
 _DECODING_OPTIONS = frozenset(
     {"do_sample", "max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id"}
-    | {"use_cache"}
+    | {"use_cache", "cache_implementation"}
 )
 #: The generation-config fields that only choose logits processors (``generate``'s list, built by the
 #: model): the engine applies whatever they build.
@@ -74,7 +74,7 @@ _PROCESSOR_OPTIONS = frozenset(
 _INERT_OPTIONS = frozenset(
     {
         "max_length", "num_return_sequences", "output_scores", "output_logits", "output_attentions",
-        "output_hidden_states", "return_dict_in_generate", "cache_implementation", "cache_config",
+        "output_hidden_states", "return_dict_in_generate", "cache_config",
         "decoder_start_token_id", "is_assistant", "transformers_version", "compile_config",
         "disable_compile", "low_memory", "length_penalty", "early_stopping", "num_beam_groups",
     }
@@ -82,6 +82,10 @@ _INERT_OPTIONS = frozenset(
 #: What the engine reads of a model's transformers generation mixin (internals, tested on every supported
 #: transformers).
 _GENERATION_METHODS = ("generation_config", "_prepare_generation_config", "_get_logits_processor")
+#: ``cache_implementation``s whose attention sees the keys and values the engine's cache holds: the default
+#: and dynamic caches, offloaded or static (preallocated, masked). Another (``quantized`` keys and values,
+#: ``paged``, the deprecated sliding-window ones) makes the rollout use ``generate``.
+_SAME_CACHE_IMPLEMENTATIONS = frozenset({None, "dynamic", "offloaded", "static", "offloaded_static"})
 #: Cache layers whose state is all keys and values along the batch (``batch_repeat_interleave`` and
 #: ``batch_select_indices`` repeat and select all of it). A linear-attention layer's conv and recurrent
 #: states, or a hybrid layer's, are not; such a model samples with ``generate``.
@@ -137,6 +141,8 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None
         return "use_cache is false"
     if config.max_new_tokens is None:
         return "max_new_tokens is not set"
+    if config.cache_implementation not in _SAME_CACHE_IMPLEMENTATIONS:
+        return f"cache_implementation is {config.cache_implementation!r}"
     if hasattr(model, "_supports_default_dynamic_cache") and not model._supports_default_dynamic_cache():
         return f"{type(model).__name__} does not use transformers' DynamicCache"
     for layer in DynamicCache(config=model.config).layers:

@@ -352,6 +352,17 @@ def test_what_the_engine_cannot_run_is_named():
     assert engine_refusal(model, {"do_sample": True, "top_k": 5, "max_new_tokens": 2}) is None
 
 
+@pytest.mark.parametrize("implementation", ["quantized", "paged", "sliding_window"])
+def test_a_cache_implementation_the_engine_does_not_reproduce_is_refused(implementation):
+    """A quantized KV cache (or a paged or deprecated one) changes what attention reads: generate runs it.
+    The dynamic and static caches hold the keys and values as the engine's does."""
+    model = tiny_model("llama")
+    refusal = engine_refusal(model, {"cache_implementation": implementation, "max_new_tokens": 2})
+    assert refusal == f"cache_implementation is {implementation!r}"
+    for same in ("dynamic", "static", "offloaded"):
+        assert engine_refusal(model, {"cache_implementation": same, "max_new_tokens": 2}) is None
+
+
 def test_the_rollout_falls_back_to_generate_saying_why_once(caplog):
     model = tiny_model("llama", seed=7).eval()
     ids, mask = left_padded([4, 4], seed=9)
