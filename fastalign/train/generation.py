@@ -13,9 +13,9 @@ cost grows with its rows, both are paid in full; on a GPU the padding rows cost 
   (``Cache.batch_repeat_interleave``), each row appending to its own copy.
 - **Finished rows leave the batch**: once an eighth of the rows in the batch have ended (an EOS), the
   batch, its cache (``Cache.batch_select_indices``) and its ids are compacted to the rows still running.
-- **Sampling draws by inverse CDF** (one uniform number per row, a binary search of the cumulated
-  probabilities) instead of ``torch.multinomial``, whose exponential draw over the whole vocabulary cost
-  a tenth of a SmolLM2 decode step on a CPU. The distribution is the same; the draws are not
+- **Sampling draws by inverse CDF** (one uniform number per row, a binary search of the probabilities
+  cumulated in float64) instead of ``torch.multinomial``, whose exponential draw over the whole vocabulary
+  cost a tenth of a SmolLM2 decode step on a CPU. The distribution is the same; the draws are not
   ``generate``'s (its random stream is another).
 
 Sampling is ``generate``'s by construction: the merged generation config (the model's
@@ -296,20 +296,25 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
 
 
 def _uniforms(total: int, group: int, generators: list | None, device: torch.device) -> torch.Tensor:
-    """A uniform number in [0, 1) for each of the ``total`` rows: from the global random state, or
-    ``group`` from each prompt's generator."""
+    """A uniform number in [0, 1) for each of the ``total`` rows (float64, as ``_draw`` cumulates): from
+    the global random state, or ``group`` from each prompt's generator."""
+    kind = dict(device=device, dtype=torch.float64)
     if generators is None:
-        return torch.rand(total, device=device)
-    return torch.cat([torch.rand(group, generator=generator, device=device) for generator in generators])
+        return torch.rand(total, **kind)
+    return torch.cat([torch.rand(group, generator=generator, **kind) for generator in generators])
 
 
 def _draw(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row from softmax(``scores``), by inverse CDF: the first token whose cumulated
-    probability exceeds the row's ``uniform`` number. A token of probability 0 (cut by top-k, top-p, a
-    bad word) never is: its cumulated value is set to its predecessor's, since a GPU's parallel scan may
-    otherwise give it an interval an ulp wide (and the running maximum keeps the values sorted)."""
+    probability exceeds the row's ``uniform`` number. The probabilities are cumulated (and the uniform
+    numbers drawn) in float64: in float32 a token below half an ulp of the running sum (3e-8 once it nears
+    1) adds nothing to it, so that the long tail of a real vocabulary could never be drawn (on SmolLM2,
+    2e-4 to 4e-4 of a step's distribution), and a uniform number's 24 bits would quantize the rest. A
+    token of probability 0 (cut by top-k, top-p, a bad word) never is: its cumulated value is set to its
+    predecessor's, since a GPU's parallel scan may otherwise give it an interval an ulp wide (and the
+    running maximum keeps the values sorted)."""
     probabilities = torch.softmax(scores, dim=-1)
-    cumulated = probabilities.cumsum(-1).masked_fill_(probabilities == 0, 0).cummax(-1).values
+    cumulated = probabilities.double().cumsum(-1).masked_fill_(probabilities == 0, 0).cummax(-1).values
     target = uniform[:, None].to(cumulated.dtype) * cumulated[:, -1:]
     return torch.searchsorted(cumulated, target, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
 

@@ -8,6 +8,7 @@ said once. Runs on every supported transformers (the lowest-versions environment
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,27 @@ def test_draws_never_take_a_token_of_probability_zero(monkeypatch):
     boundaries = torch.stack([third, torch.nextafter(third, torch.tensor(1.0)), 2 * third])
     drawn = generation._draw(scores, boundaries)
     assert bool((scores.gather(1, drawn[:, None]) == 0).all()), drawn
+
+
+def test_draws_reach_every_token_of_a_long_tail_of_tiny_probabilities():
+    """200,000 tokens of 5e-9 each (1e-3 of the mass together) after one of 0.999: each below half a
+    float32 ulp of the running sum, so that a float32 CDF gave most of them no interval (they could never
+    be drawn, their mass going to a neighbour). A uniform number in the middle of a tail token's interval
+    (the exact CDF of the probabilities the softmax gives) draws that token; and the uniform numbers have
+    float64's resolution (float32's 6e-8 steps would skip most tail tokens too)."""
+    tail, mass = 200_000, 1e-3
+    scores = torch.full((1, tail + 1), math.log(mass / tail))
+    scores[0, 0] = math.log(1 - mass)
+    probabilities = torch.softmax(scores[0], -1)
+    head, each = float(probabilities[0]), float(probabilities[1])  # every tail token's is the same
+    assert bool((probabilities[1:] == probabilities[1]).all())
+    total = head + tail * each
+    tokens = [1, 2, 3, 1000, 54_321, 123_457, tail - 1, tail]
+    middles = torch.tensor([(head + (token - 0.5) * each) / total for token in tokens], dtype=torch.float64)
+    drawn = generation._draw(scores.repeat(len(tokens), 1), middles)
+    assert drawn.tolist() == tokens
+    assert generation._uniforms(4, 2, None, torch.device("cpu")).dtype == torch.float64
+    assert generation._uniforms(4, 2, [torch.Generator()] * 2, torch.device("cpu")).dtype == torch.float64
 
 
 def test_a_cache_the_engine_cannot_repeat_is_sampled_by_generate():
