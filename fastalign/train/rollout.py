@@ -164,8 +164,9 @@ def _generate(model, prompts: dict, options: SamplingOptions, kwargs: dict, toke
     group = options.num_generations
     prompt_ids = prompts["input_ids"].repeat_interleave(group, 0).to(ctx.device)
     prompt_mask = prompts["attention_mask"].repeat_interleave(group, 0).to(ctx.device)
+    kwargs = {"use_cache": True, **kwargs}  # generation_kwargs may set it (false: the engine refused)
     output = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, synced_gpus=ctx.enabled, **kwargs
+        input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=ctx.enabled, **kwargs
     )
     return _completions(prompt_ids, prompt_mask, output[:, prompt_ids.shape[1] :], tokenizer)
 

@@ -402,6 +402,27 @@ def test_the_rollout_falls_back_to_generate_saying_why_once(caplog):
     assert torch.equal(done.completion_ids[:, :3], expected[:, ids.shape[1] : ids.shape[1] + 3])
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_use_cache_in_generation_kwargs_is_passed_once(use_cache, caplog, monkeypatch):
+    """``use_cache: false`` makes the rollout sample with generate (said), which gets it once (it raised
+    'got multiple values for keyword argument'); true, the engine runs."""
+    from fastalign.train import rollout
+
+    monkeypatch.setattr(rollout, "_SAID", set())
+    model = tiny_model("llama", seed=7).eval()
+    ids, mask = left_padded([4, 6], seed=9)
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
+    options = SamplingOptions(2, 5, top_k=1, generation_kwargs={"use_cache": use_cache})
+    with caplog.at_level(logging.WARNING, logger="fastalign.train.rollout"):
+        (done,) = generate_completions(
+            model, [{"input_ids": ids, "attention_mask": mask}], options, tokenizer, CPU
+        )
+    said = [record.message for record in caplog.records if "model.generate" in record.message]
+    assert len(said) == (0 if use_cache else 1) and all("(use_cache is false)" in line for line in said)
+    greedy = dict(do_sample=False, max_new_tokens=5, eos_token_id=2, pad_token_id=PAD)
+    assert torch.equal(done.completion_ids, generate(model, ids, mask, 2, **greedy)[:, ids.shape[1] :])
+
+
 @pytest.mark.slow
 def test_ranks_stay_in_step_under_fsdp2():
     """Rank 0's rows end early, rank 1's run to the limit: both ranks run every forward (the worker)."""
