@@ -111,6 +111,16 @@ def merged_generation_config(model: torch.nn.Module, kwargs: dict[str, Any]):
     return config, unused
 
 
+def eos_token_ids(model: torch.nn.Module, kwargs: dict[str, Any]) -> list[int]:
+    """The ids that end a row when ``generate`` (or the engine) samples with ``kwargs``: the merged
+    config's ``eos_token_id``, one or several (none where nothing sets one)."""
+    if all(hasattr(model, name) for name in _GENERATION_METHODS):
+        value = merged_generation_config(model, kwargs)[0].eos_token_id
+    else:
+        value = kwargs.get("eos_token_id")
+    return [] if value is None else _as_list(value)
+
+
 def reads_prompt_padding(model: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
     """Whether a logits processor of these options sees the prompts' left padding (an absolute
     ``min_length``, which counts it; a repetition penalty, n-gram or bad-word rule over the prompt's ids,

@@ -423,6 +423,28 @@ def test_use_cache_in_generation_kwargs_is_passed_once(use_cache, caplog, monkey
     assert torch.equal(done.completion_ids, generate(model, ids, mask, 2, **greedy)[:, ids.shape[1] :])
 
 
+@pytest.mark.parametrize("engine", ["fastalign", "generate"])
+def test_a_completion_ends_at_any_of_several_eos_ids(engine):
+    """``generation_kwargs`` may give several EOS ids (so may the model's generation config): sampling
+    stops at any of them, and the completion's mask ends there, untruncated, as sampling ended it."""
+    model = tiny_model("llama", seed=7).eval()
+    ids, mask = left_padded([4, 6], seed=9)
+    stop = an_eos_that_ends_some_rows(model, ids, mask, steps=8)
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
+    kwargs = {"eos_token_id": [2, stop]}
+    options = SamplingOptions(1, 8, top_k=1, generation_kwargs=kwargs, engine=engine)
+    (done,) = generate_completions(
+        model, [{"input_ids": ids, "attention_mask": mask}], options, tokenizer, CPU
+    )
+    greedy = generate(model, ids, mask, 1, do_sample=False, max_new_tokens=8, pad_token_id=PAD, **kwargs)
+    completions = greedy[:, ids.shape[1] :]
+    ended = torch.isin(completions, torch.tensor([2, stop])).any(-1)
+    assert bool(ended.any()) and torch.equal(done.truncated, ~ended)
+    lengths = torch.where(ended, torch.isin(completions, torch.tensor([2, stop])).int().argmax(-1) + 1, 8)
+    assert torch.equal(done.lengths, lengths)
+    assert torch.equal(done.completion_ids, completions.masked_fill(done.completion_mask == 0, PAD))
+
+
 @pytest.mark.slow
 def test_ranks_stay_in_step_under_fsdp2():
     """Rank 0's rows end early, rank 1's run to the limit: both ranks run every forward (the worker)."""
