@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from fastalign.train.decode_cache import ReservedLayer, SharedPrefixLayer
 from fastalign.train.prefix_attention import can_share, shared_prefix_decoding
@@ -125,14 +126,30 @@ def reads_prompt_padding(model: torch.nn.Module, kwargs: dict[str, Any]) -> bool
     """Whether a logits processor of these options sees the prompts' left padding (an absolute
     ``min_length``, which counts it; a repetition penalty, n-gram or bad-word rule over the prompt's ids,
     pad ids included): then prompts padded to another width sample otherwise, and the rollout samples
-    each width of micro-batch in a call of its own."""
+    each width of micro-batch in a call of its own. The repetition penalty skips the padding on
+    transformers 5.23 (``prompt_ignore_length``, from the attention mask), not on 5.17: each is asked."""
     config, _ = merged_generation_config(model, kwargs)
     return bool(
         (config.min_length and config.min_new_tokens is None)
-        or config.repetition_penalty not in (None, 1.0)
+        or (config.repetition_penalty not in (None, 1.0) and _penalty_reads_padding(model))
         or config.no_repeat_ngram_size
         or config.bad_words_ids
         or config.sequence_bias
+    )
+
+
+def _penalty_reads_padding(model: torch.nn.Module) -> bool:
+    """Whether ``generate``'s repetition penalty counts the prompts' left padding (its pad ids penalized as
+    any id of the prompt), asked of the installed transformers: it skips the padding where the processor
+    it builds for a left-padded row holds the row's padding length."""
+    padded = torch.tensor([[0, 1]])
+    processors = model._get_logits_processor(
+        GenerationConfig(repetition_penalty=2.0), input_ids_seq_length=2, device=torch.device("cpu"),
+        model_kwargs={"attention_mask": padded},
+    )  # fmt: skip
+    penalties = [p for p in processors if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+    return not penalties or not all(
+        torch.is_tensor(getattr(p, "prompt_ignore_length", None)) for p in penalties
     )
 
 

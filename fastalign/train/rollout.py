@@ -21,7 +21,7 @@ so groups never straddle ranks.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -137,7 +137,10 @@ def generate_completions(
     (left-padded ids + mask). With ``seeds`` (one per micro-batch) each micro-batch's sampling is
     seeded by its own; without, the current random state draws."""
     kwargs = options.generate_kwargs(tokenizer)
-    refusal = engine_refusal(model, kwargs) if options.engine == "fastalign" else None
+    refusal, widths = None, []
+    if options.engine == "fastalign":  # every rank's widths: the ranks call alike
+        widths = sorted(set(all_gather_list([batch["input_ids"].shape[1] for batch in prompts], ctx)))
+        refusal = engine_refusal(model, kwargs)
     if refusal is not None:
         _say_once(
             f"fastalign: sampling with model.generate, as the rollout engine cannot run here ({refusal}); "
@@ -148,7 +151,7 @@ def generate_completions(
     model.eval()
     try:
         if options.engine == "fastalign" and refusal is None:
-            return _engine_completions(model, prompts, options, kwargs, ends, ctx, seeds)
+            return _engine_completions(model, prompts, options, kwargs, ends, ctx, seeds, widths)
         completions = []
         for index, batch in enumerate(prompts):
             with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
@@ -172,23 +175,35 @@ def _generate(model, prompts: dict, options: SamplingOptions, kwargs: dict, ends
     return _completions(prompt_ids, prompt_mask, output[:, prompt_ids.shape[1] :], ends)
 
 
-def _engine_completions(model, prompts: list[dict], options, kwargs, ends, ctx, seeds) -> list:
+def _engine_completions(model, prompts: list[dict], options, kwargs, ends, ctx, seeds, widths) -> list:
     """Every micro-batch's completions from one call of the engine: the prompts left-padded to a common
     width, each prompt seeded by its micro-batch's seed and its place in it (or the random state). Where
     a logits processor sees the padding (``reads_prompt_padding``), one call per width of micro-batch
-    instead, so that each samples as it would alone."""
-    if len(prompts) > 1 and reads_prompt_padding(model, kwargs):
-        widths = [batch["input_ids"].shape[1] for batch in prompts]
-        done: dict[int, Completions] = {}
-        for width in dict.fromkeys(widths):
-            same = [index for index, w in enumerate(widths) if w == width]
-            got = _engine_call(
-                model, [prompts[i] for i in same], options, kwargs, ends, ctx,
-                None if seeds is None else [seeds[i] for i in same],
-            )  # fmt: skip
-            done.update(zip(same, got, strict=True))
-        return [done[index] for index in range(len(prompts))]
-    return _engine_call(model, prompts, options, kwargs, ends, ctx, seeds)
+    instead, so that each samples as it would alone. ``widths``: the micro-batches' widths on every rank;
+    under torchrun each rank makes a call for each of them, with a row of its own where it has no
+    micro-batch of that width, so that the calls' collectives (the sharded layers' all-gathers, the
+    all-reduce of each step) pair up across ranks."""
+    if not reads_prompt_padding(model, kwargs) or (len(prompts) == 1 and not ctx.enabled):
+        return _engine_call(model, prompts, options, kwargs, ends, ctx, seeds)
+    local = [batch["input_ids"].shape[1] for batch in prompts]
+    done: dict[int, Completions] = {}
+    for width in widths:
+        same = [index for index, w in enumerate(local) if w == width]
+        if not same:  # another rank's width: one row, sampled for the collectives and dropped
+            filler = {
+                "input_ids": torch.full((1, width), ends.pad),
+                "attention_mask": torch.zeros(1, width, dtype=torch.long),
+            }
+            filler["attention_mask"][:, -1] = 1
+            alone = replace(options, num_generations=1)
+            _engine_call(model, [filler], alone, kwargs, ends, ctx, None if seeds is None else [0])
+            continue
+        got = _engine_call(
+            model, [prompts[i] for i in same], options, kwargs, ends, ctx,
+            None if seeds is None else [seeds[i] for i in same],
+        )  # fmt: skip
+        done.update(zip(same, got, strict=True))
+    return [done[index] for index in range(len(prompts))]
 
 
 def _engine_call(model, prompts: list[dict], options, kwargs, ends, ctx, seeds) -> list:

@@ -348,17 +348,20 @@ def test_generation_batches_sample_as_each_micro_batch_alone():
         assert torch.equal(together[index].truncated, alone.truncated)
 
 
-def test_micro_batches_whose_padding_a_processor_reads_sample_as_alone():
+@pytest.mark.parametrize("kwargs", [{"min_length": 6}, {"repetition_penalty": 1.5}], ids=["min", "penalty"])
+def test_micro_batches_whose_padding_a_processor_reads_sample_as_alone(kwargs):
     """An absolute ``min_length`` counts the prompt's padding: micro-batches of other widths are sampled
-    in calls of their own, so each equals its call alone."""
+    in calls of their own, so each equals its call alone. The repetition penalty: on transformers 5.17,
+    which penalizes the pad id, so too; on 5.23, which skips the padding, in one call."""
     model = tiny_model("llama", seed=6).eval()
     first, second = left_padded([3, 2], seed=12), left_padded([9, 8], seed=13)
     batches = [{"input_ids": ids, "attention_mask": mask} for ids, mask in (first, second)]
     tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
     eos = an_eos_that_ends_some_rows(model, *first, steps=8)
     tokenizer.eos_token_id = eos
-    options = SamplingOptions(2, 8, top_k=1, generation_kwargs={"min_length": 6})
-    assert generation.reads_prompt_padding(model, options.generate_kwargs(tokenizer))
+    options = SamplingOptions(2, 8, top_k=1, generation_kwargs=kwargs)
+    reads = generation.reads_prompt_padding(model, options.generate_kwargs(tokenizer))
+    assert reads == ("min_length" in kwargs or generation._penalty_reads_padding(model))
     together = generate_completions(model, batches, options, tokenizer, CPU, seeds=[3, 4])
     for index, batch in enumerate(batches):
         (alone,) = generate_completions(model, [batch], options, tokenizer, CPU, seeds=[[3, 4][index]])
@@ -451,3 +454,12 @@ def test_ranks_stay_in_step_under_fsdp2():
     from tests import torchrun
 
     torchrun.run_two_processes(Path(__file__).with_name("generation_worker.py"), 8, timeout=300)
+
+
+@pytest.mark.slow
+def test_ranks_of_other_prompt_widths_stay_in_step():
+    """A processor that reads the padding makes one engine call per width of micro-batch: the ranks'
+    widths differ, and every rank still makes the same calls (the worker)."""
+    from tests import torchrun
+
+    torchrun.run_two_processes(Path(__file__).with_name("rollout_widths_worker.py"), timeout=300)
