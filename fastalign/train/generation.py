@@ -138,6 +138,27 @@ def reads_prompt_padding(model: torch.nn.Module, kwargs: dict[str, Any]) -> bool
     )
 
 
+def rope_switch_length(model: torch.nn.Module) -> int | None:
+    """The sequence length past which the model's rotary embedding changes with the length (None: it never
+    does): a ``longrope``'s long factors past its original maximum, a ``dynamic`` one's rescaling past the
+    maximum positions. Past it the frequencies of a forward depend on the longest row of its batch (which
+    the engine's compactions and shared calls change), and Phi-3's ``prepare_inputs_for_generation``
+    recomputes the whole cache when the sequence crosses it: the engine samples no longer as ``generate``."""
+    config = model.config.get_text_config(decoder=True)
+    parameters = getattr(config, "rope_parameters", None) or {}
+    per_layer = parameters and all(isinstance(value, dict) for value in parameters.values())
+    lengths = []
+    for rope in parameters.values() if per_layer else [parameters]:
+        kind = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+        if kind == "longrope":
+            lengths.append(rope.get("original_max_position_embeddings", config.max_position_embeddings))
+            lengths.append(getattr(config, "original_max_position_embeddings", None))  # Phi-3's recompute
+        elif "dynamic" in kind:
+            lengths.append(config.max_position_embeddings)
+    lengths = [length for length in lengths if isinstance(length, int)]
+    return min(lengths) if lengths else None
+
+
 def _penalty_reads_padding(model: torch.nn.Module) -> bool:
     """Whether ``generate``'s repetition penalty counts the prompts' left padding (its pad ids penalized as
     any id of the prompt), asked of the installed transformers: it skips the padding where the processor
@@ -153,8 +174,9 @@ def _penalty_reads_padding(model: torch.nn.Module) -> bool:
     )
 
 
-def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None:
-    """Why the engine cannot sample ``model`` with ``generate``'s ``kwargs`` (None: it can)."""
+def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any], width: int | None = None) -> str | None:
+    """Why the engine cannot sample ``model`` with ``generate``'s ``kwargs`` (None: it can), for prompts
+    left-padded to ``width`` (the widest of the rollout's; unknown: None, which refuses what it decides)."""
     if getattr(model.config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model"
     if not all(hasattr(model, name) for name in _GENERATION_METHODS):
@@ -170,6 +192,9 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None
         return "max_new_tokens is not set"
     if config.cache_implementation not in _SAME_CACHE_IMPLEMENTATIONS:
         return f"cache_implementation is {config.cache_implementation!r}"
+    switch = rope_switch_length(model)
+    if switch is not None and (width is None or width + config.max_new_tokens - 1 > switch):
+        return f"its rotary embedding changes past {switch} tokens, which the sequences may pass"
     if hasattr(model, "_supports_default_dynamic_cache") and not model._supports_default_dynamic_cache():
         return f"{type(model).__name__} does not use transformers' DynamicCache"
     for layer in DynamicCache(config=model.config).layers:

@@ -138,9 +138,9 @@ def generate_completions(
     seeded by its own; without, the current random state draws."""
     kwargs = options.generate_kwargs(tokenizer)
     refusal, widths = None, []
-    if options.engine == "fastalign":  # every rank's widths: the ranks call alike
+    if options.engine == "fastalign":  # every rank's widths: the ranks decide alike, and call alike
         widths = sorted(set(all_gather_list([batch["input_ids"].shape[1] for batch in prompts], ctx)))
-        refusal = engine_refusal(model, kwargs)
+        refusal = engine_refusal(model, kwargs, width=max(widths, default=0))
     if refusal is not None:
         _say_once(
             f"fastalign: sampling with model.generate, as the rollout engine cannot run here ({refusal}); "

@@ -368,6 +368,56 @@ def test_micro_batches_whose_padding_a_processor_reads_sample_as_alone(kwargs):
         assert torch.equal(together[index].completion_ids, alone.completion_ids)
 
 
+def phi3_with_longrope():
+    """A tiny Phi-3 whose rope switches to its long factors past 16 tokens (Phi-3 128k's longrope): there
+    its ``prepare_inputs_for_generation`` recomputes the cache, with the long factors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    rope = {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 16, "short_factor": [1.0] * 8,
+        "long_factor": [float(4 + i) for i in range(8)],
+    }  # fmt: skip
+    config = AutoConfig.for_model(
+        "phi3", hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+        partial_rotary_factor=0.5, max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_parameters=rope,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_a_rope_that_changes_with_the_length_is_sampled_by_generate_past_it(caplog, monkeypatch):
+    """Sequences that pass a longrope's original length (12-token prompts, 12 new tokens; the limit 16)
+    are sampled by generate, which recomputes Phi-3's cache there (the engine's tokens differed), said in
+    the log line; sequences that stay within it are the engine's, with generate's tokens."""
+    from fastalign.train import rollout
+
+    monkeypatch.setattr(rollout, "_SAID", set())
+    model = phi3_with_longrope()
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 511, "pad_token_id": PAD})()  # rows run to the end
+    greedy = dict(do_sample=False, max_new_tokens=12, eos_token_id=511, pad_token_id=PAD)
+    ids, mask = left_padded([12, 10], seed=1)
+    with caplog.at_level(logging.WARNING, logger="fastalign.train.rollout"):
+        (done,) = generate_completions(
+            model,
+            [{"input_ids": ids, "attention_mask": mask}],
+            SamplingOptions(1, 12, top_k=1),
+            tokenizer,
+            CPU,
+        )
+    said = [record.message for record in caplog.records if "model.generate" in record.message]
+    assert len(said) == 1 and "rotary embedding changes past 16 tokens" in said[0]
+    with torch.no_grad():
+        assert torch.equal(done.completion_ids, generate(model, ids, mask, 1, **greedy)[:, ids.shape[1] :])
+    short, short_mask = left_padded([4, 3], seed=1)  # 4 + 12 - 1 = 15 positions: the short factors only
+    assert engine_refusal(model, greedy, width=4) is None
+    with torch.no_grad():
+        ours = sample_groups(model, short, short_mask, 2, greedy)
+        assert torch.equal(ours, generate(model, short, short_mask, 2, **greedy))
+
+
 def test_what_the_engine_cannot_run_is_named():
     model = tiny_model("llama")
     assert "num_beams" in engine_refusal(model, {"num_beams": 2, "max_new_tokens": 2})
