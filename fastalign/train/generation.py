@@ -13,9 +13,9 @@ cost grows with its rows, both are paid in full; on a GPU the padding rows cost 
   (``Cache.batch_repeat_interleave``), each row appending to its own copy.
 - **Finished rows leave the batch**: once an eighth of the rows in the batch have ended (an EOS), the
   batch, its cache (``Cache.batch_select_indices``) and its ids are compacted to the rows still running.
-- **Sampling draws by inverse CDF** (one uniform number per row, a binary search of the cumulated
-  probabilities) instead of ``torch.multinomial``, whose exponential draw over the whole vocabulary cost
-  a tenth of a SmolLM2 decode step on a CPU. The distribution is the same; the draws are not
+- **Sampling draws by inverse CDF** (one uniform number per row, a binary search of the probabilities
+  cumulated in float64) instead of ``torch.multinomial``, whose exponential draw over the whole vocabulary
+  cost a tenth of a SmolLM2 decode step on a CPU. The distribution is the same; the draws are not
   ``generate``'s (its random stream is another).
 
 Sampling is ``generate``'s by construction: the merged generation config (the model's
@@ -28,21 +28,21 @@ every supported version (``tests/train/test_generation.py`` runs in the lowest-v
 
 Under FSDP2 (``synced``) a rank whose rows have all ended keeps stepping one row until every rank's have:
 the sharded layers' all-gathers are collective. A model or an option the engine cannot run (an
-encoder-decoder, beam search, a streamer, stop strings, a cache with linear-attention or conv states,
-...) is sampled by ``generate``, said once in one log line (``engine_refusal``).
+encoder-decoder, beam search, a streamer, stop strings, a cache with linear-attention or conv states, a
+quantized cache, ...) is sampled by ``generate``, said once in one log line (``engine_refusal``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from fastalign.train.decode_cache import ReservedLayer, SharedPrefixLayer
 from fastalign.train.prefix_attention import can_share, shared_prefix_decoding
@@ -55,11 +55,11 @@ except ImportError:
 logger = logging.getLogger(__name__)
 
 #: ``generate`` options the engine implements besides the logits processors' (which it takes from the
-#: model): the stopping and the ids it needs. Any other generation option that is set makes the rollout
-#: use ``generate`` (``engine_refusal``).
+#: model): the stopping, the ids it needs and the cache (``_SAME_CACHE_IMPLEMENTATIONS``). Any other
+#: generation option that is set makes the rollout use ``generate`` (``engine_refusal``).
 _DECODING_OPTIONS = frozenset(
     {"do_sample", "max_new_tokens", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id"}
-    | {"use_cache"}
+    | {"use_cache", "cache_implementation"}
 )
 #: The generation-config fields that only choose logits processors (``generate``'s list, built by the
 #: model): the engine applies whatever they build.
@@ -75,11 +75,18 @@ _PROCESSOR_OPTIONS = frozenset(
 _INERT_OPTIONS = frozenset(
     {
         "max_length", "num_return_sequences", "output_scores", "output_logits", "output_attentions",
-        "output_hidden_states", "return_dict_in_generate", "cache_implementation", "cache_config",
+        "output_hidden_states", "return_dict_in_generate", "cache_config",
         "decoder_start_token_id", "is_assistant", "transformers_version", "compile_config",
         "disable_compile", "low_memory", "length_penalty", "early_stopping", "num_beam_groups",
     }
 )  # fmt: skip
+#: What the engine reads of a model's transformers generation mixin (internals, tested on every supported
+#: transformers).
+_GENERATION_METHODS = ("generation_config", "_prepare_generation_config", "_get_logits_processor")
+#: ``cache_implementation``s whose attention sees the keys and values the engine's cache holds: the default
+#: and dynamic caches, offloaded or static (preallocated, masked). Another (``quantized`` keys and values,
+#: ``paged``, the deprecated sliding-window ones) makes the rollout use ``generate``.
+_SAME_CACHE_IMPLEMENTATIONS = frozenset({None, "dynamic", "offloaded", "static", "offloaded_static"})
 #: Cache layers whose state is all keys and values along the batch (``batch_repeat_interleave`` and
 #: ``batch_select_indices`` repeat and select all of it). A linear-attention layer's conv and recurrent
 #: states, or a hybrid layer's, are not; such a model samples with ``generate``.
@@ -96,33 +103,83 @@ COMPACT_SHARE = 1 / 8
 
 
 def merged_generation_config(model: torch.nn.Module, kwargs: dict[str, Any]):
-    """The generation config ``generate`` would sample with: the model's, updated with ``kwargs``.
-    Returns (config, keys of ``kwargs`` that are not generation-config fields)."""
-    config = copy.deepcopy(model.generation_config)
-    unused = config.update(**kwargs)
+    """The generation config ``generate`` would sample with, merged by ``generate``'s own
+    ``_prepare_generation_config``: ``kwargs`` over the model's ``generation_config`` over transformers'
+    global defaults (``top_k`` 50 where neither sets it, ...). Returns (config, keys of ``kwargs`` that are
+    not generation-config fields)."""
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    unused = {key: value for key, value in kwargs.items() if not hasattr(config, key)}
     return config, unused
+
+
+def eos_token_ids(model: torch.nn.Module, kwargs: dict[str, Any]) -> list[int]:
+    """The ids that end a row when ``generate`` (or the engine) samples with ``kwargs``: the merged
+    config's ``eos_token_id``, one or several (none where nothing sets one)."""
+    if all(hasattr(model, name) for name in _GENERATION_METHODS):
+        value = merged_generation_config(model, kwargs)[0].eos_token_id
+    else:
+        value = kwargs.get("eos_token_id")
+    return [] if value is None else _as_list(value)
 
 
 def reads_prompt_padding(model: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
     """Whether a logits processor of these options sees the prompts' left padding (an absolute
     ``min_length``, which counts it; a repetition penalty, n-gram or bad-word rule over the prompt's ids,
     pad ids included): then prompts padded to another width sample otherwise, and the rollout samples
-    each width of micro-batch in a call of its own."""
+    each width of micro-batch in a call of its own. The repetition penalty skips the padding on
+    transformers 5.23 (``prompt_ignore_length``, from the attention mask), not on 5.17: each is asked."""
     config, _ = merged_generation_config(model, kwargs)
     return bool(
         (config.min_length and config.min_new_tokens is None)
-        or config.repetition_penalty not in (None, 1.0)
+        or (config.repetition_penalty not in (None, 1.0) and _penalty_reads_padding(model))
         or config.no_repeat_ngram_size
         or config.bad_words_ids
         or config.sequence_bias
     )
 
 
-def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None:
-    """Why the engine cannot sample ``model`` with ``generate``'s ``kwargs`` (None: it can)."""
+def rope_switch_length(model: torch.nn.Module) -> int | None:
+    """The sequence length past which the model's rotary embedding changes with the length (None: it never
+    does): a ``longrope``'s long factors past its original maximum, a ``dynamic`` one's rescaling past the
+    maximum positions. Past it the frequencies of a forward depend on the longest row of its batch (which
+    the engine's compactions and shared calls change), and Phi-3's ``prepare_inputs_for_generation``
+    recomputes the whole cache when the sequence crosses it: the engine samples no longer as ``generate``."""
+    config = model.config.get_text_config(decoder=True)
+    parameters = getattr(config, "rope_parameters", None) or {}
+    per_layer = parameters and all(isinstance(value, dict) for value in parameters.values())
+    lengths = []
+    for rope in parameters.values() if per_layer else [parameters]:
+        kind = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+        if kind == "longrope":
+            lengths.append(rope.get("original_max_position_embeddings", config.max_position_embeddings))
+            lengths.append(getattr(config, "original_max_position_embeddings", None))  # Phi-3's recompute
+        elif "dynamic" in kind:
+            lengths.append(config.max_position_embeddings)
+    lengths = [length for length in lengths if isinstance(length, int)]
+    return min(lengths) if lengths else None
+
+
+def _penalty_reads_padding(model: torch.nn.Module) -> bool:
+    """Whether ``generate``'s repetition penalty counts the prompts' left padding (its pad ids penalized as
+    any id of the prompt), asked of the installed transformers: it skips the padding where the processor
+    it builds for a left-padded row holds the row's padding length."""
+    padded = torch.tensor([[0, 1]])
+    processors = model._get_logits_processor(
+        GenerationConfig(repetition_penalty=2.0), input_ids_seq_length=2, device=torch.device("cpu"),
+        model_kwargs={"attention_mask": padded},
+    )  # fmt: skip
+    penalties = [p for p in processors if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+    return not penalties or not all(
+        torch.is_tensor(getattr(p, "prompt_ignore_length", None)) for p in penalties
+    )
+
+
+def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any], width: int | None = None) -> str | None:
+    """Why the engine cannot sample ``model`` with ``generate``'s ``kwargs`` (None: it can), for prompts
+    left-padded to ``width`` (the widest of the rollout's; unknown: None, which refuses what it decides)."""
     if getattr(model.config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model"
-    if not hasattr(model, "_get_logits_processor") or not hasattr(model, "generation_config"):
+    if not all(hasattr(model, name) for name in _GENERATION_METHODS):
         return f"{type(model).__name__} has no transformers generation mixin"
     config, unused = merged_generation_config(model, kwargs)
     if unused:
@@ -133,12 +190,18 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any]) -> str | None
         return "use_cache is false"
     if config.max_new_tokens is None:
         return "max_new_tokens is not set"
+    if config.cache_implementation not in _SAME_CACHE_IMPLEMENTATIONS:
+        return f"cache_implementation is {config.cache_implementation!r}"
+    switch = rope_switch_length(model)
+    if switch is not None and (width is None or width + config.max_new_tokens - 1 > switch):
+        return f"its rotary embedding changes past {switch} tokens, which the sequences may pass"
     if hasattr(model, "_supports_default_dynamic_cache") and not model._supports_default_dynamic_cache():
         return f"{type(model).__name__} does not use transformers' DynamicCache"
     for layer in DynamicCache(config=model.config).layers:
         if type(layer) not in _BATCHED_LAYERS:  # e.g. linear attention: conv and recurrent states
             return f"its cache has {type(layer).__name__} layers, which the engine cannot repeat"
-    default = type(config)()
+    default = type(config)()  # as generate merges it: the global defaults where the model sets nothing
+    default.update(**getattr(default, "_get_default_generation_params", dict)(), defaults_only=True)
     known = _DECODING_OPTIONS | _PROCESSOR_OPTIONS | _INERT_OPTIONS
     for name, value in config.to_dict().items():
         if name.startswith("_") or name in known:
@@ -285,20 +348,25 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
 
 
 def _uniforms(total: int, group: int, generators: list | None, device: torch.device) -> torch.Tensor:
-    """A uniform number in [0, 1) for each of the ``total`` rows: from the global random state, or
-    ``group`` from each prompt's generator."""
+    """A uniform number in [0, 1) for each of the ``total`` rows (float64, as ``_draw`` cumulates): from
+    the global random state, or ``group`` from each prompt's generator."""
+    kind = dict(device=device, dtype=torch.float64)
     if generators is None:
-        return torch.rand(total, device=device)
-    return torch.cat([torch.rand(group, generator=generator, device=device) for generator in generators])
+        return torch.rand(total, **kind)
+    return torch.cat([torch.rand(group, generator=generator, **kind) for generator in generators])
 
 
 def _draw(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row from softmax(``scores``), by inverse CDF: the first token whose cumulated
-    probability exceeds the row's ``uniform`` number. A token of probability 0 (cut by top-k, top-p, a
-    bad word) never is: its cumulated value is set to its predecessor's, since a GPU's parallel scan may
-    otherwise give it an interval an ulp wide (and the running maximum keeps the values sorted)."""
+    probability exceeds the row's ``uniform`` number. The probabilities are cumulated (and the uniform
+    numbers drawn) in float64: in float32 a token below half an ulp of the running sum (3e-8 once it nears
+    1) adds nothing to it, so that the long tail of a real vocabulary could never be drawn (on SmolLM2,
+    2e-4 to 4e-4 of a step's distribution), and a uniform number's 24 bits would quantize the rest. A
+    token of probability 0 (cut by top-k, top-p, a bad word) never is: its cumulated value is set to its
+    predecessor's, since a GPU's parallel scan may otherwise give it an interval an ulp wide (and the
+    running maximum keeps the values sorted)."""
     probabilities = torch.softmax(scores, dim=-1)
-    cumulated = probabilities.cumsum(-1).masked_fill_(probabilities == 0, 0).cummax(-1).values
+    cumulated = probabilities.double().cumsum(-1).masked_fill_(probabilities == 0, 0).cummax(-1).values
     target = uniform[:, None].to(cumulated.dtype) * cumulated[:, -1:]
     return torch.searchsorted(cumulated, target, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
 

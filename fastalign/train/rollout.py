@@ -21,7 +21,7 @@ so groups never straddle ranks.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import combine_rewards
 from fastalign.train.distributed import DistributedContext, raise_on_every_rank
-from fastalign.train.generation import engine_refusal, reads_prompt_padding, sample_groups
+from fastalign.train.generation import engine_refusal, eos_token_ids, reads_prompt_padding, sample_groups
 from fastalign.train.rewards import RewardFunction, compute_rewards, reward_metrics
 
 logger = logging.getLogger(__name__)
@@ -137,62 +137,79 @@ def generate_completions(
     (left-padded ids + mask). With ``seeds`` (one per micro-batch) each micro-batch's sampling is
     seeded by its own; without, the current random state draws."""
     kwargs = options.generate_kwargs(tokenizer)
-    refusal = engine_refusal(model, kwargs) if options.engine == "fastalign" else None
+    refusal, widths = None, []
+    if options.engine == "fastalign":  # every rank's widths: the ranks decide alike, and call alike
+        widths = sorted(set(all_gather_list([batch["input_ids"].shape[1] for batch in prompts], ctx)))
+        refusal = engine_refusal(model, kwargs, width=max(widths, default=0))
     if refusal is not None:
         _say_once(
             f"fastalign: sampling with model.generate, as the rollout engine cannot run here ({refusal}); "
             "generation_engine: generate says so and silences this"
         )
+    ends = _Ends(eos_token_ids(model, kwargs), tokenizer.pad_token_id)
     was_training = model.training
     model.eval()
     try:
         if options.engine == "fastalign" and refusal is None:
-            return _engine_completions(model, prompts, options, kwargs, tokenizer, ctx, seeds)
+            return _engine_completions(model, prompts, options, kwargs, ends, ctx, seeds, widths)
         completions = []
         for index, batch in enumerate(prompts):
             with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
                 if seeds is not None:
                     torch.manual_seed(seeds[index])
-                completions.append(_generate(model, batch, options, kwargs, tokenizer, ctx))
+                completions.append(_generate(model, batch, options, kwargs, ends, ctx))
         return completions
     finally:
         model.train(was_training)
 
 
-def _generate(model, prompts: dict, options: SamplingOptions, kwargs: dict, tokenizer, ctx) -> Completions:
+def _generate(model, prompts: dict, options: SamplingOptions, kwargs: dict, ends, ctx) -> Completions:
     """One micro-batch's completions from ``model.generate`` on its prompts repeated."""
     group = options.num_generations
     prompt_ids = prompts["input_ids"].repeat_interleave(group, 0).to(ctx.device)
     prompt_mask = prompts["attention_mask"].repeat_interleave(group, 0).to(ctx.device)
+    kwargs = {"use_cache": True, **kwargs}  # generation_kwargs may set it (false: the engine refused)
     output = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, synced_gpus=ctx.enabled, **kwargs
+        input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=ctx.enabled, **kwargs
     )
-    return _completions(prompt_ids, prompt_mask, output[:, prompt_ids.shape[1] :], tokenizer)
+    return _completions(prompt_ids, prompt_mask, output[:, prompt_ids.shape[1] :], ends)
 
 
-def _engine_completions(model, prompts: list[dict], options, kwargs, tokenizer, ctx, seeds) -> list:
+def _engine_completions(model, prompts: list[dict], options, kwargs, ends, ctx, seeds, widths) -> list:
     """Every micro-batch's completions from one call of the engine: the prompts left-padded to a common
     width, each prompt seeded by its micro-batch's seed and its place in it (or the random state). Where
     a logits processor sees the padding (``reads_prompt_padding``), one call per width of micro-batch
-    instead, so that each samples as it would alone."""
-    if len(prompts) > 1 and reads_prompt_padding(model, kwargs):
-        widths = [batch["input_ids"].shape[1] for batch in prompts]
-        done: dict[int, Completions] = {}
-        for width in dict.fromkeys(widths):
-            same = [index for index, w in enumerate(widths) if w == width]
-            got = _engine_call(
-                model, [prompts[i] for i in same], options, kwargs, tokenizer, ctx,
-                None if seeds is None else [seeds[i] for i in same],
-            )  # fmt: skip
-            done.update(zip(same, got, strict=True))
-        return [done[index] for index in range(len(prompts))]
-    return _engine_call(model, prompts, options, kwargs, tokenizer, ctx, seeds)
+    instead, so that each samples as it would alone. ``widths``: the micro-batches' widths on every rank;
+    under torchrun each rank makes a call for each of them, with a row of its own where it has no
+    micro-batch of that width, so that the calls' collectives (the sharded layers' all-gathers, the
+    all-reduce of each step) pair up across ranks."""
+    if not reads_prompt_padding(model, kwargs) or (len(prompts) == 1 and not ctx.enabled):
+        return _engine_call(model, prompts, options, kwargs, ends, ctx, seeds)
+    local = [batch["input_ids"].shape[1] for batch in prompts]
+    done: dict[int, Completions] = {}
+    for width in widths:
+        same = [index for index, w in enumerate(local) if w == width]
+        if not same:  # another rank's width: one row, sampled for the collectives and dropped
+            filler = {
+                "input_ids": torch.full((1, width), ends.pad),
+                "attention_mask": torch.zeros(1, width, dtype=torch.long),
+            }
+            filler["attention_mask"][:, -1] = 1
+            alone = replace(options, num_generations=1)
+            _engine_call(model, [filler], alone, kwargs, ends, ctx, None if seeds is None else [0])
+            continue
+        got = _engine_call(
+            model, [prompts[i] for i in same], options, kwargs, ends, ctx,
+            None if seeds is None else [seeds[i] for i in same],
+        )  # fmt: skip
+        done.update(zip(same, got, strict=True))
+    return [done[index] for index in range(len(prompts))]
 
 
-def _engine_call(model, prompts: list[dict], options, kwargs, tokenizer, ctx, seeds) -> list:
+def _engine_call(model, prompts: list[dict], options, kwargs, ends, ctx, seeds) -> list:
     """``_engine_completions`` of micro-batches sampled in one call."""
     width = max(batch["input_ids"].shape[1] for batch in prompts)
-    ids = torch.cat([_left_pad(batch["input_ids"], width, tokenizer.pad_token_id) for batch in prompts])
+    ids = torch.cat([_left_pad(batch["input_ids"], width, ends.pad) for batch in prompts])
     mask = torch.cat([_left_pad(batch["attention_mask"], width, 0) for batch in prompts])
     prompt_seeds = None
     if seeds is not None:  # a seed of each prompt, from its micro-batch's (63 bits, distinct per prompt)
@@ -211,7 +228,7 @@ def _engine_call(model, prompts: list[dict], options, kwargs, tokenizer, ctx, se
         start = rows.stop
         prompt_ids = batch["input_ids"].repeat_interleave(group, 0).to(ctx.device)
         prompt_mask = batch["attention_mask"].repeat_interleave(group, 0).to(ctx.device)
-        done = _completions(prompt_ids, prompt_mask, output[rows, width:], tokenizer)
+        done = _completions(prompt_ids, prompt_mask, output[rows, width:], ends)
         ended = not bool(done.truncated.any())
         completions.append(_trimmed(done, int(done.lengths.max()) if ended else done.completion_ids.shape[1]))
     return completions
@@ -228,14 +245,25 @@ def _trimmed(done: Completions, width: int) -> Completions:
     return Completions(done.prompt_ids, done.prompt_mask, ids, mask, done.truncated)
 
 
-def _completions(prompt_ids, prompt_mask, completion_ids: torch.Tensor, tokenizer) -> Completions:
+@dataclass(frozen=True)
+class _Ends:
+    """The ids that end a completion (every EOS id the sampling stopped at: ``generation_kwargs``' or the
+    generation config's, one or several) and the pad id after it."""
+
+    eos: list[int]
+    pad: int
+
+
+def _completions(prompt_ids, prompt_mask, completion_ids: torch.Tensor, ends: _Ends) -> Completions:
     """Completions of sampled ids: each cut after its first EOS (mask), padded with the pad id."""
-    is_eos = completion_ids == tokenizer.eos_token_id
+    is_eos = torch.isin(
+        completion_ids, torch.tensor(ends.eos, dtype=torch.long, device=completion_ids.device)
+    )
     has_eos = is_eos.any(-1)
     end = torch.where(has_eos, is_eos.int().argmax(-1), completion_ids.shape[1])  # index of the first EOS
     positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
     completion_mask = (positions[None, :] <= end[:, None]).long()
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, ends.pad)
     return Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, ~has_eos)
 
 

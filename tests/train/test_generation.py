@@ -8,6 +8,7 @@ said once. Runs on every supported transformers (the lowest-versions environment
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,27 @@ def test_draws_never_take_a_token_of_probability_zero(monkeypatch):
     assert bool((scores.gather(1, drawn[:, None]) == 0).all()), drawn
 
 
+def test_draws_reach_every_token_of_a_long_tail_of_tiny_probabilities():
+    """200,000 tokens of 5e-9 each (1e-3 of the mass together) after one of 0.999: each below half a
+    float32 ulp of the running sum, so that a float32 CDF gave most of them no interval (they could never
+    be drawn, their mass going to a neighbour). A uniform number in the middle of a tail token's interval
+    (the exact CDF of the probabilities the softmax gives) draws that token; and the uniform numbers have
+    float64's resolution (float32's 6e-8 steps would skip most tail tokens too)."""
+    tail, mass = 200_000, 1e-3
+    scores = torch.full((1, tail + 1), math.log(mass / tail))
+    scores[0, 0] = math.log(1 - mass)
+    probabilities = torch.softmax(scores[0], -1)
+    head, each = float(probabilities[0]), float(probabilities[1])  # every tail token's is the same
+    assert bool((probabilities[1:] == probabilities[1]).all())
+    total = head + tail * each
+    tokens = [1, 2, 3, 1000, 54_321, 123_457, tail - 1, tail]
+    middles = torch.tensor([(head + (token - 0.5) * each) / total for token in tokens], dtype=torch.float64)
+    drawn = generation._draw(scores.repeat(len(tokens), 1), middles)
+    assert drawn.tolist() == tokens
+    assert generation._uniforms(4, 2, None, torch.device("cpu")).dtype == torch.float64
+    assert generation._uniforms(4, 2, [torch.Generator()] * 2, torch.device("cpu")).dtype == torch.float64
+
+
 def test_a_cache_the_engine_cannot_repeat_is_sampled_by_generate():
     """Linear attention keeps conv and recurrent states that ``batch_repeat_interleave`` does not repeat:
     such a model (LFM2's conv layers here) is refused, and the rollout samples it with generate."""
@@ -267,6 +289,34 @@ def test_sampled_tokens_follow_generates_distribution():
     assert fits(torch.bincount(after, minlength=second.numel()).float(), second)
 
 
+def test_the_generation_config_merges_as_generates_does(monkeypatch):
+    """Options over the model's generation config over transformers' global defaults, as ``generate``
+    merges them: a model that sets no ``top_k`` samples from the top 50 with ``do_sample`` alone, as
+    ``generate`` does (the config ``generate`` hands its logits processors is the engine's)."""
+    model = tiny_model("llama", seed=4).eval()
+    model.generation_config.temperature = 0.9  # the model's own, kept; top_k: the global default
+    assert model.generation_config.top_k is None
+    ids, mask = left_padded([5], seed=5)
+    options = dict(do_sample=True, max_new_tokens=1, eos_token_id=2, pad_token_id=PAD)
+    seen = []
+    processors = model._get_logits_processor
+    spy = lambda *args, **kwargs: (seen.append(kwargs["generation_config"]), processors(*args, **kwargs))[1]  # noqa: E731
+    monkeypatch.setattr(model, "_get_logits_processor", spy)
+    with torch.no_grad():
+        generate(model, ids, mask, 1, **options)
+    monkeypatch.setattr(model, "_get_logits_processor", processors)
+    ours, unused = generation.merged_generation_config(model, options)
+    theirs = seen[0].to_dict()
+    differ = {key for key, value in ours.to_dict().items() if theirs.get(key) != value}
+    differ = {key for key in differ if not key.startswith("_")}  # the special tokens' tensors: generate's
+    assert differ <= {"max_length"} and not unused  # max_length: generate's from the prompt's width
+    assert ours.top_k == 50 and ours.temperature == 0.9
+    torch.manual_seed(0)
+    with torch.no_grad():
+        first = sample_groups(model, ids, mask, 1000, options)[:, -1]
+    assert first.unique().numel() <= 50
+
+
 def test_a_prompts_completions_depend_on_its_seed_only():
     model = tiny_model("llama", seed=5).eval()
     ids, mask = left_padded([4, 7, 5], seed=6)
@@ -298,21 +348,74 @@ def test_generation_batches_sample_as_each_micro_batch_alone():
         assert torch.equal(together[index].truncated, alone.truncated)
 
 
-def test_micro_batches_whose_padding_a_processor_reads_sample_as_alone():
+@pytest.mark.parametrize("kwargs", [{"min_length": 6}, {"repetition_penalty": 1.5}], ids=["min", "penalty"])
+def test_micro_batches_whose_padding_a_processor_reads_sample_as_alone(kwargs):
     """An absolute ``min_length`` counts the prompt's padding: micro-batches of other widths are sampled
-    in calls of their own, so each equals its call alone."""
+    in calls of their own, so each equals its call alone. The repetition penalty: on transformers 5.17,
+    which penalizes the pad id, so too; on 5.23, which skips the padding, in one call."""
     model = tiny_model("llama", seed=6).eval()
     first, second = left_padded([3, 2], seed=12), left_padded([9, 8], seed=13)
     batches = [{"input_ids": ids, "attention_mask": mask} for ids, mask in (first, second)]
     tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
     eos = an_eos_that_ends_some_rows(model, *first, steps=8)
     tokenizer.eos_token_id = eos
-    options = SamplingOptions(2, 8, top_k=1, generation_kwargs={"min_length": 6})
-    assert generation.reads_prompt_padding(model, options.generate_kwargs(tokenizer))
+    options = SamplingOptions(2, 8, top_k=1, generation_kwargs=kwargs)
+    reads = generation.reads_prompt_padding(model, options.generate_kwargs(tokenizer))
+    assert reads == ("min_length" in kwargs or generation._penalty_reads_padding(model))
     together = generate_completions(model, batches, options, tokenizer, CPU, seeds=[3, 4])
     for index, batch in enumerate(batches):
         (alone,) = generate_completions(model, [batch], options, tokenizer, CPU, seeds=[[3, 4][index]])
         assert torch.equal(together[index].completion_ids, alone.completion_ids)
+
+
+def phi3_with_longrope():
+    """A tiny Phi-3 whose rope switches to its long factors past 16 tokens (Phi-3 128k's longrope): there
+    its ``prepare_inputs_for_generation`` recomputes the cache, with the long factors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    rope = {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 16, "short_factor": [1.0] * 8,
+        "long_factor": [float(4 + i) for i in range(8)],
+    }  # fmt: skip
+    config = AutoConfig.for_model(
+        "phi3", hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+        partial_rotary_factor=0.5, max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_parameters=rope,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_a_rope_that_changes_with_the_length_is_sampled_by_generate_past_it(caplog, monkeypatch):
+    """Sequences that pass a longrope's original length (12-token prompts, 12 new tokens; the limit 16)
+    are sampled by generate, which recomputes Phi-3's cache there (the engine's tokens differed), said in
+    the log line; sequences that stay within it are the engine's, with generate's tokens."""
+    from fastalign.train import rollout
+
+    monkeypatch.setattr(rollout, "_SAID", set())
+    model = phi3_with_longrope()
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 511, "pad_token_id": PAD})()  # rows run to the end
+    greedy = dict(do_sample=False, max_new_tokens=12, eos_token_id=511, pad_token_id=PAD)
+    ids, mask = left_padded([12, 10], seed=1)
+    with caplog.at_level(logging.WARNING, logger="fastalign.train.rollout"):
+        (done,) = generate_completions(
+            model,
+            [{"input_ids": ids, "attention_mask": mask}],
+            SamplingOptions(1, 12, top_k=1),
+            tokenizer,
+            CPU,
+        )
+    said = [record.message for record in caplog.records if "model.generate" in record.message]
+    assert len(said) == 1 and "rotary embedding changes past 16 tokens" in said[0]
+    with torch.no_grad():
+        assert torch.equal(done.completion_ids, generate(model, ids, mask, 1, **greedy)[:, ids.shape[1] :])
+    short, short_mask = left_padded([4, 3], seed=1)  # 4 + 12 - 1 = 15 positions: the short factors only
+    assert engine_refusal(model, greedy, width=4) is None
+    with torch.no_grad():
+        ours = sample_groups(model, short, short_mask, 2, greedy)
+        assert torch.equal(ours, generate(model, short, short_mask, 2, **greedy))
 
 
 def test_what_the_engine_cannot_run_is_named():
@@ -322,6 +425,17 @@ def test_what_the_engine_cannot_run_is_named():
     assert "'stop_strings'" in engine_refusal(model, {"stop_strings": ["."], "max_new_tokens": 2})
     assert "max_new_tokens" in engine_refusal(model, {"do_sample": True})
     assert engine_refusal(model, {"do_sample": True, "top_k": 5, "max_new_tokens": 2}) is None
+
+
+@pytest.mark.parametrize("implementation", ["quantized", "paged", "sliding_window"])
+def test_a_cache_implementation_the_engine_does_not_reproduce_is_refused(implementation):
+    """A quantized KV cache (or a paged or deprecated one) changes what attention reads: generate runs it.
+    The dynamic and static caches hold the keys and values as the engine's does."""
+    model = tiny_model("llama")
+    refusal = engine_refusal(model, {"cache_implementation": implementation, "max_new_tokens": 2})
+    assert refusal == f"cache_implementation is {implementation!r}"
+    for same in ("dynamic", "static", "offloaded"):
+        assert engine_refusal(model, {"cache_implementation": same, "max_new_tokens": 2}) is None
 
 
 def test_the_rollout_falls_back_to_generate_saying_why_once(caplog):
@@ -341,9 +455,61 @@ def test_the_rollout_falls_back_to_generate_saying_why_once(caplog):
     assert torch.equal(done.completion_ids[:, :3], expected[:, ids.shape[1] : ids.shape[1] + 3])
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_use_cache_in_generation_kwargs_is_passed_once(use_cache, caplog, monkeypatch):
+    """``use_cache: false`` makes the rollout sample with generate (said), which gets it once (it raised
+    'got multiple values for keyword argument'); true, the engine runs."""
+    from fastalign.train import rollout
+
+    monkeypatch.setattr(rollout, "_SAID", set())
+    model = tiny_model("llama", seed=7).eval()
+    ids, mask = left_padded([4, 6], seed=9)
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
+    options = SamplingOptions(2, 5, top_k=1, generation_kwargs={"use_cache": use_cache})
+    with caplog.at_level(logging.WARNING, logger="fastalign.train.rollout"):
+        (done,) = generate_completions(
+            model, [{"input_ids": ids, "attention_mask": mask}], options, tokenizer, CPU
+        )
+    said = [record.message for record in caplog.records if "model.generate" in record.message]
+    assert len(said) == (0 if use_cache else 1) and all("(use_cache is false)" in line for line in said)
+    greedy = dict(do_sample=False, max_new_tokens=5, eos_token_id=2, pad_token_id=PAD)
+    assert torch.equal(done.completion_ids, generate(model, ids, mask, 2, **greedy)[:, ids.shape[1] :])
+
+
+@pytest.mark.parametrize("engine", ["fastalign", "generate"])
+def test_a_completion_ends_at_any_of_several_eos_ids(engine):
+    """``generation_kwargs`` may give several EOS ids (so may the model's generation config): sampling
+    stops at any of them, and the completion's mask ends there, untruncated, as sampling ended it."""
+    model = tiny_model("llama", seed=7).eval()
+    ids, mask = left_padded([4, 6], seed=9)
+    stop = an_eos_that_ends_some_rows(model, ids, mask, steps=8)
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
+    kwargs = {"eos_token_id": [2, stop]}
+    options = SamplingOptions(1, 8, top_k=1, generation_kwargs=kwargs, engine=engine)
+    (done,) = generate_completions(
+        model, [{"input_ids": ids, "attention_mask": mask}], options, tokenizer, CPU
+    )
+    greedy = generate(model, ids, mask, 1, do_sample=False, max_new_tokens=8, pad_token_id=PAD, **kwargs)
+    completions = greedy[:, ids.shape[1] :]
+    ended = torch.isin(completions, torch.tensor([2, stop])).any(-1)
+    assert bool(ended.any()) and torch.equal(done.truncated, ~ended)
+    lengths = torch.where(ended, torch.isin(completions, torch.tensor([2, stop])).int().argmax(-1) + 1, 8)
+    assert torch.equal(done.lengths, lengths)
+    assert torch.equal(done.completion_ids, completions.masked_fill(done.completion_mask == 0, PAD))
+
+
 @pytest.mark.slow
 def test_ranks_stay_in_step_under_fsdp2():
     """Rank 0's rows end early, rank 1's run to the limit: both ranks run every forward (the worker)."""
     from tests import torchrun
 
     torchrun.run_two_processes(Path(__file__).with_name("generation_worker.py"), 8, timeout=300)
+
+
+@pytest.mark.slow
+def test_ranks_of_other_prompt_widths_stay_in_step():
+    """A processor that reads the padding makes one engine call per width of micro-batch: the ranks'
+    widths differ, and every rank still makes the same calls (the worker)."""
+    from tests import torchrun
+
+    torchrun.run_two_processes(Path(__file__).with_name("rollout_widths_worker.py"), timeout=300)
