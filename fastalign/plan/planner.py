@@ -881,7 +881,9 @@ def _distill_offline_plan(
         raise PlanError("top_k", f"must be a positive integer, got {top_k!r}")
     if isinstance(tail_samples, bool) or not isinstance(tail_samples, int) or tail_samples < 0:
         raise PlanError("tail_samples", f"must be an integer of 0 or more, got {tail_samples!r}")
-    student = plan_memory(shape, **{**flags, "method": "full"}, suggest=suggest)
+    # the suggestions stay on offline distillation's own ladder (checkpointing, offloading, GPUs): "use
+    # --method lora" would plan LoRA SFT, a run without the stored log-probs
+    student = plan_memory(shape, **{**flags, "method": "full"}, suggest=False)
     per_token = teacher_logprobs_bytes_per_token(top_k, tail_samples)
     teacher = Term("teacher", "teacher", 0, 0, False, "none: its top-k log-probs are read from disk")
     draws = f" and {tail_samples} tail draws" if tail_samples else ""
@@ -891,13 +893,13 @@ def _distill_offline_plan(
         f"(k × (4 B id + 4 B log-prob) + 8 B{draw_bytes}); {format_bytes(per_token * 10**9)} per billion "
         "tokens"
     )
-    return replace(
+    plan = replace(
         student,
         method=DISTILL_OFFLINE,
         terms=[*student.terms, teacher],
-        notes=[*student.notes, note],
         teacher_logprobs_bytes_per_token=per_token,
     )
+    return _with_suggestions(shape, plan, [*student.notes, note], suggest)
 
 
 def _validate(

@@ -819,3 +819,16 @@ def test_distill_offline_is_the_students_full_plan_with_no_teacher():
             with pytest.raises(PlanError, match="applies to method distill-offline only") as error:
                 plan("llama-3-8b", method=method, gpus=1, seq_len=2048, **stored)
             assert error.value.option == next(iter(stored))
+
+
+def test_distill_offline_suggestions_keep_offline_distillation():
+    """A student that does not fit gets the flags that fit it as offline distillation (checkpointing, more
+    GPUs), never ``--method lora``, which would plan LoRA SFT; the disk note stays."""
+    from fastalign.plan import plan_memory as plan
+
+    offline = plan("llama-3-8b", method="distill-offline", gpus=1, seq_len=2048, top_k=32)
+    assert not offline.fits and offline.suggestions
+    assert not any("--method" in change for change in offline.suggestions), offline.suggestions
+    fitted = plan("llama-3-8b", method="distill-offline", gpus=2, seq_len=2048, checkpointing=True)
+    assert offline.suggested_total_per_gpu == fitted.total_per_gpu and fitted.fits
+    assert any("264 B per completion token" in note for note in offline.notes)
