@@ -868,3 +868,30 @@ def test_teacher_weights_of_hub_and_builtin_models():
     assert (
         teacher_weights(TrainConfig(model_name_or_path="tiny-llama"), "tiny-llama") == "built-in tiny-llama"
     )
+
+
+@pytest.mark.slow
+def test_two_processes_train_on_stored_scores_as_one(tmp_path, teacher_dir):
+    """Offline distillation under torchrun (2 gloo processes, FSDP2, half the batch each) logs the losses
+    one process logs on the whole batch: each rank finds its own rows' scores, tail draws included, by
+    their hash (`fastalign plan --method distill-offline` suggests more GPUs when a student does not fit)."""
+    rows = tiny_sft_rows(8)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(shard_rows=3, tail_samples=4))
+    runs = {}
+    for label, batch in (("one", 4), ("two", 2)):
+        (tmp_path / label).mkdir()
+        runs[label] = offline_config(
+            tmp_path / label, config.output_dir, rows, per_device_train_batch_size=batch, max_steps=2
+        )
+    run_training(dataclasses.replace(runs["one"], save_strategy="no"), "distill")
+    worker = Path(__file__).with_name("train_worker.py")
+    torchrun.run_two_processes(
+        worker, json.dumps([["distill", dataclasses.asdict(runs["two"])]]), timeout=900
+    )
+    one, two = logged(runs["one"].output_dir), logged(runs["two"].output_dir)
+    assert [row["step"] for row in one] == [row["step"] for row in two] == [1, 2]
+    for one_row, two_row in zip(one, two, strict=True):
+        assert math.isfinite(one_row["loss"]) and one_row["loss"] > 0
+        assert two_row["loss"] == pytest.approx(one_row["loss"], rel=1e-4, abs=1e-6)
+    assert (Path(runs["two"].output_dir) / "model.safetensors").is_file()
