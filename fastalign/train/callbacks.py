@@ -26,18 +26,7 @@ class JsonlMetrics(Callback):
     def on_train_begin(self, engine: Engine) -> None:
         if engine.ctx.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._truncate_after(engine.state.step)
-
-    def _truncate_after(self, step: int) -> None:
-        if not self.path.is_file():
-            return
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        kept = [line for line in lines if _logged_step(line) is not None and _logged_step(line) <= step]
-        if kept == lines:
-            return
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+            truncate_jsonl_after(self.path, engine.state.step)
 
     def _write(self, engine: Engine, record: dict) -> None:
         if engine.ctx.is_main:
@@ -67,8 +56,22 @@ HEADLINE_METRICS = (
 )
 
 
+def truncate_jsonl_after(path: Path, step: int) -> None:
+    """Drop the rows of a per-step JSONL log (``"step"`` in each) after ``step``, and any line cut short
+    by a kill: a run resumed from step N then logs steps N+1... once, as the unbroken run did."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if _logged_step(line) is not None and _logged_step(line) <= step]
+    if kept == lines:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _logged_step(line: str) -> int | None:
-    """The step of a metrics.jsonl row, or None for a line that is not one (e.g. cut short by a kill)."""
+    """The step of a JSONL log's row, or None for a line that is not one (e.g. cut short by a kill)."""
     try:
         step = json.loads(line).get("step")
     except (ValueError, AttributeError):

@@ -257,3 +257,25 @@ def test_two_processes_resume_inside_a_generation_with_each_ranks_rows(tmp_path)
     rows = [load_file(checkpoint / f"pending-{rank}.safetensors")["0.input_ids"] for rank in (0, 1)]
     assert not torch.equal(rows[0], rows[1])  # each rank's own prompts and completions
     assert_same_run(tmp_path / "straight", tmp_path / "continued", range(4, 5))
+
+
+@pytest.mark.slow
+def test_completions_logged_after_the_resumed_checkpoint_are_logged_once(tmp_path):
+    """A checkpoint every 2 steps, a log line every step, a kill after step 4: step 3 was logged (with
+    its completions) but not saved, so the run resumes from checkpoint-2 and logs step 3 again. Its
+    completions.jsonl holds each generation once, as the unbroken run's (as metrics.jsonl does)."""
+    cfg = config(
+        tmp_path,
+        "grpo",
+        max_steps=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        save_steps=2,
+        logging_steps=1,
+        log_completions=True,
+        learning_rate=1e-2,
+    )
+    straight, killed = kill_and_resume(cfg, "grpo", tmp_path, at=4)
+    steps = [json.loads(line)["step"] for line in (killed / "completions.jsonl").read_text().splitlines()]
+    assert steps == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert (killed / "completions.jsonl").read_text() == (straight / "completions.jsonl").read_text()

@@ -50,6 +50,7 @@ from fastalign.losses.grpo import LOSS_TYPES
 from fastalign.models.structure import disable_dropout
 from fastalign.ops import group_advantages
 from fastalign.train.batches import BatchPosition, MicroBatches, batch_tokens
+from fastalign.train.callbacks import truncate_jsonl_after
 from fastalign.train.checkpoint import PendingState
 from fastalign.train.config import ConfigError, TrainConfig, model_option, options_from
 from fastalign.train.distributed import DistributedContext, all_reduce_max
@@ -682,6 +683,11 @@ class CompletionsLog(Callback):
 
     def __init__(self, objective: RolloutObjective):
         self.objective = objective
+
+    def on_train_begin(self, engine) -> None:
+        """A run resumed from step N drops the rows a killed run logged after N (as ``metrics.jsonl``)."""
+        if engine.ctx.is_main:
+            truncate_jsonl_after(Path(engine.output_dir, self.FILE), engine.state.step)
 
     def on_log(self, engine, logs: dict) -> None:
         rows, self.objective.completion_rows = self.objective.completion_rows, []
