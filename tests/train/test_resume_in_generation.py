@@ -191,6 +191,13 @@ def _another_shape(checkpoint: Path) -> None:
     listing.write_text(json.dumps(saved))
 
 
+def _no_steps_left(checkpoint: Path) -> None:
+    listing = checkpoint / "pending-0.json"
+    saved = json.loads(listing.read_text())
+    saved["meta"]["steps_left"] = 0
+    listing.write_text(json.dumps(saved))
+
+
 def _not_as_listed(checkpoint: Path) -> None:
     listing = checkpoint / "pending-0.json"
     saved = json.loads(listing.read_text())
@@ -206,8 +213,9 @@ def _not_as_listed(checkpoint: Path) -> None:
         (_no_listing, "pending-0.json: missing, though its trainer_state.json says every rank saved"),
         (_another_shape, "pending-0.safetensors: micro-batch 0's tensors do not fit together (advantages"),
         (_not_as_listed, "pending-0.safetensors: tensor '0.input_ids' is int64 ["),
+        (_no_steps_left, "pending-0.safetensors: its steps_left 0 is not inside a generation of"),
     ],
-    ids=["corrupt", "missing", "shape", "listing"],
+    ids=["corrupt", "missing", "shape", "listing", "steps_left"],
 )
 def test_a_damaged_pending_generation_is_one_line_naming_the_file(
     tmp_path, pending_checkpoint, damage, reason

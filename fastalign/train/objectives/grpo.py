@@ -481,6 +481,12 @@ class RolloutObjective(PromptObjective):
                 f"its generation was dealt to {world_size} processes, this run has {self.ctx.world_size}: "
                 f"resume it with {world_size}"
             )
+        most = count * self.options.num_iterations  # a step trains on one slice of at least 1 micro-batch
+        if not 1 <= steps_left <= most:  # saved only inside a generation: some of its steps are left
+            raise ValueError(
+                f"its steps_left {steps_left} is not inside a generation of {count} micro-batches × "
+                f"num_iterations {self.options.num_iterations} (1 to {most})"
+            )
         batches: list[dict] = [{} for _ in range(count)]
         for name, tensor in state.tensors.items():
             index, _, key = name.partition(".")
