@@ -418,6 +418,33 @@ def test_a_rope_that_changes_with_the_length_is_sampled_by_generate_past_it(capl
         assert torch.equal(ours, generate(model, short, short_mask, 2, **greedy))
 
 
+def test_a_dynamic_rope_is_the_engines_only_within_its_maximum_positions():
+    """A ``dynamic`` rope rescales its frequencies by the longest row of a forward's batch once past the
+    maximum positions, so the engine's compactions (a batch without its longest rows) would change them:
+    sequences that may pass it are sampled by generate; those that stay within it are the engine's, with
+    generate's tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert generation.rope_switch_length(model) == 16
+    greedy = dict(do_sample=False, max_new_tokens=12, eos_token_id=511, pad_token_id=PAD)
+    assert "rotary embedding changes past 16 tokens" in engine_refusal(model, greedy, width=6)
+    assert engine_refusal(model, greedy, width=5) is None  # 5 + 12 - 1 = 16 positions
+    ids, mask = left_padded([5, 3], seed=1)
+    with torch.no_grad():
+        assert torch.equal(
+            sample_groups(model, ids, mask, 2, greedy), generate(model, ids, mask, 2, **greedy)
+        )
+    assert generation.rope_switch_length(tiny_model("llama")) is None
+
+
 def test_what_the_engine_cannot_run_is_named():
     model = tiny_model("llama")
     assert "num_beams" in engine_refusal(model, {"num_beams": 2, "max_new_tokens": 2})
