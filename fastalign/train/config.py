@@ -553,7 +553,7 @@ def refuse_unread(config: TrainConfig, reads: Collection[str], where: dict[str, 
     (it reads only ``reads``): one ``ConfigError`` naming them all, and where each was set, so that a
     training key (an optimizer's, a loss's, LoRA's) is never taken as honoured."""
     where = where or {}
-    unread = [key for key in _set_keys(config, _field_names()) if key not in reads]
+    unread = [key for key in set_keys(config, _field_names()) if key not in reads]
     if not unread:
         return
     named = ", ".join(f"{key!r}" + (f" ({where[key]})" if key in where else "") for key in unread)
@@ -836,9 +836,10 @@ _NEEDS: dict[str, tuple[str, Callable[[TrainConfig], bool]]] = {
 }
 
 
-def _set_keys(config: TrainConfig, keys) -> list[str]:
-    """Those of ``keys`` that ``config`` sets away from their defaults (a saved config lists every key:
-    naming one at its default sets nothing)."""
+def set_keys(config: object, keys) -> list[str]:
+    """Those of ``keys`` that ``config`` (a ``TrainConfig``, or options read from one under its key names)
+    sets away from ``TrainConfig``'s defaults (a saved config lists every key: naming one at its default
+    sets nothing)."""
     defaults = TrainConfig()
     return [key for key in keys if getattr(config, key) != getattr(defaults, key)]
 
@@ -846,7 +847,7 @@ def _set_keys(config: TrainConfig, keys) -> list[str]:
 def _check_unread_options(config: TrainConfig, where: dict[str, str]) -> None:
     """An option set (away from its default) that the run would not read, for want of the option it
     qualifies (``_NEEDS``), or beside one that overrides it: a one-line error, never silently ignored."""
-    for key in _set_keys(config, _NEEDS):
+    for key in set_keys(config, _NEEDS):
         needs, has = _NEEDS[key]
         if not has(config):
             _fail(where, key, f"({getattr(config, key)!r}) is read only with {needs}")
@@ -938,7 +939,7 @@ def _check_model_options(config: TrainConfig, where: dict[str, str], trains: boo
             "float16 cannot train in full with fp16: its gradient scaler cannot unscale fp16 gradients",
         )
     lora = [key for key in _field_names() if key.startswith("lora_")] + ["use_rslora", "use_dora"]
-    for key in [] if config.use_peft else _set_keys(config, lora):
+    for key in [] if config.use_peft else set_keys(config, lora):
         _fail(where, key, f"({getattr(config, key)!r}) is a LoRA option: it needs use_peft: true")
     if config.use_dora and config.quantization:
         _fail(

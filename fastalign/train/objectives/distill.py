@@ -82,7 +82,7 @@ from fastalign.data.teacher_logprobs import (
 from fastalign.models.structure import IGNORE_INDEX, disable_dropout
 from fastalign.ops import linear_divergence
 from fastalign.ops.sparse_divergence import linear_sparse_divergence, tail_sample_support
-from fastalign.train.config import ConfigError, TrainConfig, options_from
+from fastalign.train.config import ConfigError, TrainConfig, options_from, set_keys
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
 from fastalign.train.objectives.grpo import (
@@ -163,12 +163,7 @@ class DistillOptions(SamplingKeys):
                 f"config key {key!r}: with teacher_logprobs_path only the data's completions have the "
                 "teacher's log-probs (lmbda 0, seq_kd false); sampled ones would need the teacher"
             )
-        defaults = TrainConfig()
-        sampling = [
-            key
-            for key in (*SAMPLING_ONLY_KEYS, "max_completion_length")
-            if getattr(self, key) != getattr(defaults, key)
-        ]
+        sampling = set_keys(self, (*SAMPLING_ONLY_KEYS, "max_completion_length"))
         if sampling:
             named = ", ".join(f"{key!r} ({getattr(self, key)!r})" for key in sampling)
             hint = (
