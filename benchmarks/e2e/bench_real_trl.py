@@ -4,6 +4,7 @@
     python benchmarks/e2e/bench_real_trl.py --preset cpu --objectives dpo dpo-lora --settings fp32
     python benchmarks/e2e/bench_real_trl.py --preset gpu                  # the same rows on one GPU
     python benchmarks/e2e/bench_real_trl.py --preset quick                # tiny rows, two steps: it works
+    python benchmarks/e2e/bench_real_trl.py --preset cpu-grpo-g8          # GRPO at G = 8, 4 prompts a step
 
 The model is SmolLM2-135M-Instruct (30 layers, 49k vocabulary, tied embeddings), the real-model fixture of
 the tests (``tests/real/model.py``: built once into ``.cache/`` from the PyPI GGUF). Objectives: SFT, DPO
@@ -86,6 +87,11 @@ PRESETS = {
     "gpu-1b": {
         "model": "llama-3.2-1b", "objectives": ["dpo", "grpo"], "settings": ["bf16"], "batch": 4,
         "prompt_tokens": 128, "completion_tokens": 128, "max_length": 256, "steps": 3, "learning_rate": 1e-5,
+    },
+    # Issue 37's GRPO goal: G = 8 completions of each of 4 prompts a step (32 rows), 64 tokens each.
+    "cpu-grpo-g8": {
+        "objectives": ["grpo"], "settings": ["fp32"], "batch": 32, "num_generations": 8,
+        "prompt_tokens": 64, "completion_tokens": 64, "max_length": 128, "steps": 4, "learning_rate": 1e-5,
     },
     # The same on a tiny random model: the check's smoke run, on any device.
     "smoke-random": {
@@ -231,7 +237,8 @@ def shared_options(spec: dict) -> dict:
         options |= {"bf16": bf16, "gradient_checkpointing": checkpointing}
     if spec["objective"] == "grpo":  # every completion exactly completion_tokens long
         return options | dict(
-            num_generations=spec["batch"], max_completion_length=spec["completion_tokens"],
+            num_generations=spec.get("num_generations", spec["batch"]),
+            max_completion_length=spec["completion_tokens"],
             generation_kwargs={"min_new_tokens": spec["completion_tokens"]},
         )  # fmt: skip
     return options | {"max_length": spec["max_length"]}
@@ -313,14 +320,17 @@ def run_trl(spec: dict, phases: Phases) -> dict:
 def _fastalign_in_trl(model_dir: str):
     """TRL's trainer with fastalign dropped in, as docs/trl.md tells its users: the model loaded as TRL
     loads it (fp32 here), ``fastalign.patch_model`` (on CPU the pieces that lose there stay the model's
-    own), and TRL's fused LM head served by ``fastalign.integrations.trl.enable()``."""
+    own), TRL's fused LM head served by ``fastalign.integrations.trl.enable()``, and (GRPO's sampling)
+    its ``generate`` by the rollout engine (``fastalign.integrations.generate.serve_generate``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from fastalign.integrations import trl as fastalign_trl
+    from fastalign.integrations.generate import serve_generate
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     fastalign_trl.patch_model(model)
+    serve_generate(model)
     if not fastalign_trl.enable():
         raise RuntimeError("fastalign does not serve this TRL's fused head")
     return model
@@ -377,6 +387,8 @@ def measure(spec: dict, attempts: int, timeout: float) -> dict:
 
 def _shape(preset: dict, setting: str) -> str:
     tokens = f"batch {preset['batch']}, {preset['prompt_tokens']}+{preset['completion_tokens']} tokens"
+    if "num_generations" in preset:
+        tokens += f", GRPO: {preset['num_generations']} completions of each prompt"
     if setting == "defaults":
         how = "each tool's defaults (TRL: bf16 autocast + checkpointing; fastalign: fp32, no checkpointing)"
     else:
@@ -450,6 +462,7 @@ def run(preset_name: str, args: argparse.Namespace) -> Path:
             path.write_text("".join(json.dumps(row) + "\n" for row in data))
             shared = {key: preset[key] for key in ("batch", "steps", "learning_rate", "max_length")}
             shared |= {
+                "num_generations": preset.get("num_generations", preset["batch"]),
                 "objective": objective, "model_dir": model_dir, "data": str(path), "seed": 0,
                 "completion_tokens": preset["completion_tokens"],
                 "tokens_per_step": step_tokens(tokenizer, objective, data, preset["completion_tokens"]),

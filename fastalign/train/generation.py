@@ -105,9 +105,11 @@ COMPACT_SHARE = 1 / 8
 def merged_generation_config(model: torch.nn.Module, kwargs: dict[str, Any]):
     """The generation config ``generate`` would sample with, merged by ``generate``'s own
     ``_prepare_generation_config``: ``kwargs`` over the model's ``generation_config`` over transformers'
-    global defaults (``top_k`` 50 where neither sets it, ...). Returns (config, keys of ``kwargs`` that are
-    not generation-config fields)."""
-    config, _ = model._prepare_generation_config(None, **kwargs)
+    global defaults (``top_k`` 50 where neither sets it, ...); a ``generation_config`` among ``kwargs``
+    takes the model's config's place, as in ``generate(generation_config=...)``. Returns (config, keys of
+    ``kwargs`` that are not generation-config fields)."""
+    kwargs = dict(kwargs)
+    config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
     unused = {key: value for key, value in kwargs.items() if not hasattr(config, key)}
     return config, unused
 

@@ -23,6 +23,7 @@ from fastalign.builtin import (
     tiny_tokenizer,
 )
 from fastalign.integrations import trl as integration
+from fastalign.integrations.generate import serve_generate
 from fastalign.ops import head_workspace
 from tests.helpers import require
 
@@ -83,8 +84,11 @@ class GradientsBeforeStep(TrainerCallback):
         self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpointing=False):
-    """The first logged row and the gradients of one step of TRL's ``kind`` trainer on a tiny llama."""
+def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpointing=False, **options):
+    """The first logged row and the gradients of one step of TRL's ``kind`` trainer on a tiny llama;
+    ``options``: more of its config's (``generation_kwargs``, ...), and ``serve_generate`` (True: the
+    model's ``generate`` served by ``fastalign.integrations.generate``)."""
+    serve = options.pop("serve_generate", False)
     config, trainer_class = {
         "sft": (trl.SFTConfig, trl.SFTTrainer),
         "dpo": (trl.DPOConfig, trl.DPOTrainer),
@@ -115,6 +119,8 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
         assert set(fastalign.patching.skipped_pieces(model)) == {"rms_norm", "rope"}
     elif patch:
         fastalign.patch_model(model)
+    if serve:
+        serve_generate(model)
     extra = {}
     if lora:
         from peft import LoraConfig
@@ -139,6 +145,7 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
         save_strategy="no",
         gradient_checkpointing=gradient_checkpointing,
         **lengths,
+        **options,
     )
     grads = GradientsBeforeStep()
     trainer = trainer_class(
