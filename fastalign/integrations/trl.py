@@ -25,7 +25,8 @@ earlier token for the maximum (frequent with bf16 logits) is not top-1.
 ``enable()`` and ``disable()`` take a lock. TRL's own function is kept in one place from the first swap on;
 ``disable()`` puts it back only while TRL's slot still holds fastalign's function (a third party's patch
 installed since stays, with one warning), and from then on ``FusedLogProbs``, wherever a reference to it
-was kept, passes every call to TRL's function.
+was kept, passes every call to TRL's function. ``enable()`` likewise leaves a third party's function that
+took the slot after fastalign first did (one warning, returns False).
 """
 
 from __future__ import annotations
@@ -168,14 +169,28 @@ def enable() -> bool:
 
     Idempotent and thread-safe. Returns whether fastalign now serves the head: False, with one warning
     per process, when the installed TRL is not the supported protocol (TRL's own head stays,
-    unchanged)."""
-    global _trl_function, _serving, _warned
+    unchanged), or when another library's function has taken TRL's slot since fastalign first took it
+    (that one stays)."""
+    global _trl_function, _serving, _warned, _warned_foreign
     from trl.trainer import utils as trl_utils
 
     with _lock:
-        if trl_utils._ChunkedLogProbFunction is FusedLogProbs:
+        current = trl_utils._ChunkedLogProbFunction
+        if current is FusedLogProbs:
             _serving = True
             return True
+        if _trl_function is not None and current is not _trl_function:
+            # Another library's function, put in TRL's slot since fastalign took TRL's own: replacing it
+            # would drop it for good (the fallback and disable() know TRL's only)
+            if not _warned_foreign:
+                warnings.warn(
+                    f"fastalign.integrations.trl.enable(): trl.trainer.utils._ChunkedLogProbFunction is "
+                    f"{getattr(current, '__qualname__', current)!r}, put there by another library: left in "
+                    "place, and TRL's fused LM head is not fastalign's",
+                    stacklevel=2,
+                )
+                _warned_foreign = True
+            return False
         mismatch = _protocol_mismatch(trl_utils)
         if mismatch is not None:
             if not _warned:

@@ -411,6 +411,23 @@ def test_disable_leaves_a_third_party_function_in_trls_slot_with_one_warning(mon
     assert not integration._serving
 
 
+def test_enable_after_disable_leaves_a_third_party_function_with_one_warning(monkeypatch):
+    """After ``disable()``, another library's function in TRL's slot is not replaced by ``enable()``
+    (it used to be, for good: the fallback and ``disable()`` know TRL's function only)."""
+    monkeypatch.setattr(integration, "_warned_foreign", False, raising=False)
+    assert integration.enable()
+    integration.disable()
+
+    class ThirdParty(chunked_logprob.ChunkedLogProbFunction):
+        pass
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ThirdParty)
+    with pytest.warns(UserWarning, match="another library: left in place"):
+        assert not integration.enable()
+    assert trl_utils._ChunkedLogProbFunction is ThirdParty and not integration._serving
+    assert not integration.enable()  # no second warning: pytest.warns above took the only one
+
+
 def test_enable_installs_again_when_trls_slot_lost_fastalign(monkeypatch, calls):
     """``enable()`` checks TRL's slot, not its own record: after the slot got TRL's function back behind
     its back (a monkeypatch undone, another library), ``enable()`` installs fastalign's again, and TRL's
