@@ -1,5 +1,5 @@
-"""``fastalign plan --model NAME|config.json --method full|lora|qlora|ppo|ppo-lora|ppo-qlora|distill-offline
---gpus N ...``.
+"""``fastalign plan --model NAME|config.json --method full|lora|qlora|ppo|ppo-lora|ppo-qlora|
+distill-offline[-lora|-qlora] --gpus N ...``.
 
 Prints the memory a training run needs per GPU and in host RAM, term by term, whether it fits, and the
 cheapest flag changes that make it fit (``--json``: the same as one JSON object). Nothing is downloaded.
@@ -57,17 +57,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--method",
         default="full",
         help="full, lora or qlora; ppo (policy, critic and reference as separate models), ppo-lora or "
-        "ppo-qlora (PPO on one base model: policy and critic adapters); distill-offline (train distill "
-        "--teacher_logprobs_path: no teacher in memory) (default: full)",
+        "ppo-qlora (PPO on one base model: policy and critic adapters); distill-offline, "
+        "distill-offline-lora or distill-offline-qlora (train distill --teacher_logprobs_path: no teacher "
+        "in memory; the student in full, or LoRA / QLoRA adapters) (default: full)",
     )
     parser.add_argument(
         "--top-k",
-        help="distill-offline only: the stored teacher top-k, for the disk per token (default: 32)",
+        help="distill-offline methods only: the stored teacher top-k, for the disk per token (default: 32)",
     )
     parser.add_argument(
         "--tail-samples",
-        help="distill-offline only: the stored tail draws per token (teacher-logprobs --tail_samples), "
-        "4 B each on disk (default: 0)",
+        help="distill-offline methods only: the stored tail draws per token (teacher-logprobs "
+        "--tail_samples), 4 B each on disk (default: 0)",
     )
     parser.add_argument("--gpus", default="1", help="GPUs; more than 1 shards with FSDP2 (default: 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 24GB (default: 80GB)")
@@ -171,7 +172,7 @@ def _plan_flags(args: argparse.Namespace, dropout: float) -> dict:
 
 def _stored_logprobs(args: argparse.Namespace) -> dict:
     """``--top-k`` and ``--tail-samples``, those given: the planner takes its defaults for the others, and
-    refuses either one for a method other than distill-offline, which alone reads them."""
+    refuses either one for a method other than the distill-offline ones, which alone read them."""
     stored = {}
     if args.top_k is not None:
         stored["top_k"] = _positive_int("--top-k", args.top_k)

@@ -104,16 +104,25 @@ from transformers import PretrainedConfig
 from fastalign.ops.head_workspace import accumulator_budget, chunk_rows, head_workspace_bytes
 from fastalign.plan.shapes import ModelShape, PlanError, resolve_model, shape_from_config
 
-Method = Literal["full", "lora", "qlora", "ppo", "ppo-lora", "ppo-qlora", "distill-offline"]
+Method = Literal[
+    "full", "lora", "qlora", "ppo", "ppo-lora", "ppo-qlora",
+    "distill-offline", "distill-offline-lora", "distill-offline-qlora",
+]  # fmt: skip
 #: PPO's plans (``_ppo_plan``), each with the fine-tuning method of its policy: separate models, or one base
 #: model under LoRA / QLoRA.
 PPO_METHODS = {"ppo": "full", "ppo-lora": "lora", "ppo-qlora": "qlora"}
-#: Offline distillation (``train distill --teacher_logprobs_path``): the student trained in full against
-#: stored teacher top-k log-probs; no teacher in memory.
+#: Offline distillation (``train distill --teacher_logprobs_path``): the student trained against stored
+#: teacher top-k log-probs, no teacher in memory; each method with its student's fine-tuning method (in
+#: full, or LoRA / QLoRA adapters: ``use_peft``, ``quantization``).
 DISTILL_OFFLINE = "distill-offline"
-METHODS: tuple[str, ...] = ("full", "lora", "qlora", *PPO_METHODS, DISTILL_OFFLINE)
+DISTILL_OFFLINE_METHODS = {
+    DISTILL_OFFLINE: "full",
+    "distill-offline-lora": "lora",
+    "distill-offline-qlora": "qlora",
+}
+METHODS: tuple[str, ...] = ("full", "lora", "qlora", *PPO_METHODS, *DISTILL_OFFLINE_METHODS)
 #: The methods the suggestions step through, cheapest last: a plan stays on its own ladder.
-_LADDERS = (("full", "lora", "qlora"), tuple(PPO_METHODS), ("distill-offline",))
+_LADDERS = (("full", "lora", "qlora"), tuple(PPO_METHODS), tuple(DISTILL_OFFLINE_METHODS))
 #: Methods that run in one process only (PPO's policy and critic adapters share one model).
 _ONE_PROCESS = ("ppo-lora", "ppo-qlora")
 
@@ -252,7 +261,7 @@ class MemoryPlan(_Request):
     # PPO's other roles, per GPU (0 for the other methods)
     critic: int = 0
     reference: int = 0
-    #: distill-offline: disk per completion token of the teacher's stored top-k (0 for the other methods)
+    #: distill-offline methods: disk per completion token of the teacher's stored top-k (0 for the other methods)
     teacher_logprobs_bytes_per_token: int = 0
 
     @property
@@ -465,7 +474,7 @@ def plan_memory(
     ``tiled_mlp_mib``: the gated MLPs run in token tiles of that working set (``TrainConfig.tiled_mlp``
     with ``tiled_mlp_budget_mib``; needs the fused kernels): a layer keeps only its MLP's input, and the
     tile's working set is held once; 0: untiled.
-    ``top_k``, ``tail_samples``: with ``distill-offline``, the teacher's stored top-k (None: 32) and tail
+    ``top_k``, ``tail_samples``: with a ``distill-offline`` method, the teacher's stored top-k (None: 32) and tail
     draws per token (None: 0), for the disk per token; no other method reads them, so setting them there
     is an error (a size that changed nothing would read as planned).
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
@@ -477,13 +486,13 @@ def plan_memory(
     if tiled_mlp_mib and not fused_loss_head:
         raise PlanError("tiled_mlp_mib", "tiles the fused MLP: needs fused_loss_head (fastalign's kernels)")
     _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype)
-    if method != DISTILL_OFFLINE:
+    if method not in DISTILL_OFFLINE_METHODS:
         for name, value in (("top_k", top_k), ("tail_samples", tail_samples)):
             if value is not None:
                 raise PlanError(
                     name,
-                    f"applies to method {DISTILL_OFFLINE} only (the stored teacher log-probs' disk), not "
-                    f"{method!r}: remove it",
+                    f"applies to the methods {', '.join(DISTILL_OFFLINE_METHODS)} only (the stored teacher "
+                    f"log-probs' disk), not {method!r}: remove it",
                 )
     if keep_on_device != "auto" and (
         isinstance(keep_on_device, bool)
@@ -513,7 +522,7 @@ def plan_memory(
     )
     if method in PPO_METHODS:
         return _ppo_plan(shape, flags, suggest)
-    if method == DISTILL_OFFLINE:
+    if method in DISTILL_OFFLINE_METHODS:
         return _distill_offline_plan(
             shape, flags, suggest, 32 if top_k is None else top_k, 0 if tail_samples is None else tail_samples
         )
@@ -874,16 +883,17 @@ def teacher_logprobs_bytes_per_token(top_k: int, tail_samples: int = 0) -> int:
 def _distill_offline_plan(
     shape: ModelShape, flags: dict, suggest: bool, top_k: int, tail_samples: int
 ) -> MemoryPlan:
-    """Offline distillation: the student's full fine-tuning plan (the fused sparse head holds one chunk
-    of logits, as the cross-entropy's) and no teacher: its top-k log-probs come from disk, a few
-    bytes per token in each batch."""
+    """Offline distillation: the student's fine-tuning plan (in full, LoRA or QLoRA, as ``flags``'
+    method; the fused sparse head holds one chunk of logits, as the cross-entropy's) and no teacher: its
+    top-k log-probs come from disk, a few bytes per token in each batch."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise PlanError("top_k", f"must be a positive integer, got {top_k!r}")
     if isinstance(tail_samples, bool) or not isinstance(tail_samples, int) or tail_samples < 0:
         raise PlanError("tail_samples", f"must be an integer of 0 or more, got {tail_samples!r}")
     # the suggestions stay on offline distillation's own ladder (checkpointing, offloading, GPUs): "use
     # --method lora" would plan LoRA SFT, a run without the stored log-probs
-    student = plan_memory(shape, **{**flags, "method": "full"}, suggest=False)
+    method = flags["method"]
+    student = plan_memory(shape, **{**flags, "method": DISTILL_OFFLINE_METHODS[method]}, suggest=False)
     per_token = teacher_logprobs_bytes_per_token(top_k, tail_samples)
     teacher = Term("teacher", "teacher", 0, 0, False, "none: its top-k log-probs are read from disk")
     draws = f" and {tail_samples} tail draws" if tail_samples else ""
@@ -895,7 +905,7 @@ def _distill_offline_plan(
     )
     plan = replace(
         student,
-        method=DISTILL_OFFLINE,
+        method=method,
         terms=[*student.terms, teacher],
         teacher_logprobs_bytes_per_token=per_token,
     )
@@ -992,7 +1002,9 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
         rungs += [("method", method), ("lora_dropout", 0.0)]
     result = None
     for key, value in rungs:
-        if inputs[key] == value or (key == "lora_dropout" and inputs["method"] in ("full", "ppo")):
+        if inputs[key] == value or (
+            key == "lora_dropout" and inputs["method"] in ("full", "ppo", DISTILL_OFFLINE)
+        ):
             continue
         change(key, value)
         if result := fitting():

@@ -544,11 +544,11 @@ def _moe(tmp_path):
             "--tail-samples",
             "an integer of 0 or more",
         ),
-        (["--model", "llama-3-8b", "--top-k", "64"], "--top-k", "method distill-offline only"),
+        (["--model", "llama-3-8b", "--top-k", "64"], "--top-k", "distill-offline-qlora only"),
         (
             ["--model", "llama-3-8b", "--method", "lora", "--tail-samples", "8"],
             "--tail-samples",
-            "method distill-offline only (the stored teacher log-probs' disk), not 'lora'",
+            "distill-offline-qlora only (the stored teacher log-probs' disk), not 'lora'",
         ),
         (["--model", "llama-3-8b", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
         (["--model", "llama-3-8b", "--method", "ppo-lora", "--gpus", "2"], "--gpus", "use --method ppo"),
@@ -816,19 +816,35 @@ def test_distill_offline_is_the_students_full_plan_with_no_teacher():
     assert any("296 B per completion token at top_k 32 and 8 tail draws" in note for note in draws.notes)
     for method in ("full", "qlora", "ppo"):  # no other method reads them: set, they are refused
         for stored in (dict(top_k=32), dict(tail_samples=0)):
-            with pytest.raises(PlanError, match="applies to method distill-offline only") as error:
+            with pytest.raises(PlanError, match="applies to the methods distill-offline, ") as error:
                 plan("llama-3-8b", method=method, gpus=1, seq_len=2048, **stored)
             assert error.value.option == next(iter(stored))
 
 
+@pytest.mark.parametrize("student", ["lora", "qlora"])
+def test_distill_offline_with_an_adapter_student_is_its_plan_with_no_teacher(student):
+    """``--method distill-offline-lora`` / ``-qlora``: the LoRA / QLoRA student's memory (as ``train
+    distill --use_peft [--quantization nf4]`` trains it), a teacher term of 0 bytes and the disk note."""
+    from fastalign.plan import plan_memory as plan
+
+    adapters = plan("llama-3-8b", method=student, gpus=1, seq_len=2048)
+    offline = plan("llama-3-8b", method=f"distill-offline-{student}", gpus=1, seq_len=2048, tail_samples=4)
+    assert offline.total_per_gpu == adapters.total_per_gpu and offline.method == f"distill-offline-{student}"
+    assert [t.name for t in offline.terms] == [*(t.name for t in adapters.terms), "teacher"]
+    assert next(t for t in offline.terms if t.name == "teacher").gpu_bytes == 0
+    assert any("280 B per completion token at top_k 32 and 4 tail draws" in note for note in offline.notes)
+
+
 def test_distill_offline_suggestions_keep_offline_distillation():
-    """A student that does not fit gets the flags that fit it as offline distillation (checkpointing, more
-    GPUs), never ``--method lora``, which would plan LoRA SFT; the disk note stays."""
+    """A student that does not fit gets the flags that fit it as offline distillation (checkpointing, a
+    LoRA or QLoRA student, more GPUs), never ``--method lora``, which would plan LoRA SFT; the disk note
+    stays."""
     from fastalign.plan import plan_memory as plan
 
     offline = plan("llama-3-8b", method="distill-offline", gpus=1, seq_len=2048, top_k=32)
-    assert not offline.fits and offline.suggestions
-    assert not any("--method" in change for change in offline.suggestions), offline.suggestions
-    fitted = plan("llama-3-8b", method="distill-offline", gpus=2, seq_len=2048, checkpointing=True)
+    assert offline.suggestions == ["--method distill-offline-lora"]
+    fitted = plan("llama-3-8b", method="distill-offline-lora", gpus=1, seq_len=2048)
     assert offline.suggested_total_per_gpu == fitted.total_per_gpu and fitted.fits
+    big = plan("llama-3-70b", method="distill-offline", gpus=1, seq_len=4096)
+    assert big.suggestions == ["--checkpointing", "--method distill-offline-qlora"], big.suggestions
     assert any("264 B per completion token" in note for note in offline.notes)

@@ -53,6 +53,7 @@ from fastalign.train.teacher_logprobs import (
     teacher_weights,
 )
 from tests import torchrun
+from tests.helpers import require
 from tests.train.runs import logged, short_config
 
 WORKER = Path(__file__).with_name("teacher_logprobs_worker.py")
@@ -293,6 +294,32 @@ def test_training_never_loads_the_teacher_and_learns(tmp_path, teacher_dir, monk
     assert [row["step"] for row in metrics] == [1, 2, 3]
     assert all(math.isfinite(row["loss"]) and row["loss"] > 0 and row["grad_norm"] > 0 for row in metrics)
     assert all(0 < row["entropy"] < math.log(512) for row in metrics)
+
+
+@pytest.mark.parametrize("quantization", [None, "nf4"], ids=["lora", "qlora"])
+def test_a_lora_student_trains_on_stored_scores(quantization, tmp_path, teacher_dir):
+    """A LoRA (and 4-bit QLoRA) student on stored scores: its first loss is the full student's (LoRA's
+    B starts at 0), it trains, and the run saves an adapter, not a whole model."""
+    if quantization:
+        require("bitsandbytes")
+    rows = tiny_sft_rows(8)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config)
+    runs = {}
+    for name, options in {
+        "full": {},
+        "lora": dict(use_peft=True, lora_r=4, lora_dropout=0.0, quantization=quantization),
+    }.items():
+        (tmp_path / name).mkdir()
+        train = offline_config(tmp_path / name, config.output_dir, rows, max_steps=2, **options)
+        run_training(train, "distill")
+        runs[name] = logged(train.output_dir)
+    # QLoRA's base is the full student's weights in 4 bits: its first loss within their rounding (1%)
+    tolerance = 1e-2 if quantization else 1e-6
+    assert math.isclose(runs["lora"][0]["loss"], runs["full"][0]["loss"], rel_tol=tolerance)
+    assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in runs["lora"])
+    assert (tmp_path / "lora" / "run" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "lora" / "run" / "model.safetensors").exists()
 
 
 def test_offline_loss_equals_the_op_on_the_teachers_own_scores(tmp_path, teacher_dir):
