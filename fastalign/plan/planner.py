@@ -261,7 +261,7 @@ class MemoryPlan(_Request):
     # PPO's other roles, per GPU (0 for the other methods)
     critic: int = 0
     reference: int = 0
-    #: distill-offline methods: disk per completion token of the teacher's stored top-k (0 for the other methods)
+    #: distill-offline methods: disk per completion token of the teacher's stored top-k (0 for the others)
     teacher_logprobs_bytes_per_token: int = 0
 
     @property
@@ -474,9 +474,9 @@ def plan_memory(
     ``tiled_mlp_mib``: the gated MLPs run in token tiles of that working set (``TrainConfig.tiled_mlp``
     with ``tiled_mlp_budget_mib``; needs the fused kernels): a layer keeps only its MLP's input, and the
     tile's working set is held once; 0: untiled.
-    ``top_k``, ``tail_samples``: with a ``distill-offline`` method, the teacher's stored top-k (None: 32) and tail
-    draws per token (None: 0), for the disk per token; no other method reads them, so setting them there
-    is an error (a size that changed nothing would read as planned).
+    ``top_k``, ``tail_samples``: with a ``distill-offline`` method, the teacher's stored top-k (None: 32)
+    and tail draws per token (None: 0), for the disk per token; no other method reads them, so setting
+    them there is an error (a size that changed nothing would read as planned).
     ``suggest``: also search the cheapest flag changes that fit. Raises ``PlanError`` (a ``ValueError``
     naming the parameter) on bad input.
     """
