@@ -1,12 +1,12 @@
 """Serve a model's ``generate`` with fastalign's rollout engine, for trainers that sample through it.
 
-TRL's GRPO, RLOO and distillation trainers (without vLLM) sample with the model instance's own
-``generate``, each prompt repeated ``num_generations`` times in adjacent rows. ``generate`` then
-prefills every copy, decodes every row until the longest ends and draws with ``torch.multinomial``.
-``serve_generate(model)`` puts the rollout engine (``fastalign.train.generation``) behind that
-``generate``: each run of identical adjacent rows is one prompt, prefilled once, its completions
-decoded from one cache, ended rows leaving the batch. It returns what ``generate`` returns: the
-[rows, prompt + longest completion] ids, ended rows padded with the pad id.
+TRL's GRPO and RLOO trainers (without vLLM) sample with the model instance's own ``generate``, each
+prompt repeated ``num_generations`` times in adjacent rows. ``generate`` then prefills every copy,
+decodes every row until the longest ends and draws with ``torch.multinomial``. ``serve_generate(model)``
+puts the rollout engine (``fastalign.train.generation``) behind that ``generate``: each run of identical
+adjacent rows is one prompt, prefilled once, its completions decoded from one cache, ended rows leaving
+the batch. It returns what ``generate`` returns: the [rows, prompt + longest completion] ids, ended rows
+padded with the pad id.
 
 **Same tokens when greedy; the same distribution, other draws, when sampling.** The engine draws by
 inverse CDF, not with ``generate``'s random stream, so a seeded TRL run with it samples other completions
@@ -14,78 +14,149 @@ than TRL alone: its losses are not TRL alone's to the digit, the statistics of i
 why this is a call of its own, not part of ``fastalign.integrations.trl.enable()``, whose results are
 TRL's exactly.
 
-A call the engine does not cover goes to the model's own ``generate``, said once per reason in one log
-line: arguments besides ``input_ids``, ``attention_mask``, ``generation_config`` and generation-config
-fields (logits processors, stopping criteria, a streamer, images, ...), output dictionaries, a process
-group of more than one rank (the ranks' collectives pair up only if every rank decides alike, which the
-engine's own rollout arranges and a bare ``generate`` call cannot), and whatever ``engine_refusal``
-names (beam search, another cache, a rope that changes within the sequences, ...).
+A call the engine would not sample as ``generate`` goes to the model's own ``generate``, said once per
+reason in one log line:
+
+- arguments besides ``input_ids``, ``attention_mask``, ``generation_config`` and generation-config fields
+  (logits processors, stopping criteria, a streamer, images, ...), or an output dictionary;
+- dropout at work (the model in training mode with a dropout probability above 0, LoRA's included):
+  ``generate`` gives each copy of a prompt its own dropout masks, one shared prefill cannot;
+- gradient checkpointing in training mode (transformers then keeps no cache);
+- peft prompt learning (prompt or prefix tuning), whose virtual tokens ``generate`` adds;
+- a process group of more than one rank (the ranks' collectives pair up only if every rank decides
+  alike, which the engine's own rollout arranges and a bare ``generate`` call cannot);
+- whatever ``engine_refusal`` names (beam search, another cache, no cache, no end token, a rope that
+  changes within the sequences, ...).
+
+The wrapper is a method bound to the model (``types.MethodType``), so a deep copy of a served model
+serves its own weights, and ``restore_generate`` puts back whatever ``generate`` the instance had.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fastalign.train.generation import engine_refusal, sample_groups
+from fastalign.train.generation import engine_refusal, merged_generation_config, sample_groups
 
 logger = logging.getLogger(__name__)
 
-#: ``generate`` options that change what it returns, not what it samples: the engine returns ids only.
-_OUTPUT_OPTIONS = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions")
+#: The instance attribute holding the ``generate`` the instance had before serving (None: the class's).
+_OWN = "_fastalign_own_generate"
+#: ``generate``'s own parameters (not generation-config fields) that are unset when None or False: TRL
+#: and users pass them so; any other value is not the engine's to serve.
+_UNSET_WHEN_FALSY = frozenset(
+    {
+        "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
+        "streamer", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
+    }
+)  # fmt: skip
 _SAID: set[str] = set()
 
 
 def serve_generate(model: torch.nn.Module) -> torch.nn.Module:
-    """Make ``model.generate`` (this instance's) sample with the rollout engine where it can, and with
-    the model's own ``generate`` elsewhere. Call it before handing the model to the trainer (TRL's peft
-    wrapping reaches this instance's ``generate``). Idempotent; ``restore_generate`` undoes it. Returns
-    the model."""
-    if getattr(model.generate, "_fastalign_engine", False):
+    """Make ``model.generate`` (this instance's) sample with the rollout engine where it samples as
+    ``generate`` does, and with the model's own ``generate`` elsewhere. Call it before handing the model
+    to the trainer (TRL's peft wrapping reaches this instance's ``generate``). Idempotent;
+    ``restore_generate`` undoes it. Returns the model."""
+    if _is_served(model):
         return model
-    own = model.generate
-
-    def generate(*args: Any, **kwargs: Any):
-        reason = _not_served(model, args, kwargs)
-        if reason is not None:
-            _say_once(f"fastalign: this generate call runs the model's own generate ({reason})")
-            return own(*args, **kwargs)
-        ids, mask = kwargs.pop("input_ids"), kwargs.pop("attention_mask")
-        group = _group(ids, mask)
-        return sample_groups(model, ids[::group], mask[::group], group, kwargs)
-
-    generate._fastalign_engine = True
-    generate.__wrapped__ = own
-    generate.__doc__ = own.__doc__
-    model.generate = generate
+    setattr(model, _OWN, vars(model).get("generate"))
+    model.generate = types.MethodType(generate, model)
     return model
 
 
 def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
-    """Give ``model`` back its own ``generate`` (undo ``serve_generate``). Returns the model."""
-    if getattr(model.generate, "_fastalign_engine", False):
-        del model.generate
+    """Give ``model`` back the ``generate`` it had before ``serve_generate``. Returns the model."""
+    if _is_served(model):
+        own = vars(model).pop(_OWN)
+        if own is None:
+            del model.generate
+        else:
+            model.generate = own
     return model
+
+
+def _is_served(model: torch.nn.Module) -> bool:
+    return getattr(vars(model).get("generate"), "__func__", None) is generate
+
+
+def _own_generate(model: torch.nn.Module):
+    own = vars(model).get(_OWN)
+    return own if own is not None else types.MethodType(type(model).generate, model)
+
+
+def generate(self: torch.nn.Module, *args: Any, **kwargs: Any):
+    """``generate``, served by the rollout engine where it samples as ``generate`` does. Named as the
+    method it stands in for: a pickled served model (``torch.save``) loads with its class's ``generate``."""
+    kwargs = {key: value for key, value in kwargs.items() if key not in _UNSET_WHEN_FALSY or value}
+    reason = _not_served(self, args, kwargs)
+    if reason is not None:
+        if reason not in _SAID:
+            _SAID.add(reason)
+            logger.warning(f"fastalign: this generate call runs the model's own generate ({reason})")
+        return _own_generate(self)(*args, **kwargs)
+    ids, mask = kwargs.pop("input_ids"), kwargs.pop("attention_mask")
+    config, _ = merged_generation_config(self, kwargs)
+    group = _group(ids, mask)
+    with torch.no_grad():  # as generate's own decorator
+        return sample_groups(self, ids[::group], mask[::group], group * config.num_return_sequences, kwargs)
 
 
 def _not_served(model: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
     """Why this ``generate(*args, **kwargs)`` call is not the engine's (None: it is)."""
     if args:
         return "positional arguments"
-    if kwargs.get("attention_mask") is None or not torch.is_tensor(kwargs.get("input_ids")):
+    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    if not torch.is_tensor(ids) or not torch.is_tensor(mask):
         return "input_ids and attention_mask are not both given"
+    if ids.ndim != 2 or ids.shape[0] == 0:
+        return "no rows"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "a process group of more than one rank"
+    if model.training and _dropout_at_work(model):
+        return "dropout is at work (training mode): generate draws each row's masks, a shared prefill cannot"
+    if model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        return "gradient checkpointing in training mode keeps no cache"
+    if _prompt_learning(model):
+        return "peft prompt learning adds virtual tokens in generate"
     options = {key: value for key, value in kwargs.items() if key not in ("input_ids", "attention_mask")}
-    config = options.get("generation_config")
-    for name in _OUTPUT_OPTIONS:
-        if options.get(name) or (name not in options and getattr(config, name, False)):
-            return f"{name} is set"
-    return engine_refusal(model, options, width=kwargs["input_ids"].shape[1])
+    refusal = engine_refusal(model, options, width=ids.shape[1])
+    if refusal is not None:
+        return refusal
+    config, _ = merged_generation_config(model, options)
+    if config.return_dict_in_generate:
+        return "return_dict_in_generate is set"
+    if config.num_return_sequences > 1 and not config.do_sample:
+        return "num_return_sequences with greedy decoding (generate refuses it)"
+    return None
+
+
+def _dropout_at_work(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` in training mode drops anything: a dropout module (LoRA's
+    included) or an attention dropout probability above 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+            return True
+    return False
+
+
+def _prompt_learning(model: torch.nn.Module) -> bool:
+    """Whether ``model``, or the peft model whose ``generate`` called it (peft puts its own
+    ``prepare_inputs_for_generation`` on the base model for the call), learns virtual prompt tokens."""
+    owner = getattr(vars(model).get("prepare_inputs_for_generation"), "__self__", None)
+    return any(
+        getattr(getattr(candidate, "active_peft_config", None), "is_prompt_learning", False)
+        for candidate in (model, owner)
+        if candidate is not None
+    )
 
 
 def _group(ids: torch.Tensor, mask: torch.Tensor) -> int:
@@ -96,9 +167,3 @@ def _group(ids: torch.Tensor, mask: torch.Tensor) -> int:
     same = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).all(-1).tolist()
     starts = [0] + [row for row in range(1, rows) if not same[row - 1]]
     return math.gcd(*(end - start for start, end in zip(starts, [*starts[1:], rows], strict=True)))
-
-
-def _say_once(message: str) -> None:
-    if message not in _SAID:
-        _SAID.add(message)
-        logger.warning(message)

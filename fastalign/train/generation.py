@@ -35,6 +35,7 @@ quantized cache, ...) is sampled by ``generate``, said once in one log line (``e
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from typing import Any
 
@@ -194,6 +195,11 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any], width: int | 
         return "use_cache is false"
     if config.max_new_tokens is None:
         return "max_new_tokens is not set"
+    if config.eos_token_id is None:
+        return "no eos_token_id is set (the engine stops rows at an end token)"
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # peft's
+    if "past_key_values" not in inspect.signature(type(base).forward).parameters:
+        return f"{type(base).__name__} keeps no KV cache"
     if config.cache_implementation not in _SAME_CACHE_IMPLEMENTATIONS:
         return f"cache_implementation is {config.cache_implementation!r}"
     switch = rope_switch_length(model)

@@ -17,8 +17,9 @@ prefix), and a call this function does not cover (not a single-token decode, or 
 not implement) runs ``sdpa`` on the prefix and the row's keys concatenated, which is the repeated cache's
 computation exactly.
 
-Only a model that attends with ``sdpa`` shares (``can_share``): eager attention takes another mask, the
-flash kernels another layout.
+Only a model that attends with ``sdpa`` through transformers' attention functions shares (``can_share``):
+eager attention takes another mask, the flash kernels another layout, and a model calling attention
+itself never reaches the swapped function.
 """
 
 from __future__ import annotations
@@ -45,8 +46,12 @@ _decoding: list = []  # the cache being decoded (at most one at a time: a stack 
 
 
 def can_share(model: torch.nn.Module) -> bool:
-    """Whether the model attends with ``sdpa`` (the function's fallback and mask are sdpa's)."""
-    return getattr(model.config, "_attn_implementation", None) == "sdpa"
+    """Whether the model attends with ``sdpa`` (the function's fallback and mask are sdpa's) through
+    transformers' attention functions, which the engine swaps (Falcon, Bloom and MPT call their own:
+    ``_supports_attention_backend`` is False)."""
+    return bool(getattr(model, "_supports_attention_backend", False)) and (
+        getattr(model.config, "_attn_implementation", None) == "sdpa"
+    )
 
 
 @contextlib.contextmanager

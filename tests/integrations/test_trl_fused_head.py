@@ -351,6 +351,7 @@ def test_another_trl_protocol_keeps_trl_head_with_one_warning(mismatch, monkeypa
                 raise AssertionError("never called here")
 
         monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Changed)
+        monkeypatch.setattr(integration, "_trl_function", None)  # as in a fresh process with that TRL
     untouched = trl_utils._ChunkedLogProbFunction
     with pytest.warns(UserWarning, match="keeps its own kernels"):
         assert not integration.enable()
