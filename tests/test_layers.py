@@ -1,8 +1,8 @@
 """The layer rule of docs/architecture.md, checked on the source: every ``fastalign`` import (module level or
 inside a function) looks down. ``kernels`` ← ``ops`` ← ``losses`` ← (``patching`` ← ``integrations``,
 ``train``) ← ``cli``, with the floors ``models`` (model structure, streaming loader), ``builtin`` (tiny
-offline models and data) and ``errors`` below whatever uses them; ``plan`` beside, used by ``train`` and
-``cli``, reading ``ops``' head workspace rule."""
+offline models and data), ``errors`` and ``sampling`` (the rollout engine) below whatever uses them;
+``plan`` beside, used by ``train`` and ``cli``, reading ``ops``' head workspace rule."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ ALLOWED = {
     "losses": {"ops", "models"},
     "data": {"errors", "models"},
     "patching": {"errors", "ops", "models"},
-    "integrations": {"ops", "patching"},  # patching: integrations.trl.patch_model
+    "integrations": {"ops", "patching", "sampling"},  # patching: trl.patch_model; sampling: serve_generate
+    "sampling": set(),
     "quant": {"ops", "models"},
     "plan": {"builtin", "errors", "models", "ops"},  # ops: the heads' workspace rule, as kernels'
     "bench": set(),
@@ -35,6 +36,7 @@ ALLOWED = {
         "patching",
         "plan",
         "quant",
+        "sampling",
     },
     "cli": {"fastalign", "bench", "builtin", "errors", "ops", "plan", "train", "data", "models", "quant"},
     "__init__": {"ops", "patching"},

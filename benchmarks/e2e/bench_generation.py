@@ -11,7 +11,7 @@ topics, ``pydoc_data``), ``group`` sampled completions of each (temperature 1, n
 
 - ``generate``: ``model.generate`` on the prompts repeated ``group`` times (fastalign's rollout before the
   engine, and TRL's GRPOTrainer without vLLM);
-- ``fastalign``: the engine (``fastalign.train.generation.sample_groups``): each prompt prefilled once,
+- ``fastalign``: the engine (``fastalign.sampling.generation.sample_groups``): each prompt prefilled once,
   ended rows dropped, inverse-CDF draws;
 - ``continuous``: transformers' continuous batching (``model.generate_batch``, paged attention; TRL's
   ``use_transformers_paged``), each completion a request (on a CPU one call, at the shortest length
@@ -133,7 +133,7 @@ def sample(
 ) -> list[list[int]]:
     """Each completion's ids (a prompt's ``group`` adjacent); ``cache``: continuous batching's paged cache
     size (``ContinuousBatchingConfig``'s ``num_blocks``, ``max_batch_tokens``), None to let it size itself."""
-    from fastalign.train.generation import sample_groups
+    from fastalign.sampling.generation import sample_groups
 
     if provider == "generate":
         out = model.generate(

@@ -3,7 +3,7 @@
 TRL's GRPO and RLOO trainers (without vLLM) sample with the model instance's own ``generate``, each
 prompt repeated ``num_generations`` times in adjacent rows. ``generate`` then prefills every copy,
 decodes every row until the longest ends and draws with ``torch.multinomial``. ``serve_generate(model)``
-puts the rollout engine (``fastalign.train.generation``) behind that ``generate``: each run of identical
+puts the rollout engine (``fastalign.sampling.generation``) behind that ``generate``: each run of identical
 adjacent rows is one prompt, prefilled once, its completions decoded from one cache, ended rows leaving
 the batch. It returns what ``generate`` returns: the [rows, prompt + longest completion] ids, ended rows
 padded with the pad id.
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastalign.train.generation import engine_refusal, merged_generation_config, sample_groups
+from fastalign.sampling.generation import engine_refusal, merged_generation_config, sample_groups
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 and score them with the reward functions.
 
 Generation runs in eval mode, without gradient, through fastalign's engine
-(``fastalign.train.generation``: each prompt prefilled once for its group, ended rows dropped, the
+(``fastalign.sampling.generation``: each prompt prefilled once for its group, ended rows dropped, the
 tokens and distribution of ``model.generate``), or ``model.generate`` itself (``generation_engine:
 generate``, or a model or option the engine cannot run, said once in a log line). The engine samples a
 whole generation's micro-batches in one call (more rows per decode step), each prompt drawing from a
@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import combine_rewards
+from fastalign.sampling.generation import engine_refusal, eos_token_ids, reads_prompt_padding, sample_groups
 from fastalign.train.distributed import DistributedContext, raise_on_every_rank
-from fastalign.train.generation import engine_refusal, eos_token_ids, reads_prompt_padding, sample_groups
 from fastalign.train.rewards import RewardFunction, compute_rewards, reward_metrics
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 from fastalign.builtin import tiny_model
 from fastalign.integrations import generate as served
 from fastalign.integrations.generate import restore_generate, serve_generate
-from fastalign.train import generation
+from fastalign.sampling import generation
 from tests.helpers import require
 from tests.train.test_generation import PAD, an_eos_that_ends_some_rows, left_padded, sharing
 

@@ -1,5 +1,5 @@
 """The rollout engine on the real model: greedy completions of long, left-padded chat prompts equal
-``generate``'s, with each prompt's KV held once for its rows (``fastalign.train.prefix_attention``) and
+``generate``'s, with each prompt's KV held once for its rows (``fastalign.sampling.prefix_attention``) and
 with it repeated."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fastalign.train import generation
-from fastalign.train.decode_cache import SharedPrefixLayer
+from fastalign.sampling import generation
+from fastalign.sampling.decode_cache import SharedPrefixLayer
 
 
 def chat_prompts(tokenizer, count: int) -> tuple[torch.Tensor, torch.Tensor]:

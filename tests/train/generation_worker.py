@@ -11,8 +11,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py, before f
 import torch
 
 from fastalign.builtin import tiny_model
+from fastalign.sampling.generation import sample_groups
 from fastalign.train.distributed import init_distributed, shard_model
-from fastalign.train.generation import sample_groups
 
 if __name__ == "__main__":
     ctx = init_distributed()

@@ -1,5 +1,5 @@
-"""The rollout engine (``fastalign.train.generation``) against ``model.generate``, the oracle: greedy tokens
-equal on every tiny family, LoRA and patched models, with rows ending at different steps and generate's
+"""The rollout engine (``fastalign.sampling.generation``) against ``model.generate``, the oracle: greedy
+tokens equal on every tiny family, LoRA and patched models, with rows ending at different steps and generate's
 logits processors; sampled tokens follow the exact next-token distribution; per-prompt seeds make a
 prompt's completions independent of the call; a model or option it cannot run falls back to generate,
 said once. Runs on every supported transformers (the lowest-versions environment too): the engine reads
@@ -16,10 +16,10 @@ import torch
 
 from fastalign.builtin import tiny_model
 from fastalign.builtin.models import TINY_MODEL_TYPES
-from fastalign.train import generation
-from fastalign.train.decode_cache import ReservedLayer, SharedPrefixLayer
+from fastalign.sampling import generation
+from fastalign.sampling.decode_cache import ReservedLayer, SharedPrefixLayer
+from fastalign.sampling.generation import engine_refusal, sample_groups
 from fastalign.train.distributed import DistributedContext
-from fastalign.train.generation import engine_refusal, sample_groups
 from fastalign.train.rollout import SamplingOptions, generate_completions
 
 PAD = 0

@@ -1,4 +1,4 @@
-"""The KV cache layers of the rollout engine's decoding (``fastalign.train.generation``).
+"""The KV cache layers of the rollout engine's decoding (``fastalign.sampling.generation``).
 
 Why not transformers' ``DynamicLayer`` as is: it concatenates at every decode step, copying the whole
 cache each time (at 256 completion tokens that copy outweighs the step's weights on a CPU), and it holds a
@@ -47,7 +47,7 @@ class SharedPrefixLayer(ReservedLayer):
     """A full-attention cache layer holding its prompts once after ``share`` (``prefix_keys`` and
     ``prefix_values``, [B, H, P, D]), each row's own decoded keys and values appended in place after them
     (``keys``/``values``, [R, H, T, D]); before ``share``, a ``DynamicLayer``. The attention that reads
-    both is ``fastalign.train.prefix_attention``'s."""
+    both is ``fastalign.sampling.prefix_attention``'s."""
 
     shared = False
 

@@ -9,7 +9,7 @@ cost grows with its rows, both are paid in full; on a GPU the padding rows cost 
 - **The prompt is prefilled once**: the unique prompts run through the model, and their last-position
   logits are repeated G times. With sdpa attention and prompts at least as long as the completions'
   limit, their KV is then held once and read once per decode step for all G rows
-  (``fastalign.train.prefix_attention``); otherwise it is repeated G times
+  (``fastalign.sampling.prefix_attention``); otherwise it is repeated G times
   (``Cache.batch_repeat_interleave``), each row appending to its own copy.
 - **Finished rows leave the batch**: once an eighth of the rows in the batch have ended (an EOS), the
   batch, its cache (``Cache.batch_select_indices``) and its ids are compacted to the rows still running.
@@ -45,8 +45,8 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from fastalign.train.decode_cache import ReservedLayer, SharedPrefixLayer
-from fastalign.train.prefix_attention import can_share, shared_prefix_decoding
+from fastalign.sampling.decode_cache import ReservedLayer, SharedPrefixLayer
+from fastalign.sampling.prefix_attention import can_share, shared_prefix_decoding
 
 try:  # transformers >= 5.23: the layers of a model's layers without attention
     from transformers.cache_utils import DummyLayer
@@ -246,7 +246,7 @@ def _for_the_group(cache: DynamicCache, group: int, prompt_mask: torch.Tensor, t
 
 
 def shares_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, group: int, tokens: int) -> bool:
-    """Whether the prompts' KV is held once for their rows (``fastalign.train.prefix_attention``): with
+    """Whether the prompts' KV is held once for their rows (``fastalign.sampling.prefix_attention``): with
     sdpa attention, more than one row per prompt, and prompts at least ``SHARE_FROM`` times as long as
     the completions may grow."""
     return group > 1 and can_share(model) and prompt_ids.shape[1] >= SHARE_FROM * tokens

@@ -6,7 +6,7 @@ those reads outweigh the weights': SmolLM2-135M's cache is 46 KB a token, so 4 p
 8 completions read 0.8 GB of prompt KV per decode step, against 0.54 GB of weights. Holding the prompt
 once (B rows, not B·G) cuts both the reads and the memory by G.
 
-How: each full-attention cache layer is a ``SharedPrefixLayer`` (``fastalign.train.decode_cache``); after
+How: each full-attention cache layer is a ``SharedPrefixLayer`` (``fastalign.sampling.decode_cache``); after
 the prefill (``share``) it keeps the prompts' keys and values [B, H, P, D] and, in a reserved buffer, each
 row's own decoded ones [R, H, T, D], and ``update`` returns the rows' own. The attention function registered
 with transformers as ``ATTENTION`` (in effect only inside ``shared_prefix_decoding``) gives each row one
@@ -31,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from fastalign.train.decode_cache import SharedPrefixLayer
+from fastalign.sampling.decode_cache import SharedPrefixLayer
 
 #: The attention implementation name the engine sets on the model's config while it decodes.
 ATTENTION = "fastalign_shared_prefix"
