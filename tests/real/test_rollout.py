@@ -49,3 +49,32 @@ def test_long_prompts_decode_as_generate_with_their_kv_held_once(smollm2, monkey
         repeated = generation.sample_groups(model, ids, mask, 3, options)
     assert len(shared) == model.config.num_hidden_layers
     assert torch.equal(ours, expected) and torch.equal(repeated, expected)
+
+
+def test_a_served_generate_returns_generates_ids_on_the_real_model(smollm2, monkeypatch):
+    """``serve_generate`` on the real model, called as TRL's GRPO calls ``generate`` (each prompt repeated,
+    a ``GenerationConfig``, outside ``no_grad``): greedy, the ids of the model's own ``generate``, with the
+    engine having sampled (each prompt prefilled once)."""
+    from transformers import GenerationConfig
+
+    from fastalign.integrations import generate as served
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    ids, mask = chat_prompts(tokenizer, 2)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=12, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    inputs = {"input_ids": ids.repeat_interleave(4, 0), "attention_mask": mask.repeat_interleave(4, 0)}
+    expected = model.generate(**inputs, generation_config=config)
+    prompts = []
+    sample = served.sample_groups
+
+    def spy(model, ids, *args, **kwargs):
+        prompts.append(ids.shape[0])
+        return sample(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(served, "sample_groups", spy)
+    ours = served.serve_generate(model).generate(**inputs, generation_config=config)
+    assert prompts == [2] and torch.equal(ours, expected)
