@@ -21,7 +21,7 @@ ALLOWED = {
     "data": {"errors", "models"},
     "patching": {"errors", "ops", "models"},
     "integrations": {"ops", "patching", "sampling"},  # patching: trl.patch_model; sampling: serve_generate
-    "sampling": set(),
+    "sampling": {"models"},
     "quant": {"ops", "models"},
     "plan": {"builtin", "errors", "models", "ops"},  # ops: the heads' workspace rule, as kernels'
     "bench": set(),

@@ -3,4 +3,4 @@ distribution (sampling), for less work (``generation``), its KV cache layers (``
 attention that reads a prompt's KV once for its rows (``prefix_attention``).
 
 Below ``train`` (whose rollouts sample with it) and ``integrations`` (``serve_generate`` puts it behind a
-model's own ``generate``): it needs only the model."""
+model's own ``generate``): it needs only the model (and ``models``' peft unwrapping)."""

@@ -45,6 +45,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from fastalign.models.structure import base_model
 from fastalign.sampling.decode_cache import ReservedLayer, SharedPrefixLayer
 from fastalign.sampling.prefix_attention import can_share, shared_prefix_decoding
 
@@ -197,7 +198,7 @@ def engine_refusal(model: torch.nn.Module, kwargs: dict[str, Any], width: int | 
         return "max_new_tokens is not set"
     if config.eos_token_id is None:
         return "no eos_token_id is set (the engine stops rows at an end token)"
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # peft's
+    base = base_model(model)
     if "past_key_values" not in inspect.signature(type(base).forward).parameters:
         return f"{type(base).__name__} keeps no KV cache"
     if config.cache_implementation not in _SAME_CACHE_IMPLEMENTATIONS:
