@@ -460,9 +460,10 @@ def run(preset_name: str, args: argparse.Namespace) -> Path:
             )
             path = tmp / f"{objective}.jsonl"
             path.write_text("".join(json.dumps(row) + "\n" for row in data))
-            shared = {key: preset[key] for key in ("batch", "steps", "learning_rate", "max_length")}
+            # num_generations where the preset sets it; shared_options defaults it to the batch
+            keys = ("batch", "steps", "learning_rate", "max_length", "num_generations")
+            shared = {key: preset[key] for key in keys if key in preset}
             shared |= {
-                "num_generations": preset.get("num_generations", preset["batch"]),
                 "objective": objective, "model_dir": model_dir, "data": str(path), "seed": 0,
                 "completion_tokens": preset["completion_tokens"],
                 "tokens_per_step": step_tokens(tokenizer, objective, data, preset["completion_tokens"]),
