@@ -23,10 +23,14 @@ reason in one log line:
   ``generate`` gives each copy of a prompt its own dropout masks, one shared prefill cannot;
 - gradient checkpointing in training mode (transformers then keeps no cache);
 - peft prompt learning (prompt or prefix tuning), whose virtual tokens ``generate`` adds;
-- a process group of more than one rank (the ranks' collectives pair up only if every rank decides
-  alike, which the engine's own rollout arranges and a bare ``generate`` call cannot);
 - whatever ``engine_refusal`` names (beam search, another cache, no cache, no end token, a rope that
   changes within the sequences, ...).
+
+**In a process group of several ranks** (TRL under ``accelerate`` or ``torchrun``) the ranks decide
+together, in one all-reduce per call: where any rank's call is not the engine's, every rank's goes to the
+model's own ``generate``, since a sharded model's forwards are collective and must pair up. As
+``generate``, a model sharded by FSDP (1 or 2) or DeepSpeed ZeRO-3 is decoded ``synced`` (a rank whose
+rows have ended keeps stepping until every rank's have), unless ``synced_gpus`` says otherwise.
 
 The wrapper is a method bound to the model (``types.MethodType``), so a deep copy of a served model
 serves its own weights, and ``restore_generate`` puts back whatever ``generate`` the instance had.
@@ -41,6 +45,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.integrations.fsdp import is_fsdp_managed_module
 
 from fastalign.sampling.generation import engine_refusal, merged_generation_config, sample_groups
 
@@ -52,7 +58,7 @@ _OWN = "_fastalign_own_generate"
 #: and users pass them so; any other value is not the engine's to serve.
 _UNSET_WHEN_FALSY = frozenset(
     {
-        "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
+        "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
         "streamer", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
     }
 )  # fmt: skip
@@ -95,17 +101,49 @@ def generate(self: torch.nn.Module, *args: Any, **kwargs: Any):
     """``generate``, served by the rollout engine where it samples as ``generate`` does. Named as the
     method it stands in for: a pickled served model (``torch.save``) loads with its class's ``generate``."""
     kwargs = {key: value for key, value in kwargs.items() if key not in _UNSET_WHEN_FALSY or value}
+    synced_gpus = kwargs.pop("synced_gpus", None)
     reason = _not_served(self, args, kwargs)
+    if _world_size() > 1:
+        reason = _agreed(reason)
     if reason is not None:
         if reason not in _SAID:
             _SAID.add(reason)
             logger.warning(f"fastalign: this generate call runs the model's own generate ({reason})")
+        if synced_gpus is not None:
+            kwargs["synced_gpus"] = synced_gpus
         return _own_generate(self)(*args, **kwargs)
     ids, mask = kwargs.pop("input_ids"), kwargs.pop("attention_mask")
     config, _ = merged_generation_config(self, kwargs)
     group = _group(ids, mask)
+    synced = _sharded(self) and _world_size() > 1 if synced_gpus is None else bool(synced_gpus)
     with torch.no_grad():  # as generate's own decorator
-        return sample_groups(self, ids[::group], mask[::group], group * config.num_return_sequences, kwargs)
+        return sample_groups(
+            self, ids[::group], mask[::group], group * config.num_return_sequences, kwargs, synced=synced
+        )
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _agreed(reason: str | None) -> str | None:
+    """This rank's ``reason`` not to serve the call, or, where it has none and another rank has one, the
+    reason every rank then shares (one all-reduce: each rank calls ``generate`` the same times)."""
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    refused = torch.tensor(float(reason is not None), device=device)
+    dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+    if reason is None and refused.item() > 0:
+        return "another rank's call is not served, and the ranks' forwards must pair up"
+    return reason
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forwards are collective, as ``generate`` asks to decide ``synced_gpus``: DeepSpeed
+    ZeRO-3, or FSDP (1 or 2) on the model or on any module of it."""
+    if is_deepspeed_zero3_enabled():
+        return True
+    return any(is_fsdp_managed_module(module) for module in model.modules())
 
 
 def _not_served(model: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
@@ -117,8 +155,6 @@ def _not_served(model: torch.nn.Module, args: tuple, kwargs: dict) -> str | None
         return "input_ids and attention_mask are not both given"
     if ids.ndim != 2 or ids.shape[0] == 0:
         return "no rows"
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return "a process group of more than one rank"
     if model.training and _dropout_at_work(model):
         return "dropout is at work (training mode): generate draws each row's masks, a shared prefill cannot"
     if model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):

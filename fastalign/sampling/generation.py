@@ -264,8 +264,9 @@ def sample_groups(
 ) -> torch.Tensor:
     """``group`` completions of each left-padded prompt (``prompt_ids``/``prompt_mask``: [B, P], on the
     model's device): the [B·group, P + C] ids ``generate`` returns for the prompts repeated ``group``
-    times (a prompt's completions adjacent), C the longest completion, ended rows padded with the pad id.
-    ``kwargs`` are ``generate``'s sampling options; ``engine_refusal`` must have passed them.
+    times (a prompt's completions adjacent), C the longest completion of this rank's rows (under
+    ``synced`` too), ended rows padded with the pad id. ``kwargs`` are ``generate``'s sampling options;
+    ``engine_refusal`` must have passed them.
 
     Sampling draws one uniform number per row and step, for every row (ended or not), from the global
     random state, or with ``seeds`` (one per prompt) from a generator of each prompt's own: then a
@@ -314,7 +315,8 @@ def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced
     completions = torch.full((total, config.max_new_tokens), pad, dtype=torch.long, device=device)
     process = processors(mask)
     generators = None if seeds is None else [_generator(seed, device) for seed in seeds]
-    steps = 0
+    steps = produced = 0  # produced: the steps up to this rank's last running row (synced: fewer than steps)
+    running = True
     while steps < config.max_new_tokens:
         scores = process(ids, logits)
         if config.do_sample:
@@ -325,7 +327,9 @@ def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced
         completions[rows, steps] = tokens
         ended = ended | torch.isin(tokens, eos)
         steps += 1
-        if not _any_running(bool((~ended).any()), synced, device) or steps == config.max_new_tokens:
+        produced = steps if running else produced
+        running = bool((~ended).any())
+        if not _any_running(running, synced, device) or steps == config.max_new_tokens:
             break
         if ended.sum() >= max(1.0, COMPACT_SHARE * len(ended)) and (synced or not ended.all()):
             keep = (~ended).nonzero().squeeze(1)
@@ -344,7 +348,7 @@ def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced
             logits_to_keep=1,
         )
         logits = output.logits[:, -1].float()
-    return torch.cat([prompts, completions[:, :steps]], dim=1)
+    return torch.cat([prompts, completions[:, :produced]], dim=1)
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

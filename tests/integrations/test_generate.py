@@ -2,14 +2,16 @@
 returns the ids its own ``generate`` returns (greedy: the same tokens, rows ending at different steps,
 repeated or shared prompt KV, outside ``no_grad`` too), finds each prompt's repeated rows, leaves to the
 model's own ``generate`` every call the engine would not sample alike (said once), survives deep copies
-and restores what the instance had; under TRL's GRPO and RLOO trainers with greedy sampling the
-completions TRL scores, and so every logged metric, are TRL alone's."""
+and restores what the instance had; in 2 processes the ranks decide together and stay in step; under
+TRL's GRPO and RLOO trainers with greedy sampling the completions TRL scores, and so every logged metric,
+are TRL alone's."""
 
 from __future__ import annotations
 
 import copy
 import logging
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,6 +255,15 @@ def test_serving_is_idempotent_and_restores_what_the_instance_had():
     model.generate = users
     restore_generate(serve_generate(model))
     assert model.generate is users
+
+
+@pytest.mark.slow
+def test_ranks_decide_together_and_stay_in_step():
+    """Under FSDP2 in 2 processes: the engine decodes synced (each rank's ids its own ``generate``'s);
+    one rank's call not served sends every rank's to ``generate``; an unsharded model is not synced."""
+    from tests import torchrun
+
+    torchrun.run_two_processes(Path(__file__).with_name("serve_generate_worker.py"), 8, timeout=300)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
