@@ -26,11 +26,12 @@ reason in one log line:
 - whatever ``engine_refusal`` names (beam search, another cache, no cache, no end token, a rope that
   changes within the sequences, ...).
 
-**In a process group of several ranks** (TRL under ``accelerate`` or ``torchrun``) the ranks decide
+**A model sharded over several ranks** (FSDP 1 or 2, DeepSpeed ZeRO-3: its forwards are collective, so
+every rank calls ``generate`` alike, as transformers' own ``generate`` requires) has its ranks decide
 together, in one all-reduce per call: where any rank's call is not the engine's, every rank's goes to the
-model's own ``generate``, since a sharded model's forwards are collective and must pair up. As
-``generate``, a model sharded by FSDP (1 or 2) or DeepSpeed ZeRO-3 is decoded ``synced`` (a rank whose
-rows have ended keeps stepping until every rank's have), unless ``synced_gpus`` says otherwise.
+model's own ``generate``. Its decoding is ``synced`` as ``generate``'s ``synced_gpus`` (a rank whose rows
+have ended keeps stepping until every rank's have), unless ``synced_gpus`` says otherwise (False is
+honoured, as by ``generate``). An unsharded model's ranks (DDP, or one copy each) decide alone.
 
 The wrapper is a method bound to the model (``types.MethodType``), so a deep copy of a served model
 serves its own weights, and ``restore_generate`` puts back whatever ``generate`` the instance had.
@@ -103,19 +104,18 @@ def generate(self: torch.nn.Module, *args: Any, **kwargs: Any):
     kwargs = {key: value for key, value in kwargs.items() if key not in _UNSET_WHEN_FALSY or value}
     synced_gpus = kwargs.pop("synced_gpus", None)
     reason = _not_served(self, args, kwargs)
-    if _world_size() > 1:
-        reason = _agreed(reason)
+    sharded = _world_size() > 1 and _sharded(self)
+    if sharded:  # only a sharded model's forwards are collective: an unsharded rank decides alone
+        reason = _agreed(reason, kwargs.get("input_ids"))
+    synced = sharded if synced_gpus is None else bool(synced_gpus)
     if reason is not None:
         if reason not in _SAID:
             _SAID.add(reason)
             logger.warning(f"fastalign: this generate call runs the model's own generate ({reason})")
-        if synced_gpus is not None:
-            kwargs["synced_gpus"] = synced_gpus
-        return _own_generate(self)(*args, **kwargs)
+        return _own_generate(self)(*args, **kwargs, synced_gpus=synced)
     ids, mask = kwargs.pop("input_ids"), kwargs.pop("attention_mask")
     config, _ = merged_generation_config(self, kwargs)
     group = _group(ids, mask)
-    synced = _sharded(self) and _world_size() > 1 if synced_gpus is None else bool(synced_gpus)
     with torch.no_grad():  # as generate's own decorator
         return sample_groups(
             self, ids[::group], mask[::group], group * config.num_return_sequences, kwargs, synced=synced
@@ -126,15 +126,20 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _agreed(reason: str | None) -> str | None:
+def _agreed(reason: str | None, ids: Any) -> str | None:
     """This rank's ``reason`` not to serve the call, or, where it has none and another rank has one, the
-    reason every rank then shares (one all-reduce: each rank calls ``generate`` the same times)."""
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    reason every rank then shares: one all-reduce, on the ids' device (as ``generate``'s synced loop)
+    where they are a tensor. A sharded model's ranks call ``generate`` alike (its forwards pair up)."""
+    if torch.is_tensor(ids):
+        device = ids.device
+    elif "gloo" in str(dist.get_backend()):
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
     refused = torch.tensor(float(reason is not None), device=device)
     dist.all_reduce(refused, op=dist.ReduceOp.MAX)
     if reason is None and refused.item() > 0:
-        return "another rank's call is not served, and the ranks' forwards must pair up"
+        return "another rank's call is not served, and the ranks' sharded forwards must pair up"
     return reason
 
 

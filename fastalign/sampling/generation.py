@@ -26,10 +26,11 @@ transformers (the repetition penalty's handling of left padding differs between 
 5.23; each version's is kept). That method and ``_eos_token_tensor`` are transformers internals, tested on
 every supported version (``tests/train/test_generation.py`` runs in the lowest-versions environment).
 
-Under FSDP2 (``synced``) a rank whose rows have all ended keeps stepping one row until every rank's have:
-the sharded layers' all-gathers are collective. A model or an option the engine cannot run (an
-encoder-decoder, beam search, a streamer, stop strings, a cache with linear-attention or conv states, a
-quantized cache, ...) is sampled by ``generate``, said once in one log line (``engine_refusal``).
+Under a sharded model (``synced``: FSDP, DeepSpeed ZeRO-3) a rank whose rows have all ended keeps
+stepping one row until every rank's have: the sharded layers' all-gathers are collective. A model or an
+option the engine cannot run (an encoder-decoder, beam search, a streamer, stop strings, a cache with
+linear-attention or conv states, a quantized cache, ...) is sampled by ``generate``, said once in one log
+line (``engine_refusal``).
 """
 
 from __future__ import annotations

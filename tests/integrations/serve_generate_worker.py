@@ -5,7 +5,8 @@ ending within 2 steps and rank 1's running to the limit.
   model, and both ranks run the same forwards (a rank that stopped early would leave the other waiting).
 - Where one rank's call is not the engine's (here rank 0 passes a logits processor), every rank's goes
   to the model's own ``generate``, which syncs itself: the ranks still pair up.
-- An unsharded model is decoded by each rank alone: rank 0 stops after its 2 steps."""
+- An unsharded model is decoded by each rank alone: rank 0 stops after its 2 steps, and a rank may call
+  ``generate`` more often than another (no collective pairs up with nothing)."""
 
 import os
 import sys
@@ -71,4 +72,7 @@ if __name__ == "__main__":
     assert torch.equal(unsharded.generate(**inputs, **options), expected)
     assert calls == [False], calls
     assert forwards_of_each_rank(len(forwards)) == [2, steps]
+    if ctx.rank == 0:  # a call rank 1 does not make: it waits in the barrier meanwhile
+        assert torch.equal(unsharded.generate(**inputs, **options), expected)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
