@@ -85,7 +85,7 @@ from fastalign.ops.sparse_divergence import linear_sparse_divergence, tail_sampl
 from fastalign.train.config import ConfigError, TrainConfig, options_from, set_keys
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import BatchPlan, Objective, Prepared, RunParts
-from fastalign.train.objectives.grpo import (
+from fastalign.train.objectives.online import (
     ROLLOUT_KEY,
     GenerationBatches,
     check_generation_keys,

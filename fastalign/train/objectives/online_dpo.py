@@ -40,7 +40,7 @@ from fastalign.ops.preference import pair_loss
 from fastalign.train.config import ConfigError, TrainConfig, model_option, options_from
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import BatchPlan
-from fastalign.train.objectives.grpo import (
+from fastalign.train.objectives.online import (
     GenerationBatches,
     PromptObjective,
     check_generation_keys,

@@ -56,7 +56,7 @@ from fastalign.train.distributed import DistributedContext, all_reduce_sum
 from fastalign.train.engine import Callback
 from fastalign.train.loading import load_model_and_tokenizer, resolve_model
 from fastalign.train.objectives.base import Prepared, RunParts
-from fastalign.train.objectives.grpo import RolloutObjective, RolloutOptions
+from fastalign.train.objectives.online import RolloutObjective, RolloutOptions
 from fastalign.train.policy import prepare_policy
 from fastalign.train.reference import AdapterDisabledReference
 from fastalign.train.rollout import Rewards, all_gather_rows

@@ -28,7 +28,7 @@ from fastalign.ops import group_advantages
 from fastalign.ops.grpo import nan_std, normalize_advantages
 from fastalign.train.config import ConfigError, TrainConfig, options_from
 from fastalign.train.distributed import DistributedContext
-from fastalign.train.objectives.grpo import RolloutObjective, RolloutOptions
+from fastalign.train.objectives.online import RolloutObjective, RolloutOptions
 from fastalign.train.rollout import Rewards, all_gather_rows
 
 #: TRL's RLOO defaults where the config leaves a key None.
