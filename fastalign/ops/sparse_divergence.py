@@ -230,6 +230,7 @@ class _ScalarSparseDivergence(GradientInForward):
         return (token_loss * upstream).sum(), entropy
 
 
+@autocast_aware
 def linear_sparse_divergence(
     hidden: torch.Tensor,
     weight: torch.Tensor,

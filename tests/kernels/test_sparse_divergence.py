@@ -323,6 +323,29 @@ def test_entropy_and_no_gradient_inputs():
         linear_sparse_divergence(hidden, weight, teacher.indices + V, teacher.values)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_under_autocast_the_head_runs_as_on_inputs_in_the_autocast_dtype(beta):
+    """A bf16 run over fp32 weights (autocast): the op casts the head's inputs as ``F.linear`` would, and
+    the loss and gradients are those of the op on bf16 inputs (the fp32 logits of a bf16 product), not a
+    bf16 chunk written into fp32 buffers."""
+    hidden, weight, bias, teacher_logits, valid, _ = make(2)
+    valid[-3:] = False  # padding rows at the end, as a batch has them
+    teacher = torch.log_softmax(teacher_logits, -1).topk(6, dim=-1)
+    options = dict(valid=valid, beta=beta, bias=bias, temperature=0.9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_sparse_divergence(hidden, weight, teacher.indices, teacher.values, **options)
+    cast = [t.to(torch.bfloat16) for t in (hidden, weight, bias)]
+    expected = linear_sparse_divergence(
+        cast[0], cast[1], teacher.indices, teacher.values, **(options | {"bias": cast[2]})
+    )
+    assert ours.dtype == torch.float32 and float(ours) > 0
+    torch.testing.assert_close(ours, expected)
+    leaves_ = [hidden, weight, bias]
+    for mine, ref in zip(grads_of(ours, leaves_), grads_of(expected, leaves_), strict=True):
+        assert mine.dtype == torch.float32
+        torch.testing.assert_close(mine, ref.float())
+
+
 @pytest.mark.parametrize("k", [1, 5, 40])
 def test_topk_logprobs_equal_the_full_log_softmax(k):
     """Slices of 16 ids (six of them) merged into a running top-k equal ``topk`` of the whole row."""

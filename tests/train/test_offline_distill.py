@@ -296,10 +296,16 @@ def test_training_never_loads_the_teacher_and_learns(tmp_path, teacher_dir, monk
     assert all(0 < row["entropy"] < math.log(512) for row in metrics)
 
 
-@pytest.mark.parametrize("quantization", [None, "nf4"], ids=["lora", "qlora"])
-def test_a_lora_student_trains_on_stored_scores(quantization, tmp_path, teacher_dir):
+@pytest.mark.parametrize(
+    ("quantization", "bf16"),
+    [(None, False), ("nf4", False), (None, True)],
+    ids=["lora", "qlora", "lora-bf16"],
+)
+def test_a_lora_student_trains_on_stored_scores(quantization, bf16, tmp_path, teacher_dir):
     """A LoRA (and 4-bit QLoRA) student on stored scores: its first loss is the full student's (LoRA's
-    B starts at 0), it trains, and the run saves an adapter, not a whole model."""
+    B starts at 0), it trains, and the run saves an adapter, not a whole model. With ``bf16`` (autocast
+    over fp32 weights, full and LoRA students alike) the sparse head runs in the autocast dtype, as
+    ``F.linear`` would there."""
     if quantization:
         require("bitsandbytes")
     rows = tiny_sft_rows(8)
@@ -311,6 +317,7 @@ def test_a_lora_student_trains_on_stored_scores(quantization, tmp_path, teacher_
         "lora": dict(use_peft=True, lora_r=4, lora_dropout=0.0, quantization=quantization),
     }.items():
         (tmp_path / name).mkdir()
+        options |= {"bf16": True} if bf16 else {}
         train = offline_config(tmp_path / name, config.output_dir, rows, max_steps=2, **options)
         run_training(train, "distill")
         runs[name] = logged(train.output_dir)
