@@ -132,6 +132,9 @@ class Manifest:
     # "nf4+double_quant"); None: none, as in every manifest written before they were recorded
     teacher_autocast: str | None = None
     teacher_quantization: str | None = None
+    # the rows of its LM head (its vocabulary, which a student's must equal; a tokenizer hash does not
+    # tell: a head may be padded past the tokenizer's ids); None in a manifest written before it was
+    teacher_vocab: int | None = None
     # draws per token from the tail (``sample_ids``) and their seed (None without draws); a manifest
     # written before they existed has none
     tail_samples: int = 0

@@ -38,6 +38,7 @@ import fastalign
 from fastalign.data.teacher_logprobs import (
     DTYPES,
     EVAL_DIR,
+    MANIFEST,
     Manifest,
     ScoredRow,
     dataset_hash,
@@ -205,6 +206,7 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         teacher_quantization=None
         if quantization is None
         else quantization.quant_type + ("+double_quant" if quantization.double_quant else ""),
+        teacher_vocab=vocab,
         tokenizer_hash=tokenizer_hash(tokenizer),
         k=config.top_k,
         dtype=scoring.logprobs_dtype,
@@ -291,9 +293,17 @@ def _part(directory: Path, examples: list[DistillExample], teacher: dict, scorin
 
 def _check_earlier(part: _Part) -> None:
     """A directory that holds another scoring (another teacher, its weights, data, k, ...) is refused,
-    naming the first key that differs and both values."""
+    naming the first key that differs and both values; so is one holding shards without a manifest."""
     earlier = read_manifest(part.directory)
-    if earlier is None or earlier.run_keys() == part.manifest.run_keys():
+    if earlier is None:
+        shards = sorted(part.directory.glob("shard-*.safetensors")) if part.directory.is_dir() else []
+        if shards:  # the manifest is written before any shard: these are of an unknown scoring
+            raise ConfigError(
+                f"config key 'output_dir': {part.directory} holds shards ({shards[0].name}, ...) but no "
+                f"{MANIFEST} saying how they were scored: remove them or use another directory"
+            )
+        return
+    if earlier.run_keys() == part.manifest.run_keys():
         return
     now, there = part.manifest.run_keys(), earlier.run_keys()
     key = next(k for k, v in now.items() if there[k] != v)

@@ -340,8 +340,8 @@ def test_under_autocast_the_head_runs_as_on_inputs_in_the_autocast_dtype(beta):
     )
     assert ours.dtype == torch.float32 and float(ours) > 0
     torch.testing.assert_close(ours, expected)
-    leaves_ = [hidden, weight, bias]
-    for mine, ref in zip(grads_of(ours, leaves_), grads_of(expected, leaves_), strict=True):
+    tensors = leaves(hidden, weight, bias)
+    for mine, ref in zip(grads_of(ours, tensors), grads_of(expected, tensors), strict=True):
         assert mine.dtype == torch.float32
         torch.testing.assert_close(mine, ref.float())
 

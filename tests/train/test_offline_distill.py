@@ -329,6 +329,37 @@ def test_a_lora_student_trains_on_stored_scores(quantization, bf16, tmp_path, te
     assert not (tmp_path / "lora" / "run" / "model.safetensors").exists()
 
 
+def test_shards_left_without_their_manifest_are_not_taken_for_a_new_scoring(tmp_path, teacher_dir):
+    """A manifest removed (to start over) leaves shards of an unknown scoring: a run into that directory
+    is refused, not completed with them."""
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config)
+    (Path(config.output_dir) / MANIFEST).unlink()
+    with pytest.raises(
+        ConfigError, match=r"holds shards \(shard-00000.safetensors, \.\.\.\) but no manifest"
+    ):
+        score_teacher(dataclasses.replace(config, top_k=4))
+
+
+def test_a_teacher_head_of_another_size_is_refused_before_training(tmp_path):
+    """The same tokenizer does not mean the same head (one may be padded past its ids): a teacher's
+    vocabulary other than the student's is recorded and refused at setup, naming both, as online."""
+    teacher = tmp_path / "wide-teacher"
+    tiny_model("llama", seed=1, vocab_size=640).save_pretrained(teacher)
+    tiny_tokenizer().save_pretrained(teacher)
+    rows = tiny_sft_rows(4)
+    config = scoring_config(tmp_path, teacher, rows)
+    score_teacher(config)
+    assert read_manifest(Path(config.output_dir)).teacher_vocab == 640
+    (tmp_path / "student").mkdir()
+    train = offline_config(tmp_path / "student", config.output_dir, rows, max_steps=1)
+    with pytest.raises(
+        ConfigError, match=r"the teacher's vocabulary \(640 tokens\) is not the student's \(512\)"
+    ):
+        run_training(train, "distill")
+
+
 def test_offline_loss_equals_the_op_on_the_teachers_own_scores(tmp_path, teacher_dir):
     """One micro-batch through the objective equals ``linear_sparse_divergence`` fed the teacher's
     top-k computed here (β 0 top-8 with the tail; β 0.5 top-1: TRL's support)."""

@@ -474,6 +474,13 @@ class DistillObjective(Objective):
         if options.offline:  # the teacher is never loaded
             self.tokenizer = parts.tokenizer
             self.teacher_logprobs = open_teacher_logprobs(options, parts.tokenizer, self.loss_top_k)
+            stored = self.teacher_logprobs.manifest.teacher_vocab
+            student = model.get_output_embeddings().weight.shape[0]
+            if stored is not None and stored != student:
+                raise ConfigError(
+                    f"config key 'teacher_logprobs_path': the teacher's vocabulary ({stored} tokens) is not "
+                    f"the student's ({student}): distillation compares their next-token distributions"
+                )
             self.tail_samples = tail_samples_in_use(options, self.teacher_logprobs.manifest)
             separate = self.eval_dataset_name is not None and bool(evaluation)
             if separate:  # eval_dataset_name's rows: scored into the eval sub-directory
@@ -723,6 +730,7 @@ SHARED_KEYS = (
     "teacher_attn_implementation",
     "teacher_autocast",
     "teacher_quantization",
+    "teacher_vocab",
     "tokenizer_hash",
     "k",
     "tail_samples",
