@@ -109,21 +109,39 @@ class MicroBatches:
 FILLER_KEY = "fastalign_filler"
 
 
-def evaluation_batches(
-    examples: Sequence,
-    batch_size: int,
-    pad_token_id: int,
-    rank: int = 0,
-    world_size: int = 1,
-    collate: Callable[[Sequence], dict] | None = None,
-) -> list[dict]:
-    """Every held-out example once: padded micro-batches dealt to the ranks in turn, every rank
-    getting the same number (short ranks repeat a batch marked with ``FILLER_KEY``)."""
-    collate = collate or PaddingCollator(pad_token_id)
-    batches = [collate(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
-    mine = batches[rank::world_size]
-    fillers = -(-len(batches) // world_size) - len(mine)
-    return mine + [{**batches[0], FILLER_KEY: True}] * fillers if batches else []
+class EvaluationBatches(Sequence):
+    """Every held-out example once: micro-batches of ``batch_size`` examples dealt to the ranks in turn,
+    every rank getting the same number (a short rank repeats the first, marked with ``FILLER_KEY``).
+
+    Collated when read, at each evaluation: a rank collates only its own micro-batches, and holds none
+    between evaluations (an offline distillation's stored teacher scores stay in their files till then).
+    The collators are deterministic, so every evaluation reads the same batches."""
+
+    def __init__(
+        self,
+        examples: Sequence,
+        batch_size: int,
+        pad_token_id: int,
+        rank: int = 0,
+        world_size: int = 1,
+        collate: Callable[[Sequence], dict] | None = None,
+    ):
+        self.examples, self.collate = examples, collate or PaddingCollator(pad_token_id)
+        starts = range(0, len(examples), batch_size)
+        self.mine = [slice(start, start + batch_size) for start in starts][rank::world_size]
+        self.fillers = -(-len(starts) // world_size) - len(self.mine)
+        self.first = slice(0, batch_size)
+
+    def __len__(self) -> int:
+        return len(self.mine) + self.fillers
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"evaluation micro-batch {index} of {len(self)}")
+        index %= len(self)
+        if index < len(self.mine):
+            return self.collate(self.examples[self.mine[index]])
+        return {**self.collate(self.examples[self.first]), FILLER_KEY: True}
 
 
 def batch_tokens(batch: dict) -> int:

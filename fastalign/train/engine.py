@@ -185,7 +185,7 @@ class Engine:
         self.model, self.objective, self.optimizer, self.scheduler = model, objective, optimizer, scheduler
         self.batches, self.schedule, self.ctx = batches, schedule, ctx
         self.output_dir = Path(output_dir)
-        self.eval_batches, self.callbacks = list(eval_batches), list(callbacks)
+        self.eval_batches, self.callbacks = eval_batches, list(callbacks)  # eval batches: collated when read
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.autocast_dtype = autocast_dtype  # single process: fp32 weights, bf16 or fp16 matmuls
         # the dtype the GEMMs run in: autocast's, else low-precision weights' (dtype: bfloat16)

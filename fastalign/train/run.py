@@ -21,7 +21,7 @@ import torch
 
 from fastalign.data.tokenizer_options import override_tokenizer
 from fastalign.quant.bitsandbytes_import import bitsandbytes_hidden
-from fastalign.train.batches import evaluation_batches
+from fastalign.train.batches import EvaluationBatches
 from fastalign.train.callbacks import (
     JsonlMetrics,
     LossCurve,
@@ -112,7 +112,7 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             Schedule.from_config(config, max_steps),
             ctx,
             output_dir=output_dir,
-            eval_batches=evaluation_batches(
+            eval_batches=EvaluationBatches(
                 prepared.evaluation,
                 config.per_device_eval_batch_size,
                 tokenizer.pad_token_id,

@@ -15,7 +15,7 @@ import fastalign
 import fastalign.train.checkpoint as checkpoint_module
 from fastalign.builtin import tiny_model, tiny_sft_rows, tiny_tokenizer
 from fastalign.data import tokenize_sft_dataset
-from fastalign.train.batches import MicroBatches
+from fastalign.train.batches import FILLER_KEY, EvaluationBatches, MicroBatches
 from fastalign.train.callbacks import EarlyStopping
 from fastalign.train.checkpoint import list_checkpoints
 from fastalign.train.config import TrainConfig
@@ -341,3 +341,35 @@ def test_rows_that_do_not_fill_a_step_are_said(caplog):
         "fastalign: each epoch trains 8 of the 12 examples: the 4 that do not fill a step of 8 are left out "
         "(others each epoch, the order being reshuffled); a batch size that divides the data trains them all"
     ]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_evaluation_batches_deal_every_example_once_and_collate_only_their_ranks(world_size):
+    """7 examples in micro-batches of 2 (4 batches): every rank gets as many (short ranks a marked
+    filler), the ranks' own batches hold every example once, and a rank collates only its own batches,
+    when they are read (nothing held between evaluations)."""
+    examples = list(range(7))
+    collated = []
+
+    def collate(rows):
+        collated.append(list(rows))
+        return {"rows": list(rows)}
+
+    ranks = [
+        EvaluationBatches(examples, 2, 0, rank, world_size, collate=collate) for rank in range(world_size)
+    ]
+    assert not collated and len({len(batches) for batches in ranks}) == 1
+    assert len(ranks[0]) == -(-4 // world_size)
+    seen = []
+    for batches in ranks:
+        collated.clear()
+        read = list(batches)
+        assert [batch["rows"] for batch in read] == collated  # each read once, only this rank's
+        own = [batch for batch in read if FILLER_KEY not in batch]
+        assert all(batch == {"rows": [0, 1], FILLER_KEY: True} for batch in read[len(own) :])
+        seen += [row for batch in own for row in batch["rows"]]
+        assert batches[-1] == read[-1]
+    assert sorted(seen) == examples
+    with pytest.raises(IndexError):
+        ranks[0][len(ranks[0])]
+    assert len(EvaluationBatches([], 2, 0, 0, world_size)) == 0
