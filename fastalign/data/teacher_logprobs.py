@@ -178,16 +178,27 @@ def atomic_write(path: Path, write) -> None:
     file gets the mode a plain ``open(path, "w")`` would give it (0o666 less the umask), set again after
     ``write``, which may replace the file (safetensors' ``save_file`` leaves 0600): ``tempfile.mkstemp``'s
     0600, which ``os.replace`` keeps, would shut out a reader under another uid (shared storage,
-    containers)."""
+    containers). The file is flushed to disk before the rename and the rename after it (``fsync``), so
+    that after a power loss a name that exists holds the whole file: a rerun skips the shards it finds."""
     tmp, mode = _create_temporary(path)
     try:
         write(tmp)
         os.chmod(tmp, mode)
+        _fsync(tmp, os.O_RDONLY)
         os.replace(tmp, path)
+        _fsync(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _fsync(path: str | Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

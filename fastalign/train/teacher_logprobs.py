@@ -225,6 +225,8 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     if ctx.is_main:
         for part in parts:
             part.directory.mkdir(parents=True, exist_ok=True)
+            for leftover in part.directory.glob(".*.tmp"):  # a killed run's half-written files
+                leftover.unlink(missing_ok=True)
             if read_manifest(part.directory) is None:
                 write_manifest(part.directory, part.manifest)
     if ctx.enabled:

@@ -187,8 +187,8 @@ def test_tail_draws_are_the_teachers_and_do_not_depend_on_batching(tmp_path, tea
 @pytest.mark.parametrize("tail_samples", [0, 8])
 def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, monkeypatch, tail_samples):
     """A run killed while writing its second shard leaves the first complete, no partial file and an
-    incomplete manifest; the rerun writes the others only, and the result equals an unbroken run's (its
-    tail draws too)."""
+    incomplete manifest; the rerun removes what a harder kill leaves (a temporary file), writes the
+    others only, and the result equals an unbroken run's (its tail draws too)."""
     import fastalign.data.teacher_logprobs as store
 
     config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(8))
@@ -212,9 +212,11 @@ def test_resume_after_a_kill_scores_only_missing_shards(tmp_path, teacher_dir, m
     with pytest.raises(ValueError, match="incomplete"):
         TeacherLogprobs(out)
     first = (out / shard_name(0)).stat().st_mtime_ns
+    (out / f".{shard_name(1)}.0123abcd.tmp").write_bytes(b"partial")  # what a SIGKILL leaves
     monkeypatch.setattr("safetensors.torch.save_file", real_save)
     report = score_teacher(config, scoring)
     assert (report.shards_written, report.shards_skipped) == (2, 1)
+    assert not list(out.glob(".*.tmp"))
     assert (out / shard_name(0)).stat().st_mtime_ns == first
     unbroken = score_teacher(dataclasses.replace(config, output_dir=str(tmp_path / "unbroken")), scoring)
     assert unbroken.tokens == read_manifest(out).tokens
@@ -709,6 +711,25 @@ def test_files_get_the_mode_open_gives_them(tmp_path, teacher_dir, umask, mode):
         str(path.relative_to(config.output_dir)): oct(stat.S_IMODE(path.stat().st_mode)) for path in files
     }
     assert modes == {name: oct(mode) for name in modes}
+
+
+def test_a_file_is_on_disk_before_its_name_is(tmp_path, monkeypatch):
+    """``atomic_write`` flushes the file, renames it, then flushes the directory: after a power loss a
+    shard's name never points at a file whose bytes were not written (a rerun skips the names it finds)."""
+    from fastalign.data import teacher_logprobs as store
+
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", Path(b).name)) or replace(a, b))
+    store.atomic_write(tmp_path / "shard.bin", lambda tmp: Path(tmp).write_bytes(b"scores"))
+    assert [kind for kind, _ in events] == ["fsync", "replace", "fsync"]
+    assert events[0][1].endswith(".tmp") and events[2][1] == tmp_path.name
+    assert (tmp_path / "shard.bin").read_bytes() == b"scores"
 
 
 def test_eval_dataset_is_scored_into_eval_and_evaluated_on(tmp_path, teacher_dir, capsys):
