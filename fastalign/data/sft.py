@@ -123,6 +123,30 @@ def tokenize_sft_row(
     return TokenizedExample(ids, mask)
 
 
+def _check_loss_masks_apply(options: dict, fmt) -> None:
+    """A ValueError for a loss mask the data set's format has nothing to apply to (TRL refuses both): the
+    assistant turns of conversational ``messages`` rows, the completions of prompt-completion rows."""
+    messages = fmt.kind == "language_modeling" and fmt.conversational
+    if options.get("assistant_only_loss") and not messages:
+        raise ValueError(
+            "config key 'assistant_only_loss' trains on the assistant turns of conversational 'messages' "
+            "rows, and the data set's rows are not those"
+            + (
+                " (prompt-completion rows train on the completion already)"
+                if fmt.kind != "language_modeling"
+                else ""
+            )
+            + ": remove it"
+        )
+    if options.get("completion_only_loss") and fmt.kind == "language_modeling":
+        raise ValueError(
+            "config key 'completion_only_loss' trains on the completions of prompt-completion rows, and the "
+            "data set's rows have none"
+            + (" (for assistant turns: assistant_only_loss)" if fmt.conversational else "")
+            + ": remove it"
+        )
+
+
 def tokenize_sft_dataset(
     rows: Iterable[dict], tokenizer: PreTrainedTokenizerBase, *, dataset_text_field: str = "text", **options
 ) -> list[TokenizedExample]:
@@ -140,6 +164,7 @@ def tokenize_sft_dataset(
     columns = [key for key, value in rows[0].items() if value is not None]
     fmt = detect_format(columns, rows[0], origins[0], dataset_text_field)
     check_template_kwargs_apply(options.get("chat_template_kwargs"), fmt.conversational)
+    _check_loss_masks_apply(options, fmt)
     return [
         tokenize_sft_row(row, where, tokenizer, fmt, **options)
         for row, where in zip(rows, origins, strict=True)

@@ -957,6 +957,8 @@ def _check_evaluation_and_saving(config: TrainConfig, where: dict[str, str], eva
 
     if config.fp16 and config.bf16:
         _fail(where, "fp16", "and 'bf16' are both true: set at most one (transformers allows only one)")
+    if config.eval_dataset_name and config.eval_split_ratio > 0:
+        _fail(where, "eval_split_ratio", "holds out training rows, but eval_dataset_name is set: set one")
     has_eval_data = bool(config.eval_dataset_name) or config.eval_split_ratio > 0
     for key, asks in (
         ("eval_strategy", config.eval_strategy != "no"),

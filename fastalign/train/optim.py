@@ -105,11 +105,10 @@ def build_scheduler(
     ``ConfigError`` naming the key."""
     from transformers import get_scheduler
 
-    name = "constant_with_warmup" if config.lr_scheduler_type == "constant" else config.lr_scheduler_type
     try:
         return get_scheduler(
-            name, optimizer, num_warmup_steps=warmup_steps(config, max_steps), num_training_steps=max_steps,
-            scheduler_specific_kwargs=config.lr_scheduler_kwargs or {},
+            config.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(config, max_steps),
+            num_training_steps=max_steps, scheduler_specific_kwargs=config.lr_scheduler_kwargs or {},
         )  # fmt: skip
     except (TypeError, ValueError) as error:
         raise ConfigError(
@@ -118,7 +117,25 @@ def build_scheduler(
         ) from None
 
 
+#: Schedules whose ``get_scheduler`` takes no ``lr_scheduler_kwargs`` (it drops them), and the one that
+#: also ignores ``warmup_steps`` (transformers' ``constant``: no warmup at all).
+_NO_KWARGS = ("constant", "constant_with_warmup")
+
+
 def check_schedule(config: TrainConfig) -> None:
-    """``lr_scheduler_kwargs`` tried on a stand-in optimizer, so a bad one fails before any model work."""
+    """``lr_scheduler_kwargs`` tried on a stand-in optimizer, so a bad one fails before any model work;
+    keys transformers' schedule would drop (the constant ones' kwargs, ``constant``'s warmup) refused."""
+    kind = config.lr_scheduler_type
+    if kind in _NO_KWARGS and config.lr_scheduler_kwargs:
+        raise ConfigError(
+            f"config key 'lr_scheduler_kwargs' ({config.lr_scheduler_kwargs!r}): lr_scheduler_type {kind!r} "
+            "takes none: remove it"
+        )
+    if kind == "constant" and (config.warmup_steps or config.warmup_ratio):
+        key = "warmup_steps" if config.warmup_steps else "warmup_ratio"
+        raise ConfigError(
+            f"config key {key!r}: lr_scheduler_type 'constant' has no warmup (as in transformers): use "
+            "constant_with_warmup, or remove it"
+        )
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # its rate plays no part
     build_scheduler(probe, config, max_steps=max(config.max_steps, 1))

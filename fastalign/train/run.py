@@ -17,6 +17,7 @@ import random
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastalign.data.tokenizer_options import override_tokenizer
@@ -159,7 +160,10 @@ def busy_cpus_note(device: torch.device) -> str | None:
 
 
 def _seed_everything(seed: int) -> None:
+    """Python's, numpy's (reward functions may draw from it) and torch's generators, as transformers'
+    ``set_seed`` seeds them (numpy takes 32 bits)."""
     random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 

@@ -114,6 +114,49 @@ def test_a_bad_config_value_is_one_line_naming_the_key_and_leaves_the_earlier_ru
     assert snapshot(earlier) == before
 
 
+#: (objective, YAML, key): a key the config accepted and then ignored (or read otherwise than TRL or
+#: transformers do), refused in one line now. ``{text}``: a file of text rows.
+ACCEPTED_AND_IGNORED = [
+    ("sft", "assistant_only_loss: true\n", "assistant_only_loss"),  # prompt-completion rows
+    ("sft", "completion_only_loss: true\ndataset_name: {text}\n", "completion_only_loss"),
+    (
+        "sft",
+        "eval_dataset_name: tiny-sft\neval_split_ratio: 0.25\neval_strategy: steps\n",
+        "eval_split_ratio",
+    ),
+    ("grpo", "ref_model_name_or_path: tiny-llama\n", "ref_model_name_or_path"),  # beta 0: no KL term
+    ("rloo", "beta: 0\nref_model_name_or_path: tiny-llama\n", "ref_model_name_or_path"),
+    ("grpo", "use_bias_correction_kl: false\n", "use_bias_correction_kl"),
+    ("ppo", "kl_coef: 0\nkl_estimator: k3\n", "kl_estimator"),
+    ("online_dpo", "truncation: true\n", "truncation"),  # no max_prompt_length to truncate to
+    ("distill", "teacher_model_name_or_path: tiny-llama\nlmbda: 0\ntop_k: 5\n", "top_k"),  # nothing sampled
+    (
+        "sft",
+        "lr_scheduler_type: constant_with_warmup\nlr_scheduler_kwargs: {num_cycles: 2}\n",
+        "lr_scheduler_kwargs",
+    ),
+    ("sft", "lr_scheduler_type: constant\nwarmup_steps: 2\n", "warmup_steps"),  # transformers' has none
+]
+
+
+@pytest.mark.parametrize(
+    ("objective", "text", "key"),
+    ACCEPTED_AND_IGNORED,
+    ids=[f"{case[0]}-{case[2]}" for case in ACCEPTED_AND_IGNORED],
+)
+def test_a_key_that_would_be_ignored_is_refused_in_one_line(bad_input, tmp_path, objective, text, key):
+    rows = tmp_path / "text.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"row {i} of plain text"}) + "\n" for i in range(8)))
+    rewards = (
+        "reward_funcs: [fastalign.builtin:digit_ratio]\n"
+        if objective in ("grpo", "rloo", "ppo", "online_dpo")
+        else ""
+    )
+    path = write(tmp_path, text.replace("{text}", str(rows)) + rewards)
+    bad_input("train", objective, "--config", path, "--output_dir", tmp_path / "run", culprit=f"'{key}'")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_yaml_key_set_twice_names_the_key_and_both_lines(bad_input, finished_run, tmp_path):
     """Before: PyYAML kept the last value silently (max_steps 1000, not the 1 the user read first)."""
     earlier = tmp_path / "run"

@@ -104,12 +104,9 @@ def distill_config(tmp_path: Path, rows: list[dict], **options) -> TrainConfig:
     teacher = tmp_path / "teacher"
     if not teacher.exists():  # a test may have saved its own
         save_teacher(teacher, tiny_model("llama", seed=1))
-    defaults = dict(
-        teacher_model_name_or_path=str(teacher),
-        max_completion_length=4,
-        per_device_train_batch_size=2,
-        max_length=64,
-    )
+    defaults = dict(teacher_model_name_or_path=str(teacher), per_device_train_batch_size=2, max_length=64)
+    if options.get("lmbda", 1.0) != 0 or options.get("seq_kd"):  # else nothing is sampled, nor read
+        defaults["max_completion_length"] = 4
     return short_config(tmp_path, rows, **defaults | options)
 
 

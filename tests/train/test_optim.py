@@ -73,10 +73,28 @@ def test_every_schedule_builds_and_keeps_the_warmup(name):
     config = TrainConfig(
         lr_scheduler_type=name, lr_scheduler_kwargs=kwargs, warmup_steps=4, learning_rate=1.0
     )
+    if name == "constant":  # transformers' constant has no warmup: a warmup with it is refused
+        with pytest.raises(
+            ConfigError, match="config key 'warmup_steps': lr_scheduler_type 'constant' has no"
+        ):
+            check_schedule(config)
+        return
+    check_schedule(config)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     rates = _rates(build_scheduler(optimizer, config, max_steps=10), optimizer)
     # a 4-step linear warmup (each schedule starts it at 0 or at 1/4: transformers' own choice)
     assert rates[0] <= 0.25 + 1e-9 and rates[0] < rates[1] < rates[2] < rates[3] <= 1.0
+
+
+@pytest.mark.parametrize("name", ["constant", "constant_with_warmup"])
+def test_keywords_a_constant_schedule_would_drop_are_refused(name):
+    """transformers' ``get_scheduler`` drops ``lr_scheduler_kwargs`` for both constant schedules (any key,
+    even a misspelt one); ``constant`` is transformers' own: the rate from the first step."""
+    with pytest.raises(ConfigError, match=f"lr_scheduler_type '{name}' takes none"):
+        check_schedule(TrainConfig(lr_scheduler_type=name, lr_scheduler_kwargs={"num_cycles": 2}))
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    config = TrainConfig(lr_scheduler_type="constant", learning_rate=1.0)
+    assert _rates(build_scheduler(optimizer, config, max_steps=4), optimizer, steps=4) == [1.0] * 4
 
 
 def test_warmup_steps_below_one_is_a_ratio():

@@ -145,6 +145,8 @@ class DistillOptions(SamplingKeys):
             key = next((key for key, set_ in offline_keys.items() if set_), None)
             if key is not None:
                 raise ConfigError(f"config key {key!r} applies to distill with teacher_logprobs_path only")
+            if options.lmbda == 0 and not options.seq_kd:
+                options._refuse_sampling_keys("with lmbda 0 and seq_kd false nothing is sampled")
         if options.seq_kd and options.lmbda == 1:
             raise ConfigError(
                 "config key 'seq_kd' has no effect with lmbda 1 (the student samples every micro-batch's "
@@ -152,6 +154,18 @@ class DistillOptions(SamplingKeys):
             )
         check_generation_keys(options.use_vllm, options.generation_kwargs, [], None)
         return options
+
+    def _refuse_sampling_keys(self, why: str, top_k_hint: str = "") -> None:
+        """The keys only sampling reads, refused in one line where nothing is sampled (lmbda 0, seq_kd
+        false): they would be ignored."""
+        sampling = set_keys(self, (*SAMPLING_ONLY_KEYS, "max_completion_length"))
+        if sampling:
+            named = ", ".join(f"{key!r} ({getattr(self, key)!r})" for key in sampling)
+            hint = top_k_hint if "top_k" in sampling else ""
+            keys, them = ("keys", "them") if len(sampling) > 1 else ("key", "it")
+            raise ConfigError(
+                f"config {keys} {named}: {why}, so the sampling keys are not read{hint}: remove {them}"
+            )
 
     def _check_offline(self) -> None:
         """What stored scores cannot serve, refused in one line: sampled completions (``lmbda``,
@@ -163,20 +177,11 @@ class DistillOptions(SamplingKeys):
                 f"config key {key!r}: with teacher_logprobs_path only the data's completions have the "
                 "teacher's log-probs (lmbda 0, seq_kd false); sampled ones would need the teacher"
             )
-        sampling = set_keys(self, (*SAMPLING_ONLY_KEYS, "max_completion_length"))
-        if sampling:
-            named = ", ".join(f"{key!r} ({getattr(self, key)!r})" for key in sampling)
-            hint = (
-                " (the teacher's top-k support is chosen when scoring, fastalign teacher-logprobs --top_k; "
-                "loss_top_k trains on fewer of the stored ids)"
-                if "top_k" in sampling
-                else ""
-            )
-            keys, them = ("keys", "them") if len(sampling) > 1 else ("key", "it")
-            raise ConfigError(
-                f"config {keys} {named}: with teacher_logprobs_path nothing is sampled (lmbda 0), so the "
-                f"sampling keys are not read{hint}: remove {them}"
-            )
+        hint = (
+            " (the teacher's top-k support is chosen when scoring, fastalign teacher-logprobs --top_k; "
+            "loss_top_k trains on fewer of the stored ids)"
+        )
+        self._refuse_sampling_keys("with teacher_logprobs_path nothing is sampled (lmbda 0)", hint)
         if self.beta > 0 and self.loss_top_k not in (None, 1):
             raise ConfigError(  # TRL's ServerDistillationConfig
                 f"config key 'loss_top_k' must be 1 with beta>0 (got loss_top_k={self.loss_top_k}): mixed "

@@ -58,6 +58,11 @@ class GRPOOptions(RolloutOptions):
 
     def check(self, name: str, config: TrainConfig) -> None:
         super().check(name, config)
+        if self.beta == 0 and not self.use_bias_correction_kl:
+            raise ConfigError(
+                "config key 'use_bias_correction_kl' weighs the KL term, and beta is 0 (no KL term): set "
+                "beta above 0, or remove it"
+            )
         if len(self.loss_type) != 1 or self.loss_type[0] not in LOSS_TYPES:
             raise ConfigError(f"config key 'loss_type' for {name} must be one of {', '.join(LOSS_TYPES)}")
 

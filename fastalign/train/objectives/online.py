@@ -216,11 +216,19 @@ class RolloutOptions(SamplingKeys):
     def eval_generations(self) -> int:
         return self.num_generations_eval or self.num_generations
 
+    #: The config key of the KL term's weight (``beta``; PPO's ``kl_coef``): at 0 no reference is read.
+    kl_key: ClassVar[str] = "beta"
+
     def check(self, name: str, config: TrainConfig) -> None:
         """The checks of options together (each key alone was checked with the config): a one-line
         ``ConfigError`` naming the key."""
         if not self.reward_funcs:
             raise ConfigError(f"config key 'reward_funcs' must name at least one reward function for {name}")
+        if self.beta == 0 and self.ref_model_name_or_path is not None:
+            raise ConfigError(
+                f"config key 'ref_model_name_or_path' is read by {name} only with a KL term, and "
+                f"{self.kl_key} is 0: set {self.kl_key} above 0, or remove it"
+            )
         if config.per_device_train_batch_size % self.num_generations:
             raise ConfigError(
                 f"config key 'per_device_train_batch_size' ({config.per_device_train_batch_size}) counts "

@@ -91,6 +91,11 @@ class OnlineDPOOptions(SamplingKeys):
                 f"config key 'loss_type' for online_dpo must be one of {', '.join(LOSS_TYPES)} (one value), "
                 f"got {self.loss_type!r}"
             )
+        if self.truncation and self.max_prompt_length is None:
+            raise ConfigError(
+                "config key 'truncation' is read by online_dpo only with max_prompt_length (it truncates "
+                "prompts to that length): set max_prompt_length, or remove truncation"
+            )
         if self.loss_type == ["ipo"] and self.beta == 0:
             raise ConfigError("config key 'beta' must be positive for loss_type ipo, whose target is 1/(2β)")
         if self.max_new_tokens >= self.max_length:

@@ -43,6 +43,7 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -116,8 +117,15 @@ class PPOOptions(RolloutOptions):
             mask_truncated_completions=False,
         )
 
+    kl_key: ClassVar[str] = "kl_coef"
+
     def check(self, name: str, config: TrainConfig) -> None:
         super().check(name, config)
+        if self.kl_coef == 0 and self.kl_estimator != "k1":
+            raise ConfigError(
+                f"config key 'kl_estimator' ({self.kl_estimator!r}) estimates the KL penalty, and kl_coef is "
+                "0 (no penalty): set kl_coef above 0, or remove it"
+            )
         if not config.use_peft:
             return
         path = self.value_model_path
