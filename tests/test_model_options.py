@@ -11,7 +11,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config, model_option
@@ -338,3 +338,47 @@ def test_run_and_merge_with_lora_options(checkpoint, tmp_path, options):
         torch.testing.assert_close(merged(input_ids=IDS).logits, expected, rtol=1e-4, atol=1e-5)
         with adapter.disable_adapter():
             assert not torch.allclose(expected, adapter(input_ids=IDS).logits, atol=1e-4)  # it trained
+
+
+def test_merge_keeps_the_runs_tokenizer_and_the_checkpoints_dtype(tmp_path):
+    """A bf16 checkpoint merges into bf16 by default (the weights were loaded in fp32, which once made
+    the merge read fp32 as "the checkpoint's dtype"), and the merged model carries the EOS, PAD and chat
+    template the run trained with, not the base's."""
+    checkpoint = tmp_path / "bf16-llama"
+    tiny_model("llama", seed=3, dtype=torch.bfloat16).save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    options = dict(eos_token="<|im_end|>", pad_token="<|bos|>", chat_template_path=str(template))
+    out = run_training(
+        run_config(tmp_path / "run", model_name_or_path=str(checkpoint), **LORA, **options), "sft"
+    )
+    merged = merge_adapter(out)
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype="auto")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|bos|>")
+    assert tokenizer.chat_template == template.read_text()
+    assert (model.config.eos_token_id, model.config.pad_token_id) == (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    assert model.generation_config.eos_token_id[0] == tokenizer.eos_token_id
+
+
+def test_a_reward_models_adapter_merges_into_a_sequence_classifier(tmp_path):
+    """peft's SEQ_CLS adapter (a reward run) goes on a sequence-classification base: the merged model
+    scores as the adapter model does (it was refused as "an adapter from another model")."""
+    from transformers import AutoModelForSequenceClassification
+
+    from fastalign.train.loading import load_model_and_tokenizer
+
+    out = run_training(run_config(tmp_path / "run", **LORA), "reward")
+    merged = AutoModelForSequenceClassification.from_pretrained(
+        merge_adapter(out), dtype=torch.float32
+    ).eval()
+    base, _ = load_model_and_tokenizer("tiny-llama", task="sequence_classification")
+    adapter = peft.PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        expected = adapter(input_ids=IDS).logits
+        torch.testing.assert_close(merged(input_ids=IDS).logits, expected, rtol=1e-4, atol=1e-5)

@@ -21,7 +21,9 @@ def merge_adapter(
     checkpoint's own dtype, fp32 for a built-in model).
 
     The base is rebuilt as the run trained it (read from ``fastalign_config.yaml``): in the run's
-    ``dtype``; with QLoRA, the 4-bit weights, dequantized — the weights the adapter was trained against.
+    ``dtype``; with QLoRA, the 4-bit weights, dequantized — the weights the adapter was trained against;
+    a reward model's adapter (peft's SEQ_CLS task) on a sequence-classification base; its tokenizer and
+    the configs' special-token ids with the run's ``eos_token``, ``pad_token`` and ``chat_template_path``.
     peft merges what the adapter holds: LoRA's B·A at its scaling (lora_alpha/√r with rslora), DoRA's
     magnitude and direction, and the ``lora_modules_to_save`` copies in place of their modules. The sum
     is formed in fp32 and rounded once, to ``dtype``: a typical LoRA update (~1e-4) is below bf16's
@@ -35,6 +37,9 @@ def merge_adapter(
     moved into place, so a failed merge leaves ``output_dir`` as it was.
 
     bitsandbytes is hidden unless the run was QLoRA (``fastalign.quant.bitsandbytes_import``)."""
+    from transformers import AutoConfig
+
+    from fastalign.data.tokenizer_options import override_tokenizer
     from fastalign.quant import dequantize_model
     from fastalign.quant.bitsandbytes_import import bitsandbytes_hidden
     from fastalign.train.config import load_config, model_option
@@ -94,16 +99,24 @@ def merge_adapter(
                 f"base model {base_files} (model_name_or_path in {config_file}) has no safetensors weights"
                 f"{found}: only safetensors are loaded, never pickle .bin files (unpickling can run code)"
             )
+        # a reward model's adapter (peft's SEQ_CLS task) goes on a sequence-classification base
+        task = "sequence_classification" if adapter_config.get("task_type") == "SEQ_CLS" else "causal_lm"
         try:
             base, tokenizer = load_model_and_tokenizer(
-                config.model_name_or_path, quant_options(config), revision=config.model_revision
+                config.model_name_or_path, quant_options(config), revision=config.model_revision, task=task
             )
+            # the checkpoint's own dtype, read before loading rewrote it (fp32 weights are loaded)
+            declared = checkpoint_dtype(
+                AutoConfig.from_pretrained(base_files) if isinstance(base_files, Path) else base.config
+            )
+            # the tokenizer and special-token ids as the run trained with them (its EOS, PAD, template)
+            override_tokenizer(tokenizer, base, config.eos_token, config.pad_token, config.chat_template_path)
         except (OSError, RuntimeError, SafetensorError) as error:
             raise ValueError(
                 f"cannot load base model {config.model_name_or_path!r} (model_name_or_path in "
                 f"{config_file}): {_merge_first_line(error)}"
             ) from None
-        dtype = dtype or checkpoint_dtype(base.config)
+        dtype = dtype or declared
         if model_option(config, "dtype") is not None:  # the base weights as the run rounded them
             cast_parameters(base, model_dtype(config, config.model_name_or_path))
         try:

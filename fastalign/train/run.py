@@ -46,7 +46,7 @@ from fastalign.train.optim import (
     check_schedule,
 )
 from fastalign.train.policy import autocast_dtype, load_frozen_model, prepare_policy, quant_options
-from fastalign.train.run_dir import check_output_dir, check_resume_length, resume, start_writing
+from fastalign.train.run_dir import check_output_dir, check_resume_length, resume, run_identity, start_writing
 
 
 def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | None = None) -> Path:
@@ -125,10 +125,10 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             flops_per_token=training_flops_per_token(model, row_tokens),
             peak_flops=peak_flops(ctx.device),
             autocast_dtype=autocast_dtype(config, ctx),
-            run_config=asdict(given),
+            run_config=asdict(given) | run_identity(name, ctx.world_size),
         )
-        if resume_path is not None:
-            resume(engine, resume_path, given)  # before anything is written: a misfit changes no file
+        if resume_path is not None:  # before anything is written: a misfit changes no file
+            resume(engine, resume_path, given, run_identity(name, ctx.world_size))
         if ctx.is_main:
             start_writing(given, output_dir, clear=earlier_files)
             if note := busy_cpus_note(ctx.device):  # advice beside the progress, not an error: stdout

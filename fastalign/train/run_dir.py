@@ -190,7 +190,21 @@ def check_resume_length(resume_path: Path, max_steps: int) -> None:
         )
 
 
-def resume(engine: Engine, resume_path: Path, given: TrainConfig) -> None:
+def run_identity(objective: str, world_size: int) -> dict:
+    """What a checkpoint records of its run besides the config: the objective (sft, dpo, simpo, ...: the
+    loss) and the processes (a step's data position counts global batches of that many ranks)."""
+    return {"fastalign_objective": objective, "fastalign_world_size": world_size}
+
+
+def resume(engine: Engine, resume_path: Path, given: TrainConfig, identity: dict) -> None:
+    saved = read_trainer_state(resume_path).get(CONFIG_KEY) or {}
+    for key, what in (("fastalign_objective", "objective"), ("fastalign_world_size", "number of processes")):
+        if key in saved and saved[key] != identity[key]:  # (a checkpoint from before they were saved: none)
+            raise ConfigError(
+                f"resume_from_checkpoint {str(resume_path)!r} was saved by a run with another {what} "
+                f"({saved[key]!r}, this run {identity[key]!r}): resume it as it ran, or start a new run in "
+                "another output_dir"
+            )
     try:
         engine.resume(resume_path)
     except CheckpointMismatchError as error:

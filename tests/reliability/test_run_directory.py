@@ -439,3 +439,29 @@ def test_a_collapsed_run_warns_once(tmp_path):
     with pytest.warns(UserWarning, match="collapsed") as caught:
         run_training(api_config(tmp_path / "run", max_steps=3), "sft", callbacks=[Collapse()])
     assert len([w for w in caught if "collapsed" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("change", ["objective", "processes"])
+def test_resume_as_another_objective_or_on_other_processes_is_refused(tmp_path, change):
+    """Before: a cpo checkpoint resumed as simpo trained on with another loss (same keys, same data), and
+    one resumed on another number of processes read its data position in another global batch."""
+    out = tmp_path / "run"
+    constant = dict(save_steps=2, learning_rate=1e-4, lr_scheduler_type="constant")  # max_steps may grow
+    run_training(api_config(out, max_steps=2, **constant), "cpo")
+    before = snapshot(out)
+    state = out / "checkpoint-2" / "trainer_state.json"
+    if change == "processes":  # as if two processes had written it
+        data = json.loads(state.read_text())
+        data["config"]["fastalign_world_size"] = 2
+        state.write_text(json.dumps(data))
+        before = snapshot(out)
+    resumed = api_config(out, max_steps=4, resume_from_checkpoint="latest", **constant)
+    with pytest.raises(ValueError) as caught:
+        run_training(resumed, "simpo" if change == "objective" else "cpo")
+    culprit = (
+        "another objective ('cpo', this run 'simpo')"
+        if change == "objective"
+        else "processes (2, this run 1)"
+    )
+    assert_one_line_error(caught.value, culprit)
+    assert snapshot(out) == before
