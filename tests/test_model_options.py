@@ -382,3 +382,18 @@ def test_a_reward_models_adapter_merges_into_a_sequence_classifier(tmp_path):
     with torch.no_grad():
         expected = adapter(input_ids=IDS).logits
         torch.testing.assert_close(merged(input_ids=IDS).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_on_a_tied_embedding_of_a_streamed_checkpoint_is_one_line(tmp_path):
+    """peft wraps a tied model's head with its embedding (weight tying): the streamed loader ties the base
+    layers' weights (it set a wrapper's ``weight`` and raised a KeyError), then refuses the embedding
+    adapter it cannot initialize layer by layer, naming the key."""
+    checkpoint = tmp_path / "tied-qwen2"
+    model = tiny_model("qwen2", seed=3)
+    assert model.config.tie_word_embeddings
+    model.save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+    options = dict(LORA, lora_target_modules=["embed_tokens", "q_proj"])
+    with pytest.raises(ValueError, match=r"lora_embedding_A.*check lora_target_modules") as caught:
+        run_training(run_config(tmp_path / "run", model_name_or_path=str(checkpoint), **options), "sft")
+    assert "\n" not in str(caught.value)

@@ -75,6 +75,8 @@ def _tie_embeddings(model: nn.Module) -> None:
     if not getattr(base.config, "tie_word_embeddings", False):
         return
     head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    # under LoRA on the embedding peft wraps both (its weight tying): the weights are the base layers'
+    head, embedding = getattr(head, "base_layer", head), getattr(embedding, "base_layer", embedding)
     if head is not None and head.weight is not embedding.weight:
         head.weight = embedding.weight
 
