@@ -46,7 +46,11 @@ def export_model(model: torch.nn.Module, tokenizer, output_dir: str | Path, ctx:
     unpatch_model(model)  # a saved model is a plain transformers model
     staging = output_dir / STAGING
     shutil.rmtree(staging, ignore_errors=True)  # what a killed export left
+    config = getattr(model, "config", None)
+    training_cache = getattr(config, "use_cache", None)  # off for training (loading), on in what is saved
     try:
+        if config is not None:
+            config.use_cache = True
         model.save_pretrained(staging, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         move_into_place(staging, output_dir)
@@ -58,6 +62,8 @@ def export_model(model: torch.nn.Module, tokenizer, output_dir: str | Path, ctx:
             "removed and the checkpoints are kept; free space, then resume (resume_from_checkpoint: latest)"
         ) from None
     finally:
+        if config is not None:
+            config.use_cache = training_cache
         shutil.rmtree(staging, ignore_errors=True)
 
 

@@ -94,6 +94,7 @@ def test_loss_falls_and_the_model_is_saved(tmp_path):
     assert (out / "fastalign_config.yaml").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert reloaded.config.model_type == "llama" and (out / "model.safetensors").is_file()
+    assert reloaded.config.use_cache  # off while training, on in the model a user loads
 
 
 def _engine(examples, batch_size, accumulation, steps, seed=0):
