@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fastalign.train.distributed import DistributedContext, raise_on_every_rank
+from fastalign.train.safe_dcp import SafeLoadPlanner, UnsafeCheckpointError, check_metadata
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -415,10 +416,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _load(state: dict, path: Path) -> None:
-    """``dcp.load`` into ``state``'s tensors; a misfit is a ``CheckpointMismatchError`` naming why."""
+    """``dcp.load`` into ``state``'s tensors; a misfit is a ``CheckpointMismatchError`` naming why. Nothing
+    of the checkpoint is unpickled but checkpoint data (``fastalign.train.safe_dcp``)."""
+    check_metadata(path)
     try:
-        _quiet_dcp(dcp.load, state, checkpoint_id=str(path))
+        _quiet_dcp(dcp.load, state, checkpoint_id=str(path), planner=SafeLoadPlanner())
     except CheckpointException as error:
+        unsafe = [
+            failure for failure, _ in error.failures.values() if isinstance(failure, UnsafeCheckpointError)
+        ]
+        if unsafe:
+            raise unsafe[0] from None
         reasons = {
             str(failure).strip().splitlines()[0] for failure, _ in error.failures.values() if str(failure)
         }
