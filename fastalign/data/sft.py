@@ -163,6 +163,11 @@ def tokenize_sft_dataset(
     # The first row's format: its columns with a value (a table's other columns are None there).
     columns = [key for key, value in rows[0].items() if value is not None]
     fmt = detect_format(columns, rows[0], origins[0], dataset_text_field)
+    if dataset_text_field != "text" and (fmt.kind != "language_modeling" or fmt.conversational):
+        raise ValueError(
+            f"config key 'dataset_text_field' ({dataset_text_field!r}) names the column of text rows, and "
+            "the data set's rows are not text: remove it"
+        )
     check_template_kwargs_apply(options.get("chat_template_kwargs"), fmt.conversational)
     _check_loss_masks_apply(options, fmt)
     return [

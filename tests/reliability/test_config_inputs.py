@@ -119,6 +119,7 @@ def test_a_bad_config_value_is_one_line_naming_the_key_and_leaves_the_earlier_ru
 ACCEPTED_AND_IGNORED = [
     ("sft", "assistant_only_loss: true\n", "assistant_only_loss"),  # prompt-completion rows
     ("sft", "completion_only_loss: true\ndataset_name: {text}\n", "completion_only_loss"),
+    ("sft", "dataset_text_field: body\n", "dataset_text_field"),  # prompt-completion rows
     (
         "sft",
         "eval_dataset_name: tiny-sft\neval_split_ratio: 0.25\neval_strategy: steps\n",
