@@ -217,7 +217,7 @@ class RolloutOptions(SamplingKeys):
         return self.num_generations_eval or self.num_generations
 
     #: The config key of the KL term's weight (``beta``; PPO's ``kl_coef``): at 0 no reference is read.
-    kl_key: ClassVar[str] = "beta"
+    kl_key = "beta"  # not annotated: a class attribute, not an option (a config key)
 
     def check(self, name: str, config: TrainConfig) -> None:
         """The checks of options together (each key alone was checked with the config): a one-line

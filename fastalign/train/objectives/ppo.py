@@ -43,7 +43,6 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -117,7 +116,7 @@ class PPOOptions(RolloutOptions):
             mask_truncated_completions=False,
         )
 
-    kl_key: ClassVar[str] = "kl_coef"
+    kl_key = "kl_coef"
 
     def check(self, name: str, config: TrainConfig) -> None:
         super().check(name, config)
