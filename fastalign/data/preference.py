@@ -30,7 +30,7 @@ from fastalign.data.chat import (
 )
 from fastalign.data.collate import PaddingCollator
 from fastalign.data.formats import check_messages
-from fastalign.data.sft import TokenizedExample, check_truncation_mode, with_eos
+from fastalign.data.sft import TokenizedExample, check_truncation_mode, special_prefix, with_eos, with_prefix
 from fastalign.data.sources import Rows, row_origins
 
 
@@ -277,9 +277,12 @@ def tokenize_preference_dataset(
     ``chat_template_kwargs``: the config's template variables for conversational rows."""
     fit = LengthLimits(**limits).fit
     bos = tokenizer.bos_token_id if bos_prompt else None
+    prefix = special_prefix(tokenizer)
     examples = []
     for row, where in _nonempty(rows, ("prompt", "chosen", "rejected"), chat_template_kwargs):
         prompt_ids, completions = _tokenize_preference_row(row, where, tokenizer, chat_template_kwargs)
+        if isinstance(row["chosen"], str):  # plain text: the special tokens TRL's tokenizer(text) adds
+            prompt_ids = with_prefix(prefix, prompt_ids)
         if bos is not None and prompt_ids[:1] != [bos]:
             prompt_ids = [bos, *prompt_ids]
         fitted = fit(prompt_ids, completions, where)
@@ -305,6 +308,7 @@ def tokenize_kto_dataset(
     """Every row of an unpaired preference dataset; ``chat_template_kwargs`` and ``limits`` as
     ``tokenize_preference_dataset``'s."""
     lengths = LengthLimits(**limits)
+    prefix = special_prefix(tokenizer)
     examples = []
     for row, where in _nonempty(rows, ("prompt", "completion"), chat_template_kwargs):
         conversational = _is_conversational(row, where, ("prompt", "completion"))
@@ -315,6 +319,8 @@ def tokenize_kto_dataset(
             raise ValueError(f"{where}: 'label' must be a bool (True: desirable), got {label!r}")
         template = _template(row, where, conversational, chat_template_kwargs)
         prompt_ids = _prompt_ids(tokenizer, row["prompt"], template)
+        if not conversational:  # the special tokens TRL's tokenizer(text) adds
+            prompt_ids = with_prefix(prefix, prompt_ids)
         completion_ids = _completion_ids(
             tokenizer, row["prompt"], prompt_ids, row["completion"], where, "completion", template
         )

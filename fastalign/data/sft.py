@@ -56,6 +56,21 @@ def _has_generation_marks(tokenizer) -> bool:
     return "generation" in template and "endgeneration" in template
 
 
+def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids the tokenizer puts before a plain text of its own accord: the BOS of Llama, Mistral and
+    Gemma tokenizers, nothing for GPT-2-like ones. TRL's SFT, DPO and KTO trainers tokenize plain text
+    as ``tokenizer(text)``, so their sequences start with it (chat templates write their own)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+    return list(full[: starts[0]]) if starts else []
+
+
+def with_prefix(prefix: list[int], ids: list[int]) -> list[int]:
+    """``ids`` starting with ``prefix`` (added unless already there)."""
+    return ids if ids[: len(prefix)] == prefix else [*prefix, *ids]
+
+
 def with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
     """``ids`` ending with the tokenizer's EOS: appended unless already last (TRL appends the EOS text
     unless the text ends with it), nothing for a tokenizer without one."""
@@ -86,7 +101,8 @@ def tokenize_sft_row(
     check_row(row, where, fmt)
     template = template_arguments(row, where, chat_template_kwargs) if fmt.conversational else {}
     if fmt.kind == "language_modeling" and not fmt.conversational:
-        ids = with_eos(tokenizer, tokenizer(row[fmt.text_field], add_special_tokens=False)["input_ids"])
+        text = tokenizer(row[fmt.text_field], add_special_tokens=False)["input_ids"]
+        ids = with_eos(tokenizer, with_prefix(special_prefix(tokenizer), text))
         mask = [1] * len(ids)
     elif fmt.kind == "language_modeling":
         if assistant_only_loss:
@@ -108,6 +124,7 @@ def tokenize_sft_row(
             )
         else:
             prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            prompt = with_prefix(special_prefix(tokenizer), prompt)
             completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
             ids = prompt + with_eos(tokenizer, completion)
         only_completion = True if completion_only_loss is None else completion_only_loss
