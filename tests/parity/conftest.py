@@ -11,7 +11,11 @@ from fastalign.builtin import tiny_model, tiny_tokenizer
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> tuple[str, str]:
     """A tiny Llama (policy) and a perturbed copy of it (reference), saved with the tokenizer."""
-    root = tmp_path_factory.mktemp("parity-models")
+    return save_models(tmp_path_factory.mktemp("parity-models"), tiny_tokenizer)
+
+
+def save_models(root, tokenizer) -> tuple[str, str]:
+    """``models``' pair saved in ``root`` with the tokenizer ``tokenizer()`` makes."""
     torch.manual_seed(0)
     policy = tiny_model("llama")
     policy.save_pretrained(root / "policy")
@@ -20,5 +24,5 @@ def models(tmp_path_factory) -> tuple[str, str]:
             parameter.add_(torch.randn_like(parameter) * 0.05)
     policy.save_pretrained(root / "reference")
     for name in ("policy", "reference"):
-        tiny_tokenizer().save_pretrained(root / name)
+        tokenizer().save_pretrained(root / name)
     return str(root / "policy"), str(root / "reference")

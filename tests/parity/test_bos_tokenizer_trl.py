@@ -6,12 +6,12 @@ so every sequence starts with that BOS. One step of each gives TRL's loss, gradi
 from __future__ import annotations
 
 import pytest
-import torch
 from tokenizers import processors
 
-from fastalign.builtin import tiny_kto_rows, tiny_model, tiny_preference_rows, tiny_sft_rows, tiny_tokenizer
+from fastalign.builtin import tiny_kto_rows, tiny_preference_rows, tiny_sft_rows, tiny_tokenizer
 from fastalign.data.sft import special_prefix
 from tests.helpers import require
+from tests.parity.conftest import save_models
 from tests.parity.steps import fastalign_step, trl_step
 
 pytestmark = pytest.mark.slow
@@ -30,17 +30,7 @@ def bos_tokenizer():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("bos-models")
-    torch.manual_seed(0)
-    policy = tiny_model("llama")
-    policy.save_pretrained(root / "policy")
-    with torch.no_grad():
-        for parameter in policy.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    policy.save_pretrained(root / "reference")
-    for name in ("policy", "reference"):
-        bos_tokenizer().save_pretrained(root / name)
-    return str(root / "policy"), str(root / "reference")
+    return save_models(tmp_path_factory.mktemp("bos-models"), bos_tokenizer)
 
 
 def test_the_prefix_is_the_tokenizers_own():
