@@ -90,19 +90,22 @@ def tokenize_sft_row(
     completion_only_loss: bool | None = None,
     assistant_only_loss: bool = False,
     chat_template_kwargs: dict | None = None,
+    prefix: list[int] | None = None,
 ) -> TokenizedExample:
     """Token ids and loss mask of one row. ``index`` names it in errors: its index in a list (``row 3``)
     or where it is written (``"train.jsonl line 4"``). A row over ``max_length`` is an error unless
     ``truncation``, which keeps its first ``max_length`` tokens, or with ``truncation_mode`` keep_end its
     last (TRL's SFTTrainer). ``chat_template_kwargs``: the config's template variables for conversational
-    rows (the row's own ``chat_template_kwargs`` column wins)."""
+    rows (the row's own ``chat_template_kwargs`` column wins). ``prefix``: ``special_prefix(tokenizer)``,
+    computed once per data set by the caller (None: here)."""
     check_truncation_mode(truncation_mode)
+    prefix = special_prefix(tokenizer) if prefix is None else prefix
     where = index if isinstance(index, str) else f"row {index}"
     check_row(row, where, fmt)
     template = template_arguments(row, where, chat_template_kwargs) if fmt.conversational else {}
     if fmt.kind == "language_modeling" and not fmt.conversational:
         text = tokenizer(row[fmt.text_field], add_special_tokens=False)["input_ids"]
-        ids = with_eos(tokenizer, with_prefix(special_prefix(tokenizer), text))
+        ids = with_eos(tokenizer, with_prefix(prefix, text))
         mask = [1] * len(ids)
     elif fmt.kind == "language_modeling":
         if assistant_only_loss:
@@ -124,7 +127,7 @@ def tokenize_sft_row(
             )
         else:
             prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            prompt = with_prefix(special_prefix(tokenizer), prompt)
+            prompt = with_prefix(prefix, prompt)
             completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
             ids = prompt + with_eos(tokenizer, completion)
         only_completion = True if completion_only_loss is None else completion_only_loss
@@ -187,7 +190,8 @@ def tokenize_sft_dataset(
         )
     check_template_kwargs_apply(options.get("chat_template_kwargs"), fmt.conversational)
     _check_loss_masks_apply(options, fmt)
+    prefix = special_prefix(tokenizer)
     return [
-        tokenize_sft_row(row, where, tokenizer, fmt, **options)
+        tokenize_sft_row(row, where, tokenizer, fmt, prefix=prefix, **options)
         for row, where in zip(rows, origins, strict=True)
     ]

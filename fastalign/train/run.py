@@ -104,6 +104,7 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
         scheduler = build_scheduler(optimizer, config, max_steps)
         if resume_path is not None:
             check_resume_length(resume_path, max_steps)
+        identity = run_identity(name, ctx.world_size)  # saved in each checkpoint, checked on resume
         engine = Engine(
             model,
             objective,
@@ -125,10 +126,10 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             flops_per_token=training_flops_per_token(model, row_tokens),
             peak_flops=peak_flops(ctx.device),
             autocast_dtype=autocast_dtype(config, ctx),
-            run_config=asdict(given) | run_identity(name, ctx.world_size),
+            run_config=asdict(given) | identity,
         )
         if resume_path is not None:  # before anything is written: a misfit changes no file
-            resume(engine, resume_path, given, run_identity(name, ctx.world_size))
+            resume(engine, resume_path, given, identity)
         if ctx.is_main:
             start_writing(given, output_dir, clear=earlier_files)
             if note := busy_cpus_note(ctx.device):  # advice beside the progress, not an error: stdout

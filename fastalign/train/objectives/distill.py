@@ -480,12 +480,8 @@ class DistillObjective(Objective):
             self.tokenizer = parts.tokenizer
             self.teacher_logprobs = open_teacher_logprobs(options, parts.tokenizer, self.loss_top_k)
             stored = self.teacher_logprobs.manifest.teacher_vocab
-            student = model.get_output_embeddings().weight.shape[0]
-            if stored is not None and stored != student:
-                raise ConfigError(
-                    f"config key 'teacher_logprobs_path': the teacher's vocabulary ({stored} tokens) is not "
-                    f"the student's ({student}): distillation compares their next-token distributions"
-                )
+            if stored is not None:  # (a manifest written before it was recorded: not known)
+                _check_same_vocabulary("teacher_logprobs_path", stored, model)
             self.tail_samples = tail_samples_in_use(options, self.teacher_logprobs.manifest)
             separate = self.eval_dataset_name is not None and bool(evaluation)
             if separate:  # eval_dataset_name's rows: scored into the eval sub-directory
@@ -503,13 +499,8 @@ class DistillObjective(Objective):
             return Prepared(train, evaluation)
         self.teacher = parts.load_frozen_model(options.teacher_model_name_or_path)
         self.tokenizer = parts.tokenizer
-        student = model.get_output_embeddings().weight.shape[0]
         teacher = self.teacher.get_output_embeddings().weight.shape[0]
-        if student != teacher:
-            raise ConfigError(
-                f"config key 'teacher_model_name_or_path': the teacher's vocabulary ({teacher} tokens) is "
-                f"not the student's ({student}): distillation compares their next-token distributions"
-            )
+        _check_same_vocabulary("teacher_model_name_or_path", teacher, model)
         return Prepared(train, evaluation)
 
     def _check_scored(self, examples: list[DistillExample], eval_dataset_name: str | None) -> None:
@@ -661,6 +652,17 @@ class DistillObjective(Objective):
             return hidden[:, width - 1 : -1], weight, bias
 
         return head
+
+
+def _check_same_vocabulary(key: str, teacher: int, student: torch.nn.Module) -> None:
+    """The teacher's vocabulary (the rows of its LM head) is the student's, or a one-line error naming
+    ``key``: distillation compares their next-token distributions."""
+    rows = student.get_output_embeddings().weight.shape[0]
+    if teacher != rows:
+        raise ConfigError(
+            f"config key {key!r}: the teacher's vocabulary ({teacher} tokens) is not the student's ({rows}): "
+            "distillation compares their next-token distributions"
+        )
 
 
 def open_teacher_logprobs(options: DistillOptions, tokenizer, k: int) -> TeacherLogprobs:
