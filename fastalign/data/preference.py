@@ -22,15 +22,20 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fastalign.data.chat import (
-    check_template_kwargs_apply,
-    conversation_completion_ids,
-    conversation_prompt_ids,
-    template_arguments,
-)
+from fastalign.data.chat import check_template_kwargs_apply, conversation_prompt_ids, template_arguments
 from fastalign.data.collate import PaddingCollator
 from fastalign.data.formats import check_messages
-from fastalign.data.sft import TokenizedExample, check_truncation_mode, special_prefix, with_eos, with_prefix
+from fastalign.data.prompt_split import (
+    BoundaryNotes,
+    Split,
+    common_prefix_length,
+    special_prefix,
+    split_prompt,
+    text_ids,
+    with_eos,
+    with_prefix,
+)
+from fastalign.data.sft import TokenizedExample, check_truncation_mode
 from fastalign.data.sources import Rows, row_origins
 
 
@@ -45,6 +50,10 @@ class PreferenceExample:
     # cuts each prompt + completion at its start on its own (``Fitted.prompt_starts``)
     chosen_prompt_start: int = 0
     rejected_prompt_start: int = 0
+    # how many of the chosen's (rejected's) first tokens are not scored: the prompt's own tokens where the
+    # other completion merged into the prompt's end and this one did not (TRL's CPO trainer, ``Split.shared``)
+    chosen_unscored: int = 0
+    rejected_unscored: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,9 +61,9 @@ class KTOExample:
     prompt_ids: list[int]
     completion_ids: list[int]
     label: bool  # True: a desirable completion
-    # KTO's mismatched completion for the KL estimate: fixed per example (the previous row's completion,
-    # as TRL pairs them over the data set) so that precomputed reference log-probs stay valid however
-    # the examples are later batched. None: the previous example of the micro-batch's.
+    # KTO's mismatched completion for the KL estimate (``with_mismatched_completions``): fixed per example
+    # so that precomputed reference log-probs stay valid however the examples are later batched (in
+    # evaluation too). None: the previous example of the micro-batch's.
     kl_completion_ids: list[int] | None = None
     ref_logp: float | None = None
     ref_kl_logp: float | None = None
@@ -103,46 +112,9 @@ def _is_conversational(row: dict, where: str, fields: tuple[str, ...]) -> bool:
     return bool(messages)
 
 
-def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int], where: str, field: str) -> list[int]:
-    if not ids:
-        raise ValueError(f"{where}: {field!r} is empty")
-    return with_eos(tokenizer, ids)
-
-
 def _template(row: dict, where: str, conversational: bool, chat_template_kwargs: dict | None) -> dict:
     """The row's chat template arguments (none for standard text, which no template renders)."""
     return template_arguments(row, where, chat_template_kwargs) if conversational else {}
-
-
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], template: dict) -> list[int]:
-    if isinstance(prompt, str):
-        return _text_ids(tokenizer, prompt)
-    return conversation_prompt_ids(tokenizer, prompt, template)
-
-
-def _completion_ids(
-    tokenizer: PreTrainedTokenizerBase,
-    prompt: str | list[dict],
-    prompt_ids: list[int],
-    completion: str | list[dict],
-    where: str,
-    field: str,
-    template: dict,
-) -> list[int]:
-    if isinstance(completion, str):
-        return _with_eos(tokenizer, _text_ids(tokenizer, completion), where, field)
-    return conversation_completion_ids(tokenizer, prompt, prompt_ids, completion, where, field, template)
-
-
-def _shared_length(a: Sequence, b: Sequence) -> int:
-    length = 0
-    while length < min(len(a), len(b)) and a[length] == b[length]:
-        length += 1
-    return length
 
 
 @dataclass(frozen=True)
@@ -219,9 +191,13 @@ def _keep_end(prompt_ids: list[int], completions: dict[str, list[int]], max_leng
     )
 
 
-def _tokenize_preference_row(
-    row: dict, where: str, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict | None
-) -> tuple[list[int], dict[str, list[int]]]:
+def _split_preference_row(
+    row: dict,
+    where: str,
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template_kwargs: dict | None,
+    prefix: list[int],
+) -> Split:
     explicit = row.get("prompt") is not None
     fields = ("prompt", "chosen", "rejected") if explicit else ("chosen", "rejected")
     conversational = _is_conversational(row, where, fields)
@@ -231,7 +207,7 @@ def _tokenize_preference_row(
     elif conversational:
         # TRL's extract_prompt: the shared leading messages; the completions start at the first
         # message that differs, which must be an assistant turn in both (what the prompt asks for).
-        shared = _shared_length(chosen, rejected)
+        shared = common_prefix_length(chosen, rejected)
         if shared == 0 or any(
             shared == len(messages) or messages[shared]["role"] != "assistant"
             for messages in (chosen, rejected)
@@ -245,25 +221,29 @@ def _tokenize_preference_row(
         # Split at the shared token ids, not characters: prompt + completion is then exactly the whole
         # text's tokens (and, as with TRL's extract_prompt, a space attached to the first differing
         # word, as in byte-level BPE, goes to the completions).
-        chosen_ids, rejected_ids = _text_ids(tokenizer, chosen), _text_ids(tokenizer, rejected)
-        shared = _shared_length(chosen_ids, rejected_ids)
-        return chosen_ids[:shared], {
-            "chosen": _with_eos(tokenizer, chosen_ids[shared:], where, "chosen"),
-            "rejected": _with_eos(tokenizer, rejected_ids[shared:], where, "rejected"),
-        }
+        chosen_ids, rejected_ids = text_ids(tokenizer, chosen), text_ids(tokenizer, rejected)
+        shared = common_prefix_length(chosen_ids, rejected_ids)
+        completions = {"chosen": chosen_ids[shared:], "rejected": rejected_ids[shared:]}
+        for name, ids in completions.items():
+            if not ids:
+                raise ValueError(f"{where}: {name!r} is empty after the prompt it shares")
+        return Split(
+            with_prefix(prefix, chosen_ids[:shared]),
+            {name: with_eos(tokenizer, ids) for name, ids in completions.items()},
+            [],
+            dict.fromkeys(completions, 0),
+        )
     template = _template(row, where, conversational, chat_template_kwargs)
-    prompt_ids = _prompt_ids(tokenizer, prompt, template)
-    return prompt_ids, {
-        field: _completion_ids(tokenizer, prompt, prompt_ids, completion, where, field, template)
-        for field, completion in (("chosen", chosen), ("rejected", rejected))
-    }
+    return split_prompt(
+        tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, where, template=template, prefix=prefix
+    )
 
 
 def tokenize_preference_dataset(
     rows: Iterable[dict],
     tokenizer: PreTrainedTokenizerBase,
     *,
-    bos_prompt: bool = False,
+    cpo_special_tokens: bool = False,
     chat_template_kwargs: dict | None = None,
     **limits,
 ) -> list[PreferenceExample]:
@@ -272,19 +252,23 @@ def tokenize_preference_dataset(
     ``limits`` are ``LengthLimits``' fields: ``max_length`` bounds prompt + chosen and prompt + rejected;
     a longer row is an error unless ``truncation``, which keeps the prompt's last ``max_prompt_length``
     tokens and cuts completions (with ``truncation_mode`` keep_end, each row's start instead).
-    ``bos_prompt``: start each prompt with the tokenizer's BOS token where it does not already (TRL
-    1.16's CPO and ORPO trainers do; its DPO trainer does not).
+    ``cpo_special_tokens``: as TRL 1.16's CPO and ORPO trainers tokenize: text without the tokenizer's
+    own special tokens, then each prompt starts with its BOS and each completion ends with its EOS where
+    they do not already, conversational rows too (its DPO trainer writes neither); and each completion's
+    scored tokens start where it diverges from the prompt (DPO's where the earlier of the two does).
     ``chat_template_kwargs``: the config's template variables for conversational rows."""
     fit = LengthLimits(**limits).fit
-    bos = tokenizer.bos_token_id if bos_prompt else None
-    prefix = special_prefix(tokenizer)
+    prefix = [] if cpo_special_tokens else special_prefix(tokenizer)
+    notes = BoundaryNotes()
     examples = []
     for row, where in _nonempty(rows, ("prompt", "chosen", "rejected"), chat_template_kwargs):
-        prompt_ids, completions = _tokenize_preference_row(row, where, tokenizer, chat_template_kwargs)
-        if isinstance(row["chosen"], str):  # plain text: the special tokens TRL's tokenizer(text) adds
-            prompt_ids = with_prefix(prefix, prompt_ids)
-        if bos is not None and prompt_ids[:1] != [bos]:
-            prompt_ids = [bos, *prompt_ids]
+        split = notes.note(_split_preference_row(row, where, tokenizer, chat_template_kwargs, prefix), where)
+        prompt_ids, completions = split.prompt_ids, split.completions
+        if cpo_special_tokens:
+            if tokenizer.bos_token_id is not None:
+                prompt_ids = with_prefix([tokenizer.bos_token_id], prompt_ids)
+            completions = {name: with_eos(tokenizer, ids) for name, ids in completions.items()}
+        unscored = split.shared if cpo_special_tokens else dict.fromkeys(completions, 0)
         fitted = fit(prompt_ids, completions, where)
         examples.append(
             PreferenceExample(
@@ -293,8 +277,11 @@ def tokenize_preference_dataset(
                 fitted.completions["rejected"],
                 chosen_prompt_start=fitted.prompt_starts["chosen"],
                 rejected_prompt_start=fitted.prompt_starts["rejected"],
+                chosen_unscored=unscored["chosen"],
+                rejected_unscored=unscored["rejected"],
             )
         )
+    notes.warn(tokenizer)
     return examples
 
 
@@ -308,7 +295,7 @@ def tokenize_kto_dataset(
     """Every row of an unpaired preference dataset; ``chat_template_kwargs`` and ``limits`` as
     ``tokenize_preference_dataset``'s."""
     lengths = LengthLimits(**limits)
-    prefix = special_prefix(tokenizer)
+    prefix, notes = special_prefix(tokenizer), BoundaryNotes()
     examples = []
     for row, where in _nonempty(rows, ("prompt", "completion"), chat_template_kwargs):
         conversational = _is_conversational(row, where, ("prompt", "completion"))
@@ -318,20 +305,37 @@ def tokenize_kto_dataset(
         if not isinstance(label, bool):  # "false" is truthy: only a bool surely says which side
             raise ValueError(f"{where}: 'label' must be a bool (True: desirable), got {label!r}")
         template = _template(row, where, conversational, chat_template_kwargs)
-        prompt_ids = _prompt_ids(tokenizer, row["prompt"], template)
-        if not conversational:  # the special tokens TRL's tokenizer(text) adds
-            prompt_ids = with_prefix(prefix, prompt_ids)
-        completion_ids = _completion_ids(
-            tokenizer, row["prompt"], prompt_ids, row["completion"], where, "completion", template
+        split = split_prompt(
+            tokenizer,
+            row["prompt"],
+            {"completion": row["completion"]},
+            where,
+            template=template,
+            prefix=prefix,
         )
-        fitted = lengths.fit(prompt_ids, {"completion": completion_ids}, where)
+        fitted = lengths.fit(split.prompt_ids, notes.note(split, where).completions, where)
         examples.append(KTOExample(fitted.prompt_ids, fitted.completions["completion"], label))
-    max_length = lengths.max_length
-    room = [None if max_length is None else max(1, max_length - len(e.prompt_ids)) for e in examples]
-    return [
-        dataclasses.replace(example, kl_completion_ids=examples[index - 1].completion_ids[: room[index]])
-        for index, example in enumerate(examples)
-    ]
+    notes.warn(tokenizer)
+    return examples
+
+
+def with_mismatched_completions(
+    examples: Sequence[KTOExample], block: int, max_length: int | None
+) -> list[KTOExample]:
+    """Each example with KTO's mismatched completion, as TRL 1.16's KTOTrainer pairs them: within each block
+    of ``block`` consecutive examples (its ``per_device_train_batch_size``, so that under sequential
+    sampling a micro-batch's mismatched completions are its own completions, each with another prompt) the
+    completions rotate by one: (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}). Each is cut to what fits
+    after its prompt in ``max_length`` (TRL's collator keeps a sequence's start)."""
+    paired = []
+    for start in range(0, len(examples), block):
+        chunk = examples[start : start + block]
+        for index, example in enumerate(chunk):
+            room = None if max_length is None else max(1, max_length - len(example.prompt_ids))
+            paired.append(
+                dataclasses.replace(example, kl_completion_ids=chunk[index - 1].completion_ids[:room])
+            )
+    return paired
 
 
 def tokenize_prompt_dataset(
@@ -351,7 +355,12 @@ def tokenize_prompt_dataset(
     for row, where in _nonempty(rows, ("prompt",), chat_template_kwargs):
         conversational = _is_conversational(row, where, ("prompt",))
         template = _template(row, where, conversational, chat_template_kwargs)
-        prompt_ids = _prompt_ids(tokenizer, row["prompt"], template)
+        prompt = row["prompt"]
+        prompt_ids = (
+            text_ids(tokenizer, prompt)
+            if isinstance(prompt, str)
+            else conversation_prompt_ids(tokenizer, prompt, template)
+        )
         if not prompt_ids:
             raise ValueError(f"{where}: 'prompt' is empty")
         prompt_ids = lengths.fit(prompt_ids, {}, where).prompt_ids
@@ -362,6 +371,10 @@ def tokenize_prompt_dataset(
 
 def _sequence(prompt_ids: list[int], completion_ids: list[int]) -> TokenizedExample:
     return TokenizedExample(prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids))
+
+
+def _pair_row(prompt_ids: list[int], completion_ids: list[int], unscored: int) -> TokenizedExample:
+    return _sequence(prompt_ids + completion_ids[:unscored], completion_ids[unscored:])
 
 
 def _add_reference(batch: dict, examples: Sequence, keys: dict[str, str]) -> None:
@@ -385,8 +398,14 @@ class PreferenceCollator:
 
     def __call__(self, examples: Sequence[PreferenceExample]) -> dict[str, torch.Tensor]:
         batch = self.padding(
-            [_sequence(e.prompt_ids[e.chosen_prompt_start :], e.chosen_ids) for e in examples]
-            + [_sequence(e.prompt_ids[e.rejected_prompt_start :], e.rejected_ids) for e in examples]
+            [
+                _pair_row(e.prompt_ids[e.chosen_prompt_start :], e.chosen_ids, e.chosen_unscored)
+                for e in examples
+            ]
+            + [
+                _pair_row(e.prompt_ids[e.rejected_prompt_start :], e.rejected_ids, e.rejected_unscored)
+                for e in examples
+            ]
         )
         _add_reference(
             batch,

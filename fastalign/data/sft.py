@@ -4,9 +4,10 @@
 - messages: the chat template's rendering; with ``assistant_only_loss`` only the assistant tokens,
   which needs a template that marks them with ``{% generation %}`` (else a clear error, never a silent
   run that trains on nothing).
-- prompt + completion: the prompt's tokens then the completion's (and EOS for standard text); with
-  ``completion_only_loss`` (the default) only the completion tokens. Conversational prompts are
-  rendered with the generation prompt and must be a prefix of the full conversation's rendering.
+- prompt + completion: the whole row's tokens (and EOS for standard text); with
+  ``completion_only_loss`` (the default) only the completion's, which start where the prompt's own
+  tokens (conversational: rendered with the generation prompt) and the row's first differ, as TRL
+  splits them (``fastalign.data.prompt_split``).
 
 EOS is the tokenizer's (``eos_token`` overrides it), appended as TRL appends it: to standard text and
 completions only (a chat template ends turns itself), and not where the text already ends with it.
@@ -20,14 +21,16 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from fastalign.data.chat import (
-    check_template_kwargs_apply,
-    conversation_completion_ids,
-    conversation_prompt_ids,
-    render_chat,
-    template_arguments,
-)
+from fastalign.data.chat import check_template_kwargs_apply, render_chat, template_arguments
 from fastalign.data.formats import DatasetFormat, check_row, detect_format
+from fastalign.data.prompt_split import (
+    BoundaryNotes,
+    special_prefix,
+    split_prompt,
+    text_ids,
+    with_eos,
+    with_prefix,
+)
 from fastalign.data.sources import Rows, row_origins
 
 #: TRL 1.16's ``truncation_mode`` values: which end of an over-long row truncation keeps.
@@ -56,28 +59,6 @@ def _has_generation_marks(tokenizer) -> bool:
     return "generation" in template and "endgeneration" in template
 
 
-def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids the tokenizer puts before a plain text of its own accord: the BOS of Llama, Mistral and
-    Gemma tokenizers, nothing for GPT-2-like ones. TRL's SFT, DPO and KTO trainers tokenize plain text
-    as ``tokenizer(text)``, so their sequences start with it (chat templates write their own)."""
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a")["input_ids"]
-    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
-    return list(full[: starts[0]]) if starts else []
-
-
-def with_prefix(prefix: list[int], ids: list[int]) -> list[int]:
-    """``ids`` starting with ``prefix`` (added unless already there)."""
-    return ids if ids[: len(prefix)] == prefix else [*prefix, *ids]
-
-
-def with_eos(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
-    """``ids`` ending with the tokenizer's EOS: appended unless already last (TRL appends the EOS text
-    unless the text ends with it), nothing for a tokenizer without one."""
-    eos = tokenizer.eos_token_id
-    return ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
-
-
 def tokenize_sft_row(
     row: dict,
     index: int | str,
@@ -91,21 +72,22 @@ def tokenize_sft_row(
     assistant_only_loss: bool = False,
     chat_template_kwargs: dict | None = None,
     prefix: list[int] | None = None,
+    notes: BoundaryNotes | None = None,
 ) -> TokenizedExample:
     """Token ids and loss mask of one row. ``index`` names it in errors: its index in a list (``row 3``)
     or where it is written (``"train.jsonl line 4"``). A row over ``max_length`` is an error unless
     ``truncation``, which keeps its first ``max_length`` tokens, or with ``truncation_mode`` keep_end its
     last (TRL's SFTTrainer). ``chat_template_kwargs``: the config's template variables for conversational
     rows (the row's own ``chat_template_kwargs`` column wins). ``prefix``: ``special_prefix(tokenizer)``,
-    computed once per data set by the caller (None: here)."""
+    computed once per data set by the caller (None: here). ``notes``: where a prompt-completion row whose
+    prompt tokens are not a prefix of its sequence's is counted (``fastalign.data.prompt_split``)."""
     check_truncation_mode(truncation_mode)
     prefix = special_prefix(tokenizer) if prefix is None else prefix
     where = index if isinstance(index, str) else f"row {index}"
     check_row(row, where, fmt)
     template = template_arguments(row, where, chat_template_kwargs) if fmt.conversational else {}
     if fmt.kind == "language_modeling" and not fmt.conversational:
-        text = tokenizer(row[fmt.text_field], add_special_tokens=False)["input_ids"]
-        ids = with_eos(tokenizer, with_prefix(prefix, text))
+        ids = with_eos(tokenizer, with_prefix(prefix, text_ids(tokenizer, row[fmt.text_field])))
         mask = [1] * len(ids)
     elif fmt.kind == "language_modeling":
         if assistant_only_loss:
@@ -120,16 +102,16 @@ def tokenize_sft_row(
             ids = list(render_chat(tokenizer, row["messages"], **template)["input_ids"])
             mask = [1] * len(ids)
     else:
-        if fmt.conversational:
-            prompt = conversation_prompt_ids(tokenizer, row["prompt"], template)
-            ids = prompt + conversation_completion_ids(
-                tokenizer, row["prompt"], prompt, row["completion"], where, "completion", template
-            )
-        else:
-            prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            prompt = with_prefix(prefix, prompt)
-            completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
-            ids = prompt + with_eos(tokenizer, completion)
+        split = split_prompt(
+            tokenizer,
+            row["prompt"],
+            {"completion": row["completion"]},
+            where,
+            template=template,
+            prefix=prefix,
+        )
+        prompt = (notes or BoundaryNotes()).note(split, where).prompt_ids
+        ids = prompt + split.completions["completion"]
         only_completion = True if completion_only_loss is None else completion_only_loss
         mask = [0 if only_completion and i < len(prompt) else 1 for i in range(len(ids))]
 
@@ -190,8 +172,10 @@ def tokenize_sft_dataset(
         )
     check_template_kwargs_apply(options.get("chat_template_kwargs"), fmt.conversational)
     _check_loss_masks_apply(options, fmt)
-    prefix = special_prefix(tokenizer)
-    return [
-        tokenize_sft_row(row, where, tokenizer, fmt, prefix=prefix, **options)
+    prefix, notes = special_prefix(tokenizer), BoundaryNotes()
+    examples = [
+        tokenize_sft_row(row, where, tokenizer, fmt, prefix=prefix, notes=notes, **options)
         for row, where in zip(rows, origins, strict=True)
     ]
+    notes.warn(tokenizer)
+    return examples

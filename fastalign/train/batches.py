@@ -1,8 +1,9 @@
 """Which micro-batches each rank trains on, step by step, in an order that a checkpoint can resume.
 
 The order is a pure function of (seed, epoch): every epoch shuffles the training units (examples, or
-packed bins of examples) with its own generator, groups them into micro-batches, and deals the
-micro-batches of each optimizer step to the ranks in turn. The position is (epoch, step in epoch),
+packed bins of examples) with its own generator (or, sequential, keeps the data's order), groups them
+into micro-batches, and deals the micro-batches of each optimizer step to the ranks in turn (as
+accelerate deals a data loader's batches). The position is (epoch, step in epoch),
 so resuming needs two integers, not a pickled data loader.
 """
 
@@ -45,10 +46,12 @@ class MicroBatches:
         packing_length: int | None = None,
         rank: int = 0,
         world_size: int = 1,
+        shuffle: bool = True,
         collate: Callable[[Sequence], dict] | None = None,
     ):
         """``examples``: ``TokenizedExample``s (SFT, padded or packed), or any examples with the
-        ``collate`` that batches them (preference pairs, prompts)."""
+        ``collate`` that batches them (preference pairs, prompts). ``shuffle`` False: every epoch reads
+        the units in their order (``train_sampling_strategy: sequential``)."""
         if not examples:
             raise ValueError("the training set is empty")
         self.examples = list(examples)
@@ -59,7 +62,7 @@ class MicroBatches:
         )
         self.batch_size, self.accumulation = batch_size, accumulation
         self.rank, self.world_size = rank, world_size
-        self.seed = seed
+        self.seed, self.shuffle = seed, shuffle
         self._epoch_order: tuple[int, list[int]] = (-1, [])  # (epoch, its order): one shuffle an epoch
         self.collate: Callable[[Sequence], dict] = collate or (
             PackedCollator() if packing_length else PaddingCollator(pad_token_id)
@@ -77,11 +80,14 @@ class MicroBatches:
         if left_out and rank == 0:
             logger.warning(
                 f"fastalign: each epoch trains {len(self.units) - left_out} of the {len(self.units)} "
-                f"{unit}s: the {left_out} that do not fill a step of {per_step} are left out (others each "
-                "epoch, the order being reshuffled); a batch size that divides the data trains them all"
+                f"{unit}s: the {left_out} that do not fill a step of {per_step} are left out ("
+                + ("others each epoch, the order being reshuffled" if shuffle else "the last, each epoch")
+                + "); a batch size that divides the data trains them all"
             )
 
-    def _order(self, epoch: int) -> list[int]:
+    def _order(self, epoch: int) -> Sequence[int]:
+        if not self.shuffle:
+            return range(len(self.units))
         if self._epoch_order[0] != epoch:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             self._epoch_order = (epoch, torch.randperm(len(self.units), generator=generator).tolist())

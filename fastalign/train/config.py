@@ -77,6 +77,8 @@ class TrainConfig:
     num_train_epochs: float = 3.0  # transformers' default
     per_device_train_batch_size: int = 8  # examples per micro-batch and process
     per_device_eval_batch_size: int = 8  # examples per evaluation batch and process
+    train_sampling_strategy: str | None = None  # random (reshuffled each epoch) or sequential (the data's
+    # order), transformers' names; None: the objective's TRL default (kto sequential, the others random)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     learning_rate: float | None = None  # None: the objective's TRL default (sft 2e-5, the others 1e-6)
     weight_decay: float = 0.0  # decoupled weight decay (not of biases and norm weights)
@@ -313,6 +315,9 @@ MODEL_INIT_OWN = {
     "low_cpu_mem_usage": (True, "checkpoints are always streamed in layer by layer"),
 }
 
+#: transformers' ``train_sampling_strategy`` values fastalign runs: the order training reads the data in.
+SAMPLING_STRATEGIES = ("random", "sequential")
+
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 _NULL = ("none", "null")
 _ON_THE_COMMAND_LINE = "on the command line"
@@ -409,6 +414,11 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("max_completion_length", lambda value: value > 0, "positive"),
     ("max_prompt_length", lambda value: value is None or value > 0, "positive or null"),
+    (
+        "train_sampling_strategy",
+        lambda value: value in (None, *SAMPLING_STRATEGIES),
+        f"one of {', '.join(SAMPLING_STRATEGIES)} (transformers' group_by_length is not supported)",
+    ),
     ("temperature", lambda value: value > 0, "positive"),
     ("top_p", lambda value: 0 < value <= 1, "in (0, 1]"),
     ("epsilon", lambda value: value >= 0, "non-negative"),

@@ -210,8 +210,12 @@ def _tokenized_splits(config: TrainConfig, objective: Objective, tokenizer) -> t
         )
     if config.eval_split_ratio > 0:
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
-        held_out = max(1, round(config.eval_split_ratio * len(examples)))
-        return [examples[i] for i in order[held_out:]], [examples[i] for i in order[:held_out]]
+        held_out = set(order[: max(1, round(config.eval_split_ratio * len(examples)))])
+        # both parts keep the data's order (what sequential sampling and KTO's KL pairs read)
+        return (
+            [example for index, example in enumerate(examples) if index not in held_out],
+            [example for index, example in enumerate(examples) if index in held_out],
+        )
     return examples, []
 
 

@@ -134,17 +134,6 @@ def test_bad_preference_rows_name_the_row_and_field(tokenizer, rows, message):
         tokenize_preference_dataset(rows, tokenizer)
 
 
-def test_prompt_must_render_as_a_prefix(tokenizer):
-    odd = tiny_tokenizer()
-    odd.chat_template = (
-        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ 'reply: ' }}{% endif %}"
-    )
-    row = {"prompt": [USER], "chosen": [assistant("7")], "rejected": [assistant("8")]}
-    with pytest.raises(ValueError, match="row 0: the chat template does not render the prompt as a prefix"):
-        tokenize_preference_dataset([row], odd)
-
-
 def test_preference_collator(tokenizer):
     rows = [
         {"prompt": QUESTION, "chosen": " The answer is 7.", "rejected": " no"},

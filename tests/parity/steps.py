@@ -17,24 +17,37 @@ from fastalign.train.run import run_training
 SHARED = {"max_steps": 1, "learning_rate": 1e-3, "logging_steps": 1, "seed": 0}
 
 
+def logged(output_dir: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def first_logged(output_dir: str | Path) -> dict:
-    return json.loads((Path(output_dir) / "metrics.jsonl").read_text().splitlines()[0])
+    return logged(output_dir)[0]
 
 
 def fastalign_step(name: str, rows: list[dict], tmp_path: Path, **options) -> dict:
     """``fastalign train <name>`` for one step on ``rows`` (written as JSONL); ``options`` are config keys.
     No checkpoint is saved (as ``trl_step``): the first logged row is all either returns."""
+    return first_logged(fastalign_run(name, rows, tmp_path, **options))
+
+
+def fastalign_run(name: str, rows: list[dict], tmp_path: Path, **options) -> Path:
+    """``fastalign_step``'s run, for as many steps as ``options`` say (one by default): its output
+    directory. ``per_device_train_batch_size`` defaults to every row."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    settings = {**SHARED, "max_length": 128, "save_strategy": "no", **options}  # TRL's side saves none either
+    batch = {"per_device_train_batch_size": len(rows)}
+    settings = {
+        **SHARED,
+        **batch,
+        "max_length": 128,
+        "save_strategy": "no",
+        **options,
+    }  # TRL saves none either
     config = TrainConfig(
-        dataset_name=str(data),
-        output_dir=str(tmp_path / "fastalign"),
-        per_device_train_batch_size=len(rows),
-        loss_curve_png=False,
-        **settings,
+        dataset_name=str(data), output_dir=str(tmp_path / "fastalign"), loss_curve_png=False, **settings
     )
-    return first_logged(run_training(config, name))
+    return run_training(config, name)
 
 
 def trl_step(
@@ -42,6 +55,14 @@ def trl_step(
 ) -> dict:
     """TRL's ``trainer`` class with its ``config`` class, for one step on ``rows``; ``model`` and
     ``ref_model`` are model directories, ``tokenizer`` the processing class (default: the tiny one)."""
+    return trl_run(trainer, config, rows, tmp_path, model, ref_model, tokenizer, **options)[0]
+
+
+def trl_run(
+    trainer, config, rows: list[dict], tmp_path: Path, model: str, ref_model=None, tokenizer=None, **options
+) -> list[dict]:
+    """``trl_step``'s run, for as many steps as ``options`` say (one by default): every logged row.
+    ``per_device_train_batch_size`` defaults to every row."""
     import datasets
     from transformers import AutoModelForCausalLM
 
@@ -50,13 +71,12 @@ def trl_step(
 
     args = config(
         output_dir=str(tmp_path / "trl"),
-        per_device_train_batch_size=len(rows),
         report_to=[],
         bf16=False,
         gradient_checkpointing=False,
         use_cpu=True,
         save_strategy="no",
-        **{**SHARED, **options},
+        **{**SHARED, "per_device_train_batch_size": len(rows), **options},
     )
     references = {} if ref_model is None else {"ref_model": load(ref_model)}
     run = trainer(
@@ -67,4 +87,4 @@ def trl_step(
         **references,
     )
     run.train()
-    return run.state.log_history[0]
+    return run.state.log_history

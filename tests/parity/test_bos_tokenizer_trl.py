@@ -9,7 +9,7 @@ import pytest
 from tokenizers import processors
 
 from fastalign.builtin import tiny_kto_rows, tiny_preference_rows, tiny_sft_rows, tiny_tokenizer
-from fastalign.data.sft import special_prefix
+from fastalign.data.prompt_split import special_prefix
 from tests.helpers import require
 from tests.parity.conftest import save_models
 from tests.parity.steps import fastalign_step, trl_step

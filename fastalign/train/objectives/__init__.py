@@ -57,12 +57,18 @@ def make_objective(name: str, config: TrainConfig, ctx: DistributedContext) -> O
 
 def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
     """``config`` with the keys it leaves null that the runner reads set to objective ``name``'s TRL
-    default (``learning_rate``: SFTConfig's 2e-5, the preference and RL trainers' 1e-6)."""
+    default (``learning_rate``: SFTConfig's 2e-5, the preference and RL trainers' 1e-6;
+    ``train_sampling_strategy``: KTOConfig's sequential, the others' random)."""
     if name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
-    if config.learning_rate is not None:
-        return config
-    return dataclasses.replace(config, learning_rate=OBJECTIVES[name].default_learning_rate)
+    objective = OBJECTIVES[name]
+    return dataclasses.replace(
+        config,
+        learning_rate=objective.default_learning_rate
+        if config.learning_rate is None
+        else config.learning_rate,
+        train_sampling_strategy=config.train_sampling_strategy or objective.default_sampling_strategy,
+    )
 
 
 def own_keys(name: str) -> frozenset[str]:

@@ -49,6 +49,7 @@ class BatchPlan:
     pad_token_id: int
     rank: int = 0
     world_size: int = 1
+    shuffle: bool = True  # train_sampling_strategy random; False: sequential
 
     @classmethod
     def from_config(cls, config: TrainConfig, tokenizer, ctx: DistributedContext) -> BatchPlan:
@@ -59,6 +60,7 @@ class BatchPlan:
             tokenizer.pad_token_id,
             ctx.rank,
             ctx.world_size,
+            config.train_sampling_strategy != "sequential",
         )
 
 
@@ -107,6 +109,8 @@ class Objective(ABC):
     default_dataset: ClassVar[str]
     #: TRL's ``learning_rate`` for this trainer (its config's default), used when the config leaves it null.
     default_learning_rate: ClassVar[float] = 1e-6
+    #: TRL's ``train_sampling_strategy`` for this trainer, used when the config leaves it null.
+    default_sampling_strategy: ClassVar[str] = "random"
     #: Whether the loss runs inside the patched model's forward (``head_fn``): the fused head is needed
     #: even when the other kernels are off (``use_liger_kernel: false``).
     needs_fused_head: ClassVar[bool] = True
@@ -150,6 +154,7 @@ class Objective(ABC):
             seed=plan.seed,
             rank=plan.rank,
             world_size=plan.world_size,
+            shuffle=plan.shuffle,
             packing_length=self.packing_length,
             collate=self.collate(tokenizer),
         )

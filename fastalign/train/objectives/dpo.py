@@ -121,11 +121,10 @@ class DPOObjective(Objective):
 
     # --- data --------------------------------------------------------------------------------------
     def tokenize(self, rows: list[dict], tokenizer) -> list:
-        # TRL's CPO and ORPO trainers (simpo is CPO's) start prompts with BOS; its DPO trainer does not
-        bos_prompt = self.name != "dpo"
+        # TRL's CPO and ORPO trainers (simpo is CPO's) write BOS and EOS themselves; its DPO trainer does not
         keys = (*LENGTH_KEYS, "truncation_mode", "chat_template_kwargs")
         return tokenize_preference_dataset(
-            rows, tokenizer, bos_prompt=bos_prompt, **pick(self.options, *keys)
+            rows, tokenizer, cpo_special_tokens=self.name != "dpo", **pick(self.options, *keys)
         )
 
     def collate(self, tokenizer) -> PreferenceCollator:

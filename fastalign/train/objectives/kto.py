@@ -1,8 +1,11 @@
 """``fastalign train kto``: Kahneman-Tversky optimisation on unpaired completions, TRL's ``KTOTrainer``.
 
 Rows are prompt / completion / label (desirable or not). Each example also carries a mismatched
-completion (another row's, as TRL pairs them) whose policy − reference log-ratio estimates the KL
-divergence, KTO's reference point. ``KTOLoss`` runs inside the patched model's forward (``head_fn``).
+completion (another row's of its block of ``per_device_train_batch_size`` rows, as TRL pairs them) whose
+policy − reference log-ratio estimates the KL divergence, KTO's reference point; as in TRL, the rows
+train in the data's order (``train_sampling_strategy`` sequential, the only one the KL pairs allow), so
+a micro-batch's mismatched completions are its own completions paired with other prompts.
+``KTOLoss`` runs inside the patched model's forward (``head_fn``).
 
 The KL estimate (mean log-ratio of the mismatched completions, clamped at 0) and the counts of
 desirable and undesirable completions are taken over the whole step on all ranks in ``prepare_step``:
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastalign.data.preference import KTOCollator, tokenize_kto_dataset
+from fastalign.data.preference import KTOCollator, tokenize_kto_dataset, with_mismatched_completions
 from fastalign.losses import KTOLoss
 from fastalign.losses.preference import KTO_LOSS_TYPES
 from fastalign.models.structure import disable_dropout
@@ -63,6 +66,8 @@ class KTOOptions:
                 f"config key 'loss_type' for kto must be one of {', '.join(KTO_LOSS_TYPES)} (one value), "
                 f"got {options.loss_type!r}"
             )
+        if options.uses_kl:
+            _check_kl_pairs(config)
         return options
 
     @property
@@ -71,17 +76,41 @@ class KTOOptions:
         return self.loss_type == ["kto"]
 
 
+def _check_kl_pairs(config: TrainConfig) -> None:
+    """KTO's KL pairs are each micro-batch's completions with other prompts (TRL's KTOTrainer refuses
+    the same two settings): they need the data's order and more than one row a micro-batch."""
+    strategy = config.train_sampling_strategy or KTOObjective.default_sampling_strategy
+    if strategy != "sequential":
+        raise ConfigError(
+            f"config key 'train_sampling_strategy' ({strategy!r}): kto's KL estimate pairs each completion "
+            "with another prompt of its micro-batch, in the data's order, which needs sequential (remove "
+            "the key), or loss_type apo_zero_unpaired, which has no KL term"
+        )
+    if config.per_device_train_batch_size < 2:
+        raise ConfigError(
+            f"config key 'per_device_train_batch_size' ({config.per_device_train_batch_size}): kto's KL "
+            "estimate pairs each completion with another prompt of its micro-batch, so it needs at least 2 "
+            "(or loss_type apo_zero_unpaired, which has no KL term)"
+        )
+
+
 class KTOObjective(Objective):
     """``KTOLoss`` on micro-batches of completions labelled desirable or not, with their mismatched
     (KL) completions."""
 
     default_dataset = "tiny-kto"
+    default_sampling_strategy = "sequential"  # TRL's KTOConfig: the KL pairs are made in the data's order
 
     def __init__(
-        self, options: KTOOptions, reference_options: ReferenceOptions, ctx: DistributedContext | None = None
+        self,
+        options: KTOOptions,
+        reference_options: ReferenceOptions,
+        ctx: DistributedContext | None = None,
+        block: int = 8,
     ):
+        """``block``: ``per_device_train_batch_size``, the rows within which the KL pairs are made."""
         super().__init__(ctx)
-        self.options, self.reference_options = options, reference_options
+        self.options, self.reference_options, self.block = options, reference_options, block
         self.loss = KTOLoss(
             loss_type=options.loss_type[0],
             beta=options.beta,
@@ -95,7 +124,8 @@ class KTOObjective(Objective):
 
     @classmethod
     def from_config(cls, name: str, config: TrainConfig, ctx: DistributedContext) -> KTOObjective:
-        return cls(KTOOptions.from_config(config), ReferenceOptions.from_config(config), ctx)
+        options = KTOOptions.from_config(config)
+        return cls(options, ReferenceOptions.from_config(config), ctx, config.per_device_train_batch_size)
 
     @classmethod
     def config_keys(cls, name: str) -> frozenset[str]:
@@ -114,6 +144,11 @@ class KTOObjective(Objective):
         if self.options.disable_dropout:
             disable_dropout(model)
         self.router_aux.setup(model)
+        if self.options.uses_kl:  # TRL pairs the evaluation rows in blocks of the training batch size too
+            train, evaluation = (
+                with_mismatched_completions(examples, self.block, self.options.max_length)
+                for examples in (train, evaluation)
+            )
 
         def score(reference: Reference, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             found = {"ref_logp": reference.sequence_logprobs(*_rows(batch))}
