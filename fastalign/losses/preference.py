@@ -266,6 +266,9 @@ class PreferenceLoss(nn.Module):
             paper's loss).
         'cpo': sigmoid / hinge / ipo on the log-prob margin (ipo on mean log-probs) + ``cpo_alpha``·NLL.
         'orpo': chosen NLL − β·logσ(log-odds ratio), on mean log-probs.
+    ``alpha`` (simpo, cpo; TRL's CPOConfig): AlphaPO. Each completion's reward is (1 − p^−α)/α of the
+        p its log-prob (mean or sum, as above) is the log of, instead of that log-prob (0: off).
+    ``discopop_tau`` (dpo loss_type discopop): the temperature of DiscoPOP's log-ratio modulation.
 
     DPO's options beyond the loss type (TRL 1.16's DPOConfig; each refused where TRL refuses it or would
     ignore it):
@@ -295,6 +298,7 @@ class PreferenceLoss(nn.Module):
         reference_free: bool = False,
         gamma: float = 0.5,
         cpo_alpha: float = 1.0,
+        alpha: float = 0.0,
         ld_alpha: float | None = None,
         f_divergence_type: str = "reverse_kl",
         f_alpha_divergence_coef: float = 0.5,
@@ -316,8 +320,16 @@ class PreferenceLoss(nn.Module):
             raise ValueError(f"loss_weights ({len(loss_weights)}) must match loss_type ({len(loss_types)})")
         beta = validation.positive_finite("beta", beta)
         label_smoothing = validation.real("label_smoothing", label_smoothing, finite=False)
-        for name, value in (("discopop_tau", discopop_tau), ("gamma", gamma), ("cpo_alpha", cpo_alpha)):
+        for name, value in (
+            ("discopop_tau", discopop_tau), ("gamma", gamma), ("cpo_alpha", cpo_alpha), ("alpha", alpha)
+        ):  # fmt: skip
             validation.real(name, value)
+        if discopop_tau != 0.05 and "discopop" not in loss_types:
+            raise ValueError(
+                f"discopop_tau ({discopop_tau}) would be ignored: only loss_type discopop uses it; remove it"
+            )
+        if alpha != 0 and objective not in ("cpo", "simpo"):
+            raise ValueError(f"alpha ({alpha}) is AlphaPO's reward shape of cpo and simpo, not {objective}'s")
         if loss_weights is not None:
             for value in loss_weights:
                 validation.real("loss_weights", value)
@@ -344,6 +356,7 @@ class PreferenceLoss(nn.Module):
         self.reference_free = reference_free or objective != "dpo"
         self.gamma = float(gamma)
         self.cpo_alpha = float(cpo_alpha)
+        self.alpha = float(alpha)
         self.ld_alpha = None if ld_alpha is None else float(ld_alpha)
         self.f_divergence_type = f_divergence_type
         self.f_alpha_divergence_coef = float(f_alpha_divergence_coef)
@@ -456,7 +469,7 @@ class PreferenceLoss(nn.Module):
             pair = as_pairs(seq[:pairs], seq[pairs:], head.token_sums[:pairs])
             wpo = _wpo_weights(*head.aligned.chunk(2), pair) if self.use_weighting else None
             with torch.no_grad():
-                _, rewards = self._loss(pair, refs, wpo, pairs)  # the metrics' log-ratios
+                _, rewards, logps = self._loss(pair, refs, wpo, pairs)  # what the metrics log
             loss = head.loss
         else:
             seq, _, tokens, entropy, logit_sums, top1 = sequence_logprobs(
@@ -474,10 +487,7 @@ class PreferenceLoss(nn.Module):
             wpo = (
                 self._wpo_weights(hidden, weight, bias, targets, tokens, pair) if self.use_weighting else None
             )
-            loss, rewards = self._loss(pair, refs, wpo, pairs)
-        # the log-probs a reference-free loss compares (means for SimPO, CPO's ipo, ORPO) are both its
-        # rewards over β and its logged logps, as TRL's CPO and ORPO trainers log them
-        logps = (pair.chosen, pair.rejected) if dpo else rewards
+            loss, rewards, logps = self._loss(pair, refs, wpo, pairs)
         chosen_rewards, rejected_rewards = (self.beta * reward.detach() for reward in rewards)
         metrics = _reward_metrics(chosen_rewards, rejected_rewards, *(value.detach() for value in logps))
         if self.objective in ("cpo", "simpo") and self.cpo_alpha == 0:
@@ -510,7 +520,7 @@ class PreferenceLoss(nn.Module):
 
     def _loss(self, pair: _Pairs, refs: tuple | None, wpo: torch.Tensor | None, pairs: int):
         """The loss of the pairs in ``pair`` (a mean over all ``pairs`` of the batch: a sum over these
-        divided by it) and its rewards' log-ratios."""
+        divided by it), its rewards over β (chosen, rejected) and the log-probs it logs."""
         if refs is None:
             return self._reference_free(pair, pairs)
         return self._dpo(pair, *refs, wpo, pairs)
@@ -546,21 +556,25 @@ class PreferenceLoss(nn.Module):
             if pair_weights is not None:
                 losses = losses * pair_weights
             loss = loss + loss_weight * losses.sum() / pairs
-        return loss, (pair.chosen - ref_chosen, pair.rejected - ref_rejected)
+        return loss, (pair.chosen - ref_chosen, pair.rejected - ref_rejected), (pair.chosen, pair.rejected)
 
     def _reference_free(self, pair: _Pairs, pairs: int):
-        """SimPO, CPO or ORPO, and what their rewards scale (mean or summed log-probs)."""
+        """SimPO, CPO or ORPO: the loss, its rewards over β and the log-probs it compares (means for
+        SimPO, CPO's ipo and ORPO, else sums), which TRL's CPO and ORPO trainers log as ``logps``. The
+        rewards are those log-probs, or with ``alpha`` (AlphaPO) (1 − p^−α)/α of their p."""
         chosen_mean, rejected_mean = pair.chosen / pair.chosen_len, pair.rejected / pair.rejected_len
+        if self.objective == "orpo":
+            loss = pair.nll + self._pair("orpo", chosen_mean, rejected_mean, False).sum() / pairs
+            return loss, (chosen_mean, rejected_mean), (chosen_mean, rejected_mean)
+        # CPO's IPO variant compares mean log-probs, as SimPO
+        means = self.objective == "simpo" or self.loss_types[0] == "ipo"
+        logps = (chosen_mean, rejected_mean) if means else (pair.chosen, pair.rejected)
+        c, r = (logp if self.alpha == 0 else -torch.expm1(-self.alpha * logp) / self.alpha for logp in logps)
         if self.objective == "simpo":
-            margin = self._pair("sigmoid", chosen_mean, rejected_mean + self.gamma / self.beta, True)
-            return margin.sum() / pairs + self.cpo_alpha * pair.nll, (chosen_mean, rejected_mean)
-        if self.objective == "cpo":
-            ipo = self.loss_types[0] == "ipo"  # CPO's IPO variant compares mean log-probs
-            c, r = (chosen_mean, rejected_mean) if ipo else (pair.chosen, pair.rejected)
+            margin = self._pair("sigmoid", c, r + self.gamma / self.beta, True)
+        else:
             margin = self._pair(self.loss_types[0], c, r, self.loss_types[0] == "sigmoid")
-            return margin.sum() / pairs + self.cpo_alpha * pair.nll, (c, r)
-        loss = pair.nll + self._pair("orpo", chosen_mean, rejected_mean, False).sum() / pairs
-        return loss, (chosen_mean, rejected_mean)
+        return margin.sum() / pairs + self.cpo_alpha * pair.nll, (c, r), logps
 
     def _reference(
         self, pairs, targets, token_weights, ref_hidden, ref_weight, ref_bias, ref_chosen, ref_rejected

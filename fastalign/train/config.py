@@ -79,6 +79,8 @@ class TrainConfig:
     per_device_eval_batch_size: int = 8  # examples per evaluation batch and process
     train_sampling_strategy: str | None = None  # random (reshuffled each epoch) or sequential (the data's
     # order), transformers' names; None: the objective's TRL default (kto sequential, the others random)
+    shuffle_dataset: bool = True  # grpo, rloo, distill: false reads the prompts in the data's order (TRL's
+    # GRPOConfig, RLOOConfig and DistillationConfig name for train_sampling_strategy sequential)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     learning_rate: float | None = None  # None: the objective's TRL default (sft 2e-5, the others 1e-6)
     weight_decay: float = 0.0  # decoupled weight decay (not of biases and norm weights)
@@ -139,6 +141,9 @@ class TrainConfig:
     ref_model_sync_steps: int = 512  # TR-DPO: steps between reference syncs
     cpo_alpha: float = 1.0  # cpo, simpo: weight of the chosen NLL (as TRL's CPOConfig)
     simpo_gamma: float = 0.5  # simpo: target reward margin
+    alpha: float = 0.0  # cpo, simpo: AlphaPO's reward shape, (1 - p^-alpha) / alpha of each completion's
+    # log-prob's p (0: the log-prob itself; TRL's CPOConfig; its loss_type alphapo is simpo with cpo_alpha 0)
+    discopop_tau: float = 0.05  # dpo loss_type discopop: the temperature of its log-ratio modulation
     desirable_weight: float = 1.0  # kto
     undesirable_weight: float = 1.0  # kto
     ld_alpha: float | None = None  # dpo, LD-DPO: weight of the tokens past the pair's shorter completion
@@ -434,6 +439,8 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("label_smoothing", lambda value: 0 <= value < 0.5, "in [0, 0.5)"),
     ("cpo_alpha", lambda value: value >= 0, "non-negative"),
     ("simpo_gamma", lambda value: value >= 0, "non-negative"),
+    ("discopop_tau", lambda value: value > 0, "positive"),
+    ("alpha", math.isfinite, "finite (any shape; 0: the log-probs themselves)"),
     ("desirable_weight", lambda value: value > 0, "positive"),
     ("undesirable_weight", lambda value: value > 0, "positive"),
     ("ld_alpha", lambda value: value is None or 0 <= value <= 1, "in [0, 1] or null"),
@@ -861,6 +868,12 @@ def _check_unread_options(config: TrainConfig, where: dict[str, str]) -> None:
         needs, has = _NEEDS[key]
         if not has(config):
             _fail(where, key, f"({getattr(config, key)!r}) is read only with {needs}")
+    if not config.shuffle_dataset and config.train_sampling_strategy == "random":
+        _fail(
+            where,
+            "shuffle_dataset",
+            "(false) reads the data in its order, and train_sampling_strategy is random: set one of them",
+        )
     if config.warmup_ratio and config.warmup_steps:
         _fail(
             where,

@@ -188,11 +188,18 @@ def _reference_free_inputs(hidden, weight, targets, mask):
     return h64, w64, seq, lengths, nll
 
 
-@pytest.mark.parametrize("variant", ["simpo", "cpo-sigmoid", "cpo-hinge", "cpo-ipo", "orpo"])
+@pytest.mark.parametrize(
+    "variant",
+    ["simpo", "cpo-sigmoid", "cpo-hinge", "cpo-ipo", "orpo", "simpo+0.3", "cpo-sigmoid+0.02", "cpo-ipo+-0.4"],
+)
 def test_reference_free_objectives(backend, variant):
+    """Each formula as TRL 1.16 writes it, in float64; ``+α``: AlphaPO's rewards (1 − p^−α)/α, which
+    TRL's CPO trainer computes as ``exp(logp).pow(-α)`` (exact in float64 here; in float32 it underflows
+    for summed log-probs below about −103, where fastalign's exp(−α·logp) does not)."""
     hidden, weight, targets, mask, _ = make_batch(torch.float32, seed=2)
+    variant, _, shape = variant.partition("+")
     objective, _, loss_type = variant.partition("-")
-    gamma, alpha = 0.4, 0.7
+    gamma, alpha, shape = 0.4, 0.7, float(shape or 0)
     loss_fn = PreferenceLoss(
         objective=objective,
         loss_type=loss_type or "sigmoid",
@@ -200,12 +207,16 @@ def test_reference_free_objectives(backend, variant):
         label_smoothing=SMOOTHING if variant in ("simpo", "cpo-sigmoid") else 0.0,
         gamma=gamma,
         cpo_alpha=alpha,
+        alpha=shape,
         backend=backend,
     )
     out = loss_fn(hidden, weight, targets, mask)
     out.loss.backward()
     h64, w64, seq, lengths, nll = _reference_free_inputs(hidden, weight, targets, mask)
-    mean_c, mean_r = seq[:P] / lengths[:P], seq[P:] / lengths[P:]
+    means = seq / lengths
+    if shape:  # AlphaPO, as TRL's CPO trainer writes it: both the sums and the means it compares
+        seq, means = ((1 - torch.exp(x).pow(-shape)) / shape for x in (seq, means))
+    mean_c, mean_r = means[:P], means[P:]
     if objective == "simpo":
         logits = (mean_c - mean_r) - gamma / BETA
         expected = (

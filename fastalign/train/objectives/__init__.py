@@ -58,7 +58,8 @@ def make_objective(name: str, config: TrainConfig, ctx: DistributedContext) -> O
 def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
     """``config`` with the keys it leaves null that the runner reads set to objective ``name``'s TRL
     default (``learning_rate``: SFTConfig's 2e-5, the preference and RL trainers' 1e-6;
-    ``train_sampling_strategy``: KTOConfig's sequential, the others' random)."""
+    ``train_sampling_strategy``: KTOConfig's sequential, the others' random, sequential with
+    ``shuffle_dataset`` false)."""
     if name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
     objective = OBJECTIVES[name]
@@ -67,7 +68,8 @@ def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
         learning_rate=objective.default_learning_rate
         if config.learning_rate is None
         else config.learning_rate,
-        train_sampling_strategy=config.train_sampling_strategy or objective.default_sampling_strategy,
+        train_sampling_strategy=config.train_sampling_strategy
+        or ("sequential" if not config.shuffle_dataset else objective.default_sampling_strategy),
     )
 
 

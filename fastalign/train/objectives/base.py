@@ -60,7 +60,7 @@ class BatchPlan:
             tokenizer.pad_token_id,
             ctx.rank,
             ctx.world_size,
-            config.train_sampling_strategy != "sequential",
+            config.train_sampling_strategy != "sequential" and config.shuffle_dataset,
         )
 
 

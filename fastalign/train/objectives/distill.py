@@ -107,6 +107,7 @@ class DistillOptions(SamplingKeys):
     """The keys distillation reads (TRL's DistillationConfig names, GKDConfig's ``lmbda`` and ``seq_kd``)."""
 
     teacher_model_name_or_path: str | None
+    shuffle_dataset: bool  # false: the prompts in the data's order (read by the batch plan)
     lmbda: float
     seq_kd: bool
     beta: float

@@ -46,12 +46,22 @@ DEFAULT_BETA = {"dpo": 0.1, "simpo": 0.1, "cpo": 0.1, "orpo": 0.1}
 #: DPO's own options (LD-DPO, f-DPO, WPO): simpo, cpo and orpo do not read them, so a set one is refused.
 _DPO_ONLY = ("ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "use_weighting")
 #: DPOOptions fields that are PreferenceLoss's arguments of the same name.
-_LOSS_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "cpo_alpha", *_DPO_ONLY)
+_LOSS_OPTIONS = (
+    "beta", "loss_type", "loss_weights", "label_smoothing", "cpo_alpha", "alpha", "discopop_tau", *_DPO_ONLY
+)  # fmt: skip
 #: The keys each reads besides the lengths (``PreferenceLoss`` checks their values).
 _LOSS_KEYS = {
-    "dpo": ("beta", "loss_type", "loss_weights", "label_smoothing", *_DPO_ONLY, "router_aux_loss_coef"),
-    "simpo": ("beta", "simpo_gamma", "label_smoothing", "cpo_alpha"),
-    "cpo": ("beta", "loss_type", "label_smoothing", "cpo_alpha"),
+    "dpo": (
+        "beta",
+        "loss_type",
+        "loss_weights",
+        "label_smoothing",
+        "discopop_tau",
+        *_DPO_ONLY,
+        "router_aux_loss_coef",
+    ),
+    "simpo": ("beta", "simpo_gamma", "label_smoothing", "cpo_alpha", "alpha"),
+    "cpo": ("beta", "loss_type", "label_smoothing", "cpo_alpha", "alpha"),
     "orpo": ("beta",),
 }
 
@@ -66,6 +76,8 @@ class DPOOptions:
     label_smoothing: float
     simpo_gamma: float
     cpo_alpha: float
+    alpha: float  # cpo, simpo: AlphaPO
+    discopop_tau: float  # dpo
     ld_alpha: float | None
     f_divergence_type: str
     f_alpha_divergence_coef: float
@@ -81,7 +93,19 @@ class DPOOptions:
     @classmethod
     def from_config(cls, config: TrainConfig, name: str) -> DPOOptions:
         defaults = dict(beta=DEFAULT_BETA[name], loss_type=["sigmoid"], disable_dropout=True)
-        return options_from(config, cls, **defaults)
+        options = options_from(config, cls, **defaults)
+        if name == "cpo" and options.loss_type in (["simpo"], ["alphapo"]):
+            given = options.loss_type[0]
+            raise ConfigError(
+                f"config key 'loss_type' ({given!r}): TRL's CPO loss type {given} "
+                "is `fastalign train simpo`"
+                + (
+                    " with cpo_alpha: 0 and alpha (AlphaPO's shape)"
+                    if options.loss_type == ["alphapo"]
+                    else ""
+                )
+            )
+        return options
 
 
 class DPOObjective(Objective):

@@ -45,6 +45,7 @@ class GRPOOptions(RolloutOptions):
 
     loss_type: list[str]
     delta: float | None
+    shuffle_dataset: bool  # false: the prompts in the data's order (read by the batch plan)
     scale_rewards: str
     advantage_estimator: str
     importance_sampling_level: str

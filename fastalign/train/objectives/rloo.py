@@ -40,6 +40,7 @@ class RLOOOptions(RolloutOptions):
     """The keys RLOO reads besides the shared ones (TRL's RLOOConfig names)."""
 
     normalize_advantages: bool
+    shuffle_dataset: bool  # false: the prompts in the data's order (read by the batch plan)
     reward_clip_range: list[float] | None
     router_aux_loss_coef: float | None  # a MoE policy's load-balancing loss weight (None: the model's)
 

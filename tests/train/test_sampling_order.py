@@ -1,0 +1,82 @@
+"""The order training reads the data in: ``train_sampling_strategy`` (transformers' random or sequential;
+KTO's default sequential, as TRL's KTOConfig) and TRL's ``shuffle_dataset`` (grpo, rloo, distill)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastalign.builtin import tiny_tokenizer
+from fastalign.train.batches import BatchPosition, MicroBatches
+from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config
+from fastalign.train.distributed import DistributedContext
+from fastalign.train.objectives import make_objective, with_objective_defaults
+from fastalign.train.objectives.base import BatchPlan
+
+CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
+
+
+def order_of(batches: MicroBatches, steps: int) -> list[int]:
+    """The example ids (each example's one token) the steps read, micro-batch by micro-batch."""
+    ids, position = [], BatchPosition()
+    for _ in range(steps):
+        for batch in batches.step_batches(position):
+            ids += batch["input_ids"][:, 0].tolist()
+        position = batches.advance(position)
+    return ids
+
+
+def micro_batches(shuffle: bool, rank: int = 0, world_size: int = 1) -> MicroBatches:
+    from fastalign.data.sft import TokenizedExample
+
+    examples = [TokenizedExample([i + 10], [1]) for i in range(12)]
+    return MicroBatches(
+        examples, batch_size=2, accumulation=2, pad_token_id=0, seed=3, shuffle=shuffle, rank=rank,
+        world_size=world_size,
+    )  # fmt: skip
+
+
+def test_sequential_reads_the_data_in_its_order_every_epoch_and_random_reshuffles():
+    assert order_of(micro_batches(False), 6) == list(range(10, 22)) * 2  # 3 steps an epoch
+    shuffled = order_of(micro_batches(True), 6)
+    assert shuffled[:12] != list(range(10, 22)) and shuffled[:12] != shuffled[12:]
+    assert sorted(shuffled[:12]) == list(range(10, 22))
+
+
+def test_sequential_deals_consecutive_micro_batches_to_the_ranks_as_accelerate_does():
+    # rank r's k-th micro-batch of step s is the data's (s·A + k)·W + r-th block of batch_size rows
+    ranks = [order_of(micro_batches(False, rank, 2), 1) for rank in range(2)]
+    assert ranks == [[10, 11, 14, 15], [12, 13, 16, 17]]
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "strategy"),
+    [
+        ("sft", {}, "random"),
+        ("kto", {}, "sequential"),  # TRL's KTOConfig default
+        ("grpo", {"shuffle_dataset": False}, "sequential"),
+        ("rloo", {"shuffle_dataset": False}, "sequential"),
+        ("distill", {"shuffle_dataset": False}, "sequential"),
+        ("dpo", {"train_sampling_strategy": "sequential"}, "sequential"),
+        ("grpo", {}, "random"),
+    ],
+)
+def test_each_objective_reads_in_its_trl_order(name, options, strategy):
+    needs = {"grpo": {"reward_funcs": ["exact_match"]}, "rloo": {"reward_funcs": ["exact_match"]}}
+    needs["distill"] = {"teacher_model_name_or_path": "tiny-llama"}
+    config = with_objective_defaults(name, TrainConfig(**options, **needs.get(name, {})))
+    assert config.train_sampling_strategy == strategy
+    check_config(config)  # what a run saves is a valid config again
+    make_objective(name, config, CPU)
+    assert BatchPlan.from_config(config, tiny_tokenizer(), CPU).shuffle is (strategy == "random")
+
+
+def test_shuffle_dataset_is_refused_where_trl_has_none_and_beside_a_random_strategy():
+    with pytest.raises(
+        ConfigError, match=r"'shuffle_dataset' .* is for grpo, rloo, distill; sft does not read it"
+    ):
+        make_objective("sft", TrainConfig(shuffle_dataset=False), CPU)
+    with pytest.raises(ConfigError, match=r"'shuffle_dataset' .*train_sampling_strategy is random: set one"):
+        load_config(None, ["--shuffle_dataset", "false", "--train_sampling_strategy", "random"])
+    with pytest.raises(ConfigError, match=r"'train_sampling_strategy' .*must be one of random, sequential"):
+        load_config(None, ["--train_sampling_strategy", "group_by_length"])
