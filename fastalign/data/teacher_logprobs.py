@@ -275,9 +275,17 @@ class TeacherLogprobs:
         self.names = ("ids", "logprobs", "tail", "token_logprobs", *draws)  # a row's tensors
         self._index: dict[bytes, tuple[Any, int, int]] = {}  # row hash: its shard's handle, token range
         for shard in range(manifest.shards):
-            handle = safe_open(str(self.directory / shard_name(shard)), framework="pt")
-            hashes = handle.get_tensor("row_hashes")
-            offsets = handle.get_tensor("offsets").tolist()
+            path = self.directory / shard_name(shard)
+            try:
+                handle = safe_open(str(path), framework="pt")
+                hashes = handle.get_tensor("row_hashes")
+                offsets = handle.get_tensor("offsets").tolist()
+            except Exception as error:  # safetensors' SafetensorError, a missing file or tensor
+                raise ValueError(
+                    f"config key 'teacher_logprobs_path': {path} cannot be read "
+                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}): "
+                    "remove it and rerun fastalign teacher-logprobs on the directory to score it again"
+                ) from None
             for row, value in enumerate(hashes):
                 self._index[bytes(value.tolist())] = (handle, offsets[row], offsets[row + 1])
 

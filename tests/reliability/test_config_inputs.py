@@ -137,6 +137,9 @@ ACCEPTED_AND_IGNORED = [
         "lr_scheduler_kwargs",
     ),
     ("sft", "lr_scheduler_type: constant\nwarmup_steps: 2\n", "warmup_steps"),  # transformers' has none
+    ("sft", "per_device_eval_batch_size: 4\n", "per_device_eval_batch_size"),  # nothing held out
+    ("grpo", "num_generations_eval: 4\n", "num_generations_eval"),
+    ("kto", "train_sampling_strategy: random\n", "train_sampling_strategy"),  # KTO's KL pairs need the order
 ]
 
 

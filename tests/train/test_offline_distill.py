@@ -981,3 +981,19 @@ def test_two_processes_train_on_stored_scores_as_one(tmp_path, teacher_dir):
         assert math.isfinite(one_row["loss"]) and one_row["loss"] > 0
         assert two_row["loss"] == pytest.approx(one_row["loss"], rel=1e-4, abs=1e-6)
     assert (Path(runs["two"].output_dir) / "model.safetensors").is_file()
+
+
+def test_a_corrupt_shard_is_a_one_line_error_and_a_rerun_scores_it_again(tmp_path, teacher_dir):
+    """Before: safetensors' SafetensorError traceback from the first lookup of the store."""
+    rows = tiny_sft_rows(6)
+    config = scoring_config(tmp_path, teacher_dir, rows)
+    score_teacher(config, ScoringOptions(shard_rows=3))
+    shard = Path(config.output_dir) / shard_name(1)
+    shard.write_bytes(b"not a safetensors file")
+    with pytest.raises(
+        ValueError, match=f"'teacher_logprobs_path': {shard} cannot be read .*remove it and rerun"
+    ):
+        TeacherLogprobs(config.output_dir)
+    shard.unlink()
+    score_teacher(config, ScoringOptions(shard_rows=3))
+    assert len(TeacherLogprobs(config.output_dir)) == 6
