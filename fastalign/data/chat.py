@@ -58,23 +58,3 @@ def conversation_prompt_ids(
     """The tokens of a conversational prompt, ending with the generation prompt (the assistant turn's
     opening, after which a completion starts). ``template``: the row's ``template_arguments``."""
     return list(render_chat(tokenizer, prompt, add_generation_prompt=True, **(template or {}))["input_ids"])
-
-
-def conversation_completion_ids(
-    tokenizer: PreTrainedTokenizerBase,
-    prompt: list[dict],
-    prompt_ids: list[int],
-    completion: list[dict],
-    where: str,
-    field: str,
-    template: dict | None = None,
-) -> list[int]:
-    """The tokens of the ``completion`` messages: the rendering of prompt + completion after the
-    prompt's own rendering (``prompt_ids``, with the generation prompt), which must be its prefix."""
-    ids = list(render_chat(tokenizer, prompt + completion, **(template or {}))["input_ids"])
-    if ids[: len(prompt_ids)] != prompt_ids:
-        raise ValueError(
-            f"{where}: the chat template does not render the prompt as a prefix of the "
-            f"prompt + {field} conversation, so the completion tokens cannot be found"
-        )
-    return ids[len(prompt_ids) :]

@@ -66,6 +66,9 @@ class KTOExample:
     # evaluation too). None: the previous example of the micro-batch's.
     kl_completion_ids: list[int] | None = None
     ref_logp: float | None = None
+    # the completion before truncation cut it to fit this row's prompt: what another row's mismatched
+    # completion starts from (TRL rotates the completions whole, then cuts each sequence); None: the same
+    whole_completion_ids: list[int] | None = None
     ref_kl_logp: float | None = None
 
 
@@ -314,7 +317,9 @@ def tokenize_kto_dataset(
             prefix=prefix,
         )
         fitted = lengths.fit(split.prompt_ids, notes.note(split, where).completions, where)
-        examples.append(KTOExample(fitted.prompt_ids, fitted.completions["completion"], label))
+        completion = fitted.completions["completion"]
+        whole = split.completions["completion"]
+        examples.append(KTOExample(fitted.prompt_ids, completion, label, whole_completion_ids=whole))
     notes.warn(tokenizer)
     return examples
 
@@ -325,16 +330,17 @@ def with_mismatched_completions(
     """Each example with KTO's mismatched completion, as TRL 1.16's KTOTrainer pairs them: within each block
     of ``block`` consecutive examples (its ``per_device_train_batch_size``, so that under sequential
     sampling a micro-batch's mismatched completions are its own completions, each with another prompt) the
-    completions rotate by one: (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}). Each is cut to what fits
-    after its prompt in ``max_length`` (TRL's collator keeps a sequence's start)."""
+    completions rotate by one: (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}), whole (as tokenized, before
+    truncation fitted them to their own prompts), each then cut to what fits after its new prompt in
+    ``max_length`` (TRL's collator keeps a sequence's start)."""
     paired = []
     for start in range(0, len(examples), block):
         chunk = examples[start : start + block]
         for index, example in enumerate(chunk):
             room = None if max_length is None else max(1, max_length - len(example.prompt_ids))
-            paired.append(
-                dataclasses.replace(example, kl_completion_ids=chunk[index - 1].completion_ids[:room])
-            )
+            other = chunk[index - 1]
+            whole = other.completion_ids if other.whole_completion_ids is None else other.whole_completion_ids
+            paired.append(dataclasses.replace(example, kl_completion_ids=whole[:room]))
     return paired
 
 
@@ -345,19 +351,24 @@ def tokenize_prompt_dataset(
     max_prompt_length: int | None = None,
     truncation: bool = False,
     chat_template_kwargs: dict | None = None,
+    special_tokens: bool = False,
 ) -> list[PromptExample]:
     """Every row of a prompt-only dataset; a prompt over ``max_prompt_length`` is an error unless
     ``truncation``, which keeps its last tokens. The other columns are kept as the row has them (the
     reward functions get them all, ``tools`` and ``chat_template_kwargs`` included).
-    ``chat_template_kwargs``: as ``tokenize_preference_dataset``'s."""
+    ``chat_template_kwargs``: as ``tokenize_preference_dataset``'s. ``special_tokens``: a text prompt
+    starts with the special tokens the tokenizer puts before a text (``special_prefix``), as TRL's GRPO,
+    RLOO and distillation trainers tokenize prompts (``processing_class(text=...)``; its online DPO
+    trainer adds none)."""
     lengths = LengthLimits(max_prompt_length=max_prompt_length, truncation=truncation)
+    prefix = special_prefix(tokenizer) if special_tokens else []
     examples = []
     for row, where in _nonempty(rows, ("prompt",), chat_template_kwargs):
         conversational = _is_conversational(row, where, ("prompt",))
         template = _template(row, where, conversational, chat_template_kwargs)
         prompt = row["prompt"]
         prompt_ids = (
-            text_ids(tokenizer, prompt)
+            with_prefix(prefix, text_ids(tokenizer, prompt))
             if isinstance(prompt, str)
             else conversation_prompt_ids(tokenizer, prompt, template)
         )

@@ -78,7 +78,8 @@ class TrainConfig:
     per_device_train_batch_size: int = 8  # examples per micro-batch and process
     per_device_eval_batch_size: int = 8  # examples per evaluation batch and process
     train_sampling_strategy: str | None = None  # random (reshuffled each epoch) or sequential (the data's
-    # order), transformers' names; None: the objective's TRL default (kto sequential, the others random)
+    # order), transformers' names; None: the objective's TRL default (kto sequential, the others random;
+    # grpo, rloo and distill read shuffle_dataset instead, as TRL's samplers)
     shuffle_dataset: bool = True  # grpo, rloo, distill: false reads the prompts in the data's order (TRL's
     # GRPOConfig, RLOOConfig and DistillationConfig name for train_sampling_strategy sequential)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
@@ -422,7 +423,7 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     (
         "train_sampling_strategy",
         lambda value: value in (None, *SAMPLING_STRATEGIES),
-        f"one of {', '.join(SAMPLING_STRATEGIES)} (transformers' group_by_length is not supported)",
+        f"one of {', '.join(SAMPLING_STRATEGIES)} (not transformers' group_by_length nor batch_rebalance)",
     ),
     ("temperature", lambda value: value > 0, "positive"),
     ("top_p", lambda value: 0 < value <= 1, "in (0, 1]"),
@@ -877,12 +878,6 @@ def _check_unread_options(config: TrainConfig, where: dict[str, str]) -> None:
         needs, has = _NEEDS[key]
         if not has(config):
             _fail(where, key, f"({getattr(config, key)!r}) is read only with {needs}")
-    if not config.shuffle_dataset and config.train_sampling_strategy == "random":
-        _fail(
-            where,
-            "shuffle_dataset",
-            "(false) reads the data in its order, and train_sampling_strategy is random: set one of them",
-        )
     if config.warmup_ratio and config.warmup_steps:
         _fail(
             where,

@@ -163,6 +163,11 @@ def _check_resume(
         )
 
 
+#: Keys whose null default the objective fills (``with_objective_defaults``), as checkpoints saved before
+#: the key existed ran them: every objective read its data reshuffled each epoch.
+BEFORE_THE_KEY = {"train_sampling_strategy": "random"}
+
+
 def _changed_keys(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     """(key, saved, current) for each key that changes what a resumed run trains; model first."""
     defaults = asdict(TrainConfig())
@@ -175,7 +180,9 @@ def _changed_keys(saved: dict, current: dict) -> list[tuple[str, object, object]
     for key, value in current.items():
         if key in RESUME_SAFE_KEYS or (key in LENGTH_KEYS and schedule_fixed):
             continue
-        saved_value = saved.get(key, defaults.get(key))  # a key newer than the checkpoint: its default
+        saved_value = saved.get(key, defaults.get(key))  # a key newer than the checkpoint: its default,
+        if key not in saved and value is not None:  # or, one an objective fills, what runs did before it
+            saved_value = BEFORE_THE_KEY.get(key, saved_value)
         if saved_value != value:
             changed.append((key, saved_value, value))
     return sorted(changed, key=lambda item: item[0] != "model_name_or_path")

@@ -3,15 +3,22 @@ KTO's default sequential, as TRL's KTOConfig) and TRL's ``shuffle_dataset`` (grp
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from fastalign.builtin import tiny_tokenizer
+from fastalign.builtin import tiny_kto_rows, tiny_sft_rows, tiny_tokenizer
 from fastalign.train.batches import BatchPosition, MicroBatches
+from fastalign.train.checkpoint import CONFIG_KEY, TRAINER_STATE
 from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective, with_objective_defaults
 from fastalign.train.objectives.base import BatchPlan
+from fastalign.train.run import run_training
+from tests.train.runs import logged, short_config
 
 CPU = DistributedContext(0, 1, 0, torch.device("cpu"))
 
@@ -50,33 +57,72 @@ def test_sequential_deals_consecutive_micro_batches_to_the_ranks_as_accelerate_d
 
 
 @pytest.mark.parametrize(
-    ("name", "options", "strategy"),
+    ("name", "options", "strategy", "shuffle"),
     [
-        ("sft", {}, "random"),
-        ("kto", {}, "sequential"),  # TRL's KTOConfig default
-        ("grpo", {"shuffle_dataset": False}, "sequential"),
-        ("rloo", {"shuffle_dataset": False}, "sequential"),
-        ("distill", {"shuffle_dataset": False}, "sequential"),
-        ("dpo", {"train_sampling_strategy": "sequential"}, "sequential"),
-        ("grpo", {}, "random"),
+        ("sft", {}, "random", True),
+        ("kto", {}, "sequential", False),  # TRL's KTOConfig default
+        ("dpo", {"train_sampling_strategy": "sequential"}, "sequential", False),
+        ("grpo", {}, None, True),  # TRL's GRPO, RLOO and distillation samplers read shuffle_dataset
+        ("grpo", {"shuffle_dataset": False}, None, False),
+        ("rloo", {"shuffle_dataset": False}, None, False),
+        ("distill", {"shuffle_dataset": False}, None, False),
     ],
 )
-def test_each_objective_reads_in_its_trl_order(name, options, strategy):
-    needs = {"grpo": {"reward_funcs": ["exact_match"]}, "rloo": {"reward_funcs": ["exact_match"]}}
-    needs["distill"] = {"teacher_model_name_or_path": "tiny-llama"}
-    config = with_objective_defaults(name, TrainConfig(**options, **needs.get(name, {})))
+def test_each_objective_reads_in_its_trl_order(name, options, strategy, shuffle):
+    config = with_objective_defaults(name, TrainConfig(**options, **NEEDS.get(name, {})))
     assert config.train_sampling_strategy == strategy
     check_config(config)  # what a run saves is a valid config again
     make_objective(name, config, CPU)
-    assert BatchPlan.from_config(config, tiny_tokenizer(), CPU).shuffle is (strategy == "random")
+    assert BatchPlan.from_config(config, tiny_tokenizer(), CPU).shuffle is shuffle
 
 
-def test_shuffle_dataset_is_refused_where_trl_has_none_and_beside_a_random_strategy():
+#: What each objective needs to be made at all.
+NEEDS = {
+    "grpo": {"reward_funcs": ["exact_match"]},
+    "rloo": {"reward_funcs": ["exact_match"]},
+    "distill": {"teacher_model_name_or_path": "tiny-llama"},
+}
+
+
+def test_each_key_is_refused_where_trl_does_not_read_it():
     with pytest.raises(
         ConfigError, match=r"'shuffle_dataset' .* is for grpo, rloo, distill; sft does not read it"
     ):
         make_objective("sft", TrainConfig(shuffle_dataset=False), CPU)
-    with pytest.raises(ConfigError, match=r"'shuffle_dataset' .*train_sampling_strategy is random: set one"):
-        load_config(None, ["--shuffle_dataset", "false", "--train_sampling_strategy", "random"])
+    for name in ("grpo", "rloo", "distill"):
+        config = TrainConfig(train_sampling_strategy="sequential", **NEEDS[name])
+        with pytest.raises(
+            ConfigError, match=f"'train_sampling_strategy' .*{name} orders its prompts by shuffle_dataset"
+        ):
+            make_objective(name, config, CPU)
     with pytest.raises(ConfigError, match=r"'train_sampling_strategy' .*must be one of random, sequential"):
         load_config(None, ["--train_sampling_strategy", "group_by_length"])
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "resumes"), [("sft", tiny_sft_rows(8), True), ("kto", tiny_kto_rows(8), False)]
+)
+def test_a_checkpoint_saved_before_the_key_resumes_as_it_ran(tmp_path, name, rows, resumes):
+    """A checkpoint from before ``train_sampling_strategy`` read its data reshuffled (random): an sft run
+    resumes it; a kto run, which now reads the data's order, is refused naming the key."""
+    config = short_config(
+        tmp_path,
+        rows,
+        max_steps=2,
+        lr_scheduler_type="constant",
+        save_steps=1,
+        save_strategy="steps",
+        per_device_train_batch_size=2,
+    )
+    run_training(config, name)
+    checkpoint = Path(config.output_dir) / "checkpoint-2"
+    state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    del state[CONFIG_KEY]["train_sampling_strategy"]
+    (checkpoint / TRAINER_STATE).write_text(json.dumps(state))
+    again = dataclasses.replace(config, max_steps=3, resume_from_checkpoint=str(checkpoint))
+    if resumes:
+        run_training(again, name)
+        assert [row["step"] for row in logged(config.output_dir)][-1] == 3
+    else:
+        with pytest.raises(ConfigError, match="train_sampling_strategy 'random' -> 'sequential'"):
+            run_training(again, name)

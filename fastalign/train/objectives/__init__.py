@@ -52,14 +52,19 @@ def make_objective(name: str, config: TrainConfig, ctx: DistributedContext) -> O
     if name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
     _refuse_unread_keys(name, config)
+    if config.train_sampling_strategy is not None and OBJECTIVES[name].default_sampling_strategy is None:
+        raise ConfigError(
+            f"config key 'train_sampling_strategy' ({config.train_sampling_strategy!r}): {name} orders its "
+            "prompts by shuffle_dataset, as TRL's sampler does (false: the data's order): use it"
+        )
     return OBJECTIVES[name].from_config(name, config, ctx)
 
 
 def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
     """``config`` with the keys it leaves null that the runner reads set to objective ``name``'s TRL
     default (``learning_rate``: SFTConfig's 2e-5, the preference and RL trainers' 1e-6;
-    ``train_sampling_strategy``: KTOConfig's sequential, the others' random, sequential with
-    ``shuffle_dataset`` false)."""
+    ``train_sampling_strategy``: KTOConfig's sequential, the others' random, none where TRL's sampler
+    reads ``shuffle_dataset`` instead)."""
     if name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
     objective = OBJECTIVES[name]
@@ -68,8 +73,7 @@ def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
         learning_rate=objective.default_learning_rate
         if config.learning_rate is None
         else config.learning_rate,
-        train_sampling_strategy=config.train_sampling_strategy
-        or ("sequential" if not config.shuffle_dataset else objective.default_sampling_strategy),
+        train_sampling_strategy=config.train_sampling_strategy or objective.default_sampling_strategy,
     )
 
 

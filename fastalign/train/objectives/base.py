@@ -109,8 +109,9 @@ class Objective(ABC):
     default_dataset: ClassVar[str]
     #: TRL's ``learning_rate`` for this trainer (its config's default), used when the config leaves it null.
     default_learning_rate: ClassVar[float] = 1e-6
-    #: TRL's ``train_sampling_strategy`` for this trainer, used when the config leaves it null.
-    default_sampling_strategy: ClassVar[str] = "random"
+    #: TRL's ``train_sampling_strategy`` for this trainer, used when the config leaves it null; None: TRL's
+    #: sampler does not read the key (GRPO's, RLOO's and distillation's read ``shuffle_dataset``).
+    default_sampling_strategy: ClassVar[str | None] = "random"
     #: Whether the loss runs inside the patched model's forward (``head_fn``): the fused head is needed
     #: even when the other kernels are off (``use_liger_kernel: false``).
     needs_fused_head: ClassVar[bool] = True

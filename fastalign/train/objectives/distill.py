@@ -343,6 +343,8 @@ def _check_completions(examples: list[DistillExample], sampled: bool, why: str) 
 class DistillObjective(Objective):
     """The generalized JSD to a teacher on the data's, the student's or the teacher's completions."""
 
+    default_sampling_strategy = None  # TRL's sampler reads shuffle_dataset
+
     default_dataset = "tiny-sft"
 
     def __init__(
@@ -376,7 +378,9 @@ class DistillObjective(Objective):
         rows = [_as_prompt_completion(row, where) for row, where in zip(rows, origins, strict=True)]
         groups: dict[bool, list[int]] = {False: [], True: []}
         for index, row in enumerate(rows):
-            groups[_is_prompt_only(row)].append(index)
+            # with lmbda 1 every completion is sampled (TRL's DistillationTrainer), from the prompt
+            # tokenized alone, as a prompt-only row's
+            groups[_is_prompt_only(row) or self.options.lmbda == 1].append(index)
         tokenized = {}
         for prompt_only, indices in groups.items():
             if indices:
@@ -415,7 +419,7 @@ class DistillObjective(Objective):
         last tokens whatever ``truncation_mode`` says (its end is where sampling starts; GKD's collator
         cuts prompts the same way)."""
         prompts = tokenize_prompt_dataset(
-            rows, tokenizer, chat_template_kwargs=self.options.chat_template_kwargs
+            rows, tokenizer, chat_template_kwargs=self.options.chat_template_kwargs, special_tokens=True
         )
         limit, examples = self.options.max_length, []
         for prompt, where in zip(prompts, rows.origins, strict=True):

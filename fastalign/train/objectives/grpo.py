@@ -75,6 +75,9 @@ class GRPOObjective(RolloutObjective):
     (``GRPOLoss.per_token``). So bnpo is the step's token mean, like dapo: TRL's bnpo averages each
     micro-batch over its own tokens and then the micro-batches, which weighs a token by its batch."""
 
+    default_sampling_strategy = None  # TRL's sampler reads shuffle_dataset
+    prompt_special_tokens = True
+
     options_class = GRPOOptions
 
     def __init__(

@@ -264,6 +264,10 @@ class PromptObjective(Objective):
     when the loss needs one, the tokenizer that decodes completions for the reward functions, and
     whether the prompts are conversational."""
 
+    #: Whether text prompts start with the tokenizer's own special tokens (a Llama-style BOS), as TRL's
+    #: GRPO and RLOO trainers tokenize them (``processing_class(text=...)``).
+    prompt_special_tokens: ClassVar[bool] = False
+
     default_dataset = "tiny-prompts"
 
     def __init__(self, options, sampling: SamplingOptions, ctx: DistributedContext | None, dtype: str | None):
@@ -287,6 +291,7 @@ class PromptObjective(Objective):
             max_prompt_length=self.options.max_prompt_length,
             truncation=self.options.truncation,
             chat_template_kwargs=self.options.chat_template_kwargs,
+            special_tokens=self.prompt_special_tokens,
         )
 
     def collate(self, tokenizer) -> PromptCollator:

@@ -53,6 +53,9 @@ class RLOOObjective(RolloutObjective):
     """Leave-one-out advantages of KL-adjusted rewards; ``RLOOLoss`` on prompt + completion rows. A loss
     term is a completion (the loss is a mean over completions, as TRL's)."""
 
+    default_sampling_strategy = None  # TRL's sampler reads shuffle_dataset
+    prompt_special_tokens = True
+
     options_class = RLOOOptions
     options: RLOOOptions
 
