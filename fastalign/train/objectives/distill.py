@@ -378,9 +378,7 @@ class DistillObjective(Objective):
         rows = [_as_prompt_completion(row, where) for row, where in zip(rows, origins, strict=True)]
         groups: dict[bool, list[int]] = {False: [], True: []}
         for index, row in enumerate(rows):
-            # with lmbda 1 every completion is sampled (TRL's DistillationTrainer), from the prompt
-            # tokenized alone, as a prompt-only row's
-            groups[_is_prompt_only(row) or self.options.lmbda == 1].append(index)
+            groups[_is_prompt_only(row)].append(index)
         tokenized = {}
         for prompt_only, indices in groups.items():
             if indices:
