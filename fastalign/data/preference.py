@@ -317,8 +317,8 @@ def tokenize_kto_dataset(
             prefix=prefix,
         )
         fitted = lengths.fit(split.prompt_ids, notes.note(split, where).completions, where)
-        completion = fitted.completions["completion"]
-        whole = split.completions["completion"]
+        completion, whole = fitted.completions["completion"], split.completions["completion"]
+        whole = None if whole == completion else whole  # kept only where truncation cut it
         examples.append(KTOExample(fitted.prompt_ids, completion, label, whole_completion_ids=whole))
     notes.warn(tokenizer)
     return examples

@@ -797,15 +797,15 @@ def _check(config: TrainConfig, where: dict[str, str], trains: bool = True) -> N
     if config.tiled_mlp and not config.use_liger_kernel:
         _fail(where, "tiled_mlp", "tiles the patched MLPs: it needs use_liger_kernel: true")
     _check_unread_options(config, where)
-    if trains:  # fastalign teacher-logprobs scores in batches of per_device_eval_batch_size
+    held_out = config.eval_dataset_name is not None or config.eval_split_ratio
+    if trains and not held_out:  # fastalign teacher-logprobs scores in batches of per_device_eval_batch_size
         for key in set_keys(config, ("per_device_eval_batch_size", "num_generations_eval")):
-            if config.eval_dataset_name is None and not config.eval_split_ratio:
-                _fail(
-                    where,
-                    key,
-                    f"({getattr(config, key)!r}) is read only with held-out data (eval_dataset_name or "
-                    "eval_split_ratio)",
-                )
+            _fail(
+                where,
+                key,
+                f"({getattr(config, key)!r}) is read only with held-out data (eval_dataset_name or "
+                "eval_split_ratio)",
+            )
     for name in config.report_to:
         if name in REPORT_TO and not _installed(name):
             _fail(where, "report_to", f"({name!r}) needs the {name} package: pip install {name}")
