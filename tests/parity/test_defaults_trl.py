@@ -59,6 +59,12 @@ def _trl_config(name: str):
     return cls(output_dir="trainer_output", use_cpu=True, **options)
 
 
+def _refused_here(name: str) -> set[str]:
+    """General keys objective ``name`` refuses when set, because TRL's trainer ignores them (its sampler
+    reads ``shuffle_dataset`` instead of ``train_sampling_strategy``)."""
+    return {"train_sampling_strategy"} if OBJECTIVES[name].default_sampling_strategy is None else set()
+
+
 def _fastalign_values(name: str) -> dict[str, object]:
     """The value each config key has in a fastalign run of objective ``name`` left at its defaults: the
     objective's resolved option where it reads the key, else the runner's."""
@@ -71,7 +77,7 @@ def _fastalign_values(name: str) -> dict[str, object]:
     for key in (f.name for f in dataclasses.fields(TrainConfig)):
         if key in read:
             value = getattr(objective.options, key, getattr(config, key))
-        elif key in readers:
+        elif key in readers or key in _refused_here(name):
             continue  # only other objectives read it (and a set value is refused)
         else:
             value = getattr(config, key)
