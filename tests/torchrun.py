@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +20,17 @@ def run_two_processes(worker: str | Path, *args: object, timeout: int = 600) -> 
     env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    completed = subprocess.run(
-        [*command, str(worker), *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    with tempfile.TemporaryDirectory() as logs:
+        # each rank's output in its own file, so a failure shows what each rank said beside the
+        # launcher's traceback
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        command += ["--log-dir", logs, "--redirects", "3"]
+        completed = subprocess.run(
+            [*command, str(worker), *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout
+        )
+        ranks = "".join(
+            f"--- rank {log.parent.name}, {log.stem}:\n{log.read_text(errors='replace')[-2500:]}\n"
+            for log in sorted(Path(logs).glob("**/attempt_*/*/std*.log"))
+        )
+    # the ranks' output last: a log cut in the middle keeps its end
+    assert completed.returncode == 0, completed.stderr[-800:] + "\n" + ranks

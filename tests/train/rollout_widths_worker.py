@@ -54,4 +54,5 @@ if __name__ == "__main__":
     counts = [torch.zeros(1) for _ in range(2)]
     dist.all_gather(counts, torch.tensor([float(len(forwards))]))
     assert counts[0] == counts[1], counts
+    dist.barrier()  # no rank closes its sockets while the other still reads (gloo aborts)
     dist.destroy_process_group()
