@@ -63,8 +63,11 @@ def trl_loss_and_grads(model_dirs, batch, beta, temperature) -> tuple[float, flo
 
 def fastalign_loss_and_grads(model_dirs, beta, temperature, train=True) -> tuple[dict, float, float, dict]:
     """The loss on the first three built-in rows' own completions, in one micro-batch (``train``: the
-    student in training mode, with gradients)."""
-    config = TrainConfig(teacher_model_name_or_path=model_dirs[1], beta=beta, temperature=temperature)
+    student in training mode, with gradients). lmbda below 1 keeps the data's completions (with lmbda 1
+    every completion is sampled, from the prompt alone)."""
+    config = TrainConfig(
+        teacher_model_name_or_path=model_dirs[1], beta=beta, temperature=temperature, lmbda=0.5
+    )
     objective = make_objective("distill", config, CPU)
     tokenizer = tiny_tokenizer()
 

@@ -8,7 +8,9 @@ Each micro-batch's completions are, with probability ``lmbda``, sampled by the s
 ``max_completion_length`` tokens); otherwise sampled by the teacher when ``seq_kd``, else the data's own.
 The draw is seeded by the micro-batch's position in the data (``GenerationBatches``), so a resumed run
 makes the same choices and samples the same completions. ``lmbda`` 1 (the default) is TRL's
-``DistillationTrainer``: always on-policy.
+``DistillationTrainer``: always on-policy, each prompt tokenized alone as that trainer's (a
+prompt-completion row's completion is not read, and its prompt does not take the ids it shares with the
+row tokenized whole, as SFT's split gives).
 
 Prompt-only rows (a ``prompt`` without a ``completion``, or messages that end with the user's, as
 ``DistillationTrainer`` reads its ``prompt`` column) are for runs that sample every completion they
@@ -378,7 +380,9 @@ class DistillObjective(Objective):
         rows = [_as_prompt_completion(row, where) for row, where in zip(rows, origins, strict=True)]
         groups: dict[bool, list[int]] = {False: [], True: []}
         for index, row in enumerate(rows):
-            groups[_is_prompt_only(row)].append(index)
+            # with lmbda 1 every completion is sampled (TRL's DistillationTrainer), from the prompt
+            # tokenized alone, as a prompt-only row's
+            groups[_is_prompt_only(row) or self.options.lmbda == 1].append(index)
         tokenized = {}
         for prompt_only, indices in groups.items():
             if indices:
