@@ -44,6 +44,17 @@ def space_first(row: dict) -> dict:
     }
 
 
+def implicit(row: dict, mid_word: bool = False) -> dict:
+    """The preference row with its prompt inside both completions (TRL's ``extract_prompt`` finds it by
+    characters), the rejected one the chosen one with one character changed: the last digit (they part
+    mid-number), or (``mid_word``) the completion's third, where the text they share ends inside a token
+    (" Th" of " The")."""
+    chosen = row["prompt"] + row["chosen"]
+    at = len(row["prompt"]) + 3 if mid_word else max(i for i, char in enumerate(chosen) if char.isdigit())
+    changed = "y" if mid_word else str((int(chosen[at]) + 1) % 10)
+    return {"chosen": chosen, "rejected": chosen[:at] + changed + chosen[at + 1 :]}
+
+
 def conversational(row: dict) -> dict:
     completions = {key: row[key] for key in ("completion", "chosen", "rejected") if key in row}
     return {
@@ -88,13 +99,23 @@ def test_rows_whose_prompt_is_a_prefix_warn_nothing(caplog):
     assert "not a prefix" not in caplog.text
 
 
+OBJECTIVES = ("sft", "dpo", "kto", "cpo")
+
+
 @pytest.fixture(scope="module")
 def odd_models(tmp_path_factory) -> tuple[str, str]:
     return save_models(tmp_path_factory.mktemp("odd-template-models"), odd_tokenizer)
 
 
-@pytest.mark.parametrize("rows_of", ["space-first", "odd-template"])
-@pytest.mark.parametrize("objective", ["sft", "dpo", "kto", "cpo"])
+@pytest.mark.parametrize(
+    ("objective", "rows_of"),
+    [
+        *((objective, rows_of) for rows_of in ("space-first", "odd-template") for objective in OBJECTIVES),
+        ("dpo", "implicit"),
+        ("cpo", "implicit"),
+        ("dpo", "implicit-mid-word"),  # TRL's CPO refuses such rows: docs/trl.md
+    ],
+)
 def test_one_step_equals_trl(objective, rows_of, odd_models, tmp_path):
     trl = require("trl")
     from trl.experimental.cpo import CPOConfig, CPOTrainer
@@ -106,7 +127,13 @@ def test_one_step_equals_trl(objective, rows_of, odd_models, tmp_path):
         "kto": tiny_kto_rows(8, seed=4),
         "cpo": tiny_preference_rows(4, seed=4),
     }[objective]
-    rows = [space_first(row) if rows_of == "space-first" else conversational(row) for row in rows]
+    shape = {
+        "space-first": space_first,
+        "odd-template": conversational,
+        "implicit": implicit,
+        "implicit-mid-word": lambda row: implicit(row, mid_word=True),
+    }[rows_of]
+    rows = [shape(row) for row in rows]
     trainer, config = {
         "sft": (trl.SFTTrainer, trl.SFTConfig),
         "dpo": (trl.DPOTrainer, trl.DPOConfig),
@@ -127,3 +154,17 @@ def test_one_step_equals_trl(objective, rows_of, odd_models, tmp_path):
         assert ours["num_tokens"] == theirs["num_tokens"]
     for key in ("loss", "grad_norm"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+
+
+def test_cpo_splits_an_implicit_prompt_ending_inside_a_token_where_the_ids_part():
+    """TRL's CPO trainer raises on this row (docs/trl.md); fastalign splits it as DPO's: BOS, the ids the
+    two texts share, then each text's own remaining ids and EOS."""
+    tokenizer = tiny_tokenizer()
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    row = implicit(tiny_preference_rows(4, seed=4)[2], mid_word=True)
+    (example,) = tokenize_preference_dataset([row], tokenizer, cpo_special_tokens=True)
+    eos = [tokenizer.eos_token_id]
+    assert example.prompt_ids[0] == tokenizer.bos_token_id
+    assert example.prompt_ids[1:] + example.chosen_ids == ids(row["chosen"]) + eos
+    assert example.prompt_ids[1:] + example.rejected_ids == ids(row["rejected"]) + eos
+    assert example.chosen_ids[0] != example.rejected_ids[0]  # " The" against " Th" "y": the first id differs
