@@ -173,7 +173,7 @@ class LengthLimits:
         if room <= 0 and completions:
             raise ValueError(
                 f"{where}: no {next(iter(completions))!r} tokens fit in max_length={max_length} after the "
-                f"{len(prompt_ids)}-token prompt"
+                f"{len(prompt_ids)}-token prompt: raise max_length, or cut prompts with max_prompt_length"
             )
         return Fitted(
             prompt_ids,
