@@ -68,6 +68,27 @@ class LogitTransform(NamedTuple):
             grad_z.mul_(self.inv_temperature)
 
 
+#: Rows of ``exp_with_dot_``'s exp block (its one temporary beyond the chunk's buffer).
+ENTROPY_BLOCK_ROWS = 16
+
+
+def exp_with_dot_(shifted: torch.Tensor) -> torch.Tensor:
+    """Σ_j e_j·x_j per row of ``shifted`` x = z − max z [C, V] fp32, which becomes e = exp(x) in place.
+
+    The entropy is log Σe − Σe·x / Σe. The dot product is taken of the shifted logits, whose terms are
+    small (|e·x| ≤ 1/e) rather than of z itself, and summed by ``sum`` (pairwise), not ``bmm``: a CPU
+    bmm sums a row in one fp32 accumulator, and Σ e·z that way lost up to 3e-3 nats a token on a
+    49,152-token vocabulary (Σ e·x, 3e-4). e is formed a block of rows at a time, a [16, V] temporary,
+    and copied over x."""
+    e_dot_x = torch.empty(shifted.shape[0], dtype=shifted.dtype, device=shifted.device)
+    for block in range(0, shifted.shape[0], ENTROPY_BLOCK_ROWS):
+        x = shifted[block : block + ENTROPY_BLOCK_ROWS]
+        e = x.exp()
+        e_dot_x[block : block + ENTROPY_BLOCK_ROWS] = x.mul_(e).sum(-1)
+        x.copy_(e)
+    return e_dot_x
+
+
 def softmax_row_stats(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -88,11 +109,13 @@ def softmax_row_stats(
     sum_logits = z.sum(dim=-1)
     # the maximum and its first index in the one reduction (torch.max returns the first maximal index)
     max_logit, argmax = z.max(dim=-1)
-    exp = (z.clone() if with_entropy else z).sub_(max_logit[:, None]).exp_()
+    exp = (z.clone() if with_entropy else z).sub_(max_logit[:, None])
+    e_dot_x = exp_with_dot_(exp) if with_entropy else None
+    if not with_entropy:
+        exp.exp_()
     exp_sum = exp.sum(dim=-1)
     if with_entropy:
-        # Σ_j exp_j z_j as a batched dot product: no [C, V] temporary.
-        mean_pz = torch.bmm(exp.unsqueeze(1), z.unsqueeze(2)).view(-1) / exp_sum
+        mean_pz = max_logit + e_dot_x / exp_sum
     else:
         mean_pz = torch.full_like(exp_sum, float("nan"))
     stats = SoftmaxRowStats(

@@ -44,6 +44,7 @@ from fastalign.ops.chunked_head import (
 )
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 from fastalign.ops.linear_cross_entropy import autocast_aware
+from fastalign.ops.linear_cross_entropy_torch import exp_with_dot_
 from fastalign.ops.linear_divergence import _fp32_logits
 
 #: TRL's clamp of the top-k mass's log below 0 (``_add_tail_bucket``): the tail stays a real log.
@@ -132,17 +133,14 @@ def tail_sample_support(
 # The student's fused head.
 
 
-#: Rows of the entropy's exp block (its one temporary beyond the chunk's buffer).
-ENTROPY_BLOCK_ROWS = 16
-
-
 def logit_bytes(dtype: torch.dtype, device: torch.device) -> int:
     """Bytes a chunk holds at once per element of its [C, V] logits, for the workspace budget
     (``fastalign.ops.head_workspace``): the fp32 logits, which become exp(z − max), the softmax and the
     gradient in place (an fp32 head's chunk: 4 bytes, as ``linear_cross_entropy``'s); the gradient's
     copy in a low-precision head's dtype and its fp32 copy where the weight gradient's sum upcasts
-    (``upcasts_for_fp32_sum``). Not counted, as the per-token outputs are not: the entropy's fp32 [16, V]
-    exp block (``ENTROPY_BLOCK_ROWS``; 3 MiB at V = 49,152), one tenth of a 160-row CPU chunk."""
+    (``upcasts_for_fp32_sum``). Not counted, as the per-token outputs are not: the entropy's fp32
+    [16, V] exp block (``linear_cross_entropy_torch.ENTROPY_BLOCK_ROWS``; 3 MiB at V = 49,152), one tenth
+    of a 160-row CPU chunk."""
     size = 4 + (dtype.itemsize if dtype != torch.float32 else 0)
     size += 4 if upcasts_for_fp32_sum(device, dtype) else 0
     return size
@@ -181,14 +179,7 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
         top = logits.amax(dim=-1, keepdim=True)
         shifted = logits.sub_(top)  # x = z − max, in place
         if spec.with_entropy:
-            # H = log Σe − Σ e·x / Σe, e = exp(x): Σ e·x needs x and e at once, so e is formed a block of
-            # rows at a time (a [16, V] temporary) and copied over x
-            e_dot_x = torch.empty_like(top)
-            for block in range(0, shifted.shape[0], ENTROPY_BLOCK_ROWS):
-                x = shifted[block : block + ENTROPY_BLOCK_ROWS]
-                e = x.exp()
-                e_dot_x[block : block + ENTROPY_BLOCK_ROWS] = torch.bmm(e[:, None], x[:, :, None])[:, 0]
-                x.copy_(e)
+            e_dot_x = exp_with_dot_(shifted)[:, None]  # H = log Σe − Σ e·x / Σe, e = exp(x)
         else:
             shifted.exp_()  # e = exp(x), in place
         total = shifted.sum(dim=-1, keepdim=True)

@@ -290,6 +290,24 @@ def test_stats_lse_entropy_accuracy(backend):
     assert stats.accuracy.any() and not stats.lse.requires_grad
 
 
+def test_entropy_of_peaked_distributions_over_a_real_vocabulary_is_fp32_accurate(backend):
+    """A trained LM's logits: a 49,152-token vocabulary (SmolLM2's), a few tokens 20-30 nats above the
+    rest. The entropy (lse − Σp·z) cancels the max; the PyTorch path summed Σ e·z in one bmm
+    accumulator and was off by up to 3e-3 nats a token (KTO's entropy metric 6e-4 from TRL's on SmolLM2)."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, rows, dim = 49_152, 6, 16
+    hidden = torch.randn(rows, dim, generator=generator).to(DEVICE)
+    weight = (torch.randn(vocab, dim, generator=generator) * 0.7).to(DEVICE)
+    # rows 0-3 each put one token 18 nats up, far above the rest (~N(0, 2.8)): low entropy
+    weight[:4] = hidden[:4] * (18.0 / hidden[:4].square().sum(-1, keepdim=True))
+    targets = torch.arange(rows, device=DEVICE)
+    _, entropy = token_logprobs(hidden, weight, targets, return_entropy=True, backend=backend)
+    log_p = (hidden.double() @ weight.double().T).log_softmax(-1)
+    expected = -(log_p.exp() * log_p).sum(-1)
+    assert float(expected[:4].max()) < 2 < 7 < float(expected[4:].min())  # peaked rows, broad rows
+    torch.testing.assert_close(entropy.double(), expected, rtol=1e-5, atol=2e-5)
+
+
 def test_accuracy_is_the_first_argmax_when_bf16_logits_tie(backend):
     """A target tied with an earlier token for the largest logit is not a hit: accuracy is ``argmax ==
     target`` with torch's first maximal index (as TRL's token accuracy), not ``target logit >= max``.
