@@ -86,7 +86,7 @@ class SamplingOptions:
             options.generation_engine,
         )
 
-    def generate_kwargs(self, tokenizer) -> dict[str, Any]:
+    def generate_kwargs(self, tokenizer, model: torch.nn.Module) -> dict[str, Any]:
         """The keyword arguments of ``model.generate`` besides the prompts: an unknown key in
         ``generation_kwargs`` is refused by ``generate`` itself rather than ignored."""
         return {
@@ -98,9 +98,19 @@ class SamplingOptions:
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "pad_token_id": tokenizer.pad_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
+            "eos_token_id": stop_token_ids(tokenizer, model),
             **(self.generation_kwargs or {}),
         }
+
+
+def stop_token_ids(tokenizer, model: torch.nn.Module) -> list[int] | None:
+    """The ids that end a completion, as TRL 1.16's sampling trainers set them: the tokenizer's EOS, then
+    every id the model's generation config ends on (an instruct model's end of turn, Llama-3's
+    ``<|eot_id|>`` beside ``<|end_of_text|>``), which the tokenizer's alone would sample past."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    first = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return list(dict.fromkeys(first + [int(value) for value in declared])) or None
 
 
 @dataclass
@@ -136,7 +146,7 @@ def generate_completions(
     """Sample ``num_generations`` completions of every prompt of each micro-batch of ``prompts``
     (left-padded ids + mask). With ``seeds`` (one per micro-batch) each micro-batch's sampling is
     seeded by its own; without, the current random state draws."""
-    kwargs = options.generate_kwargs(tokenizer)
+    kwargs = options.generate_kwargs(tokenizer, model)
     refusal, widths = None, []
     if options.engine == "fastalign":  # every rank's widths: the ranks decide alike, and call alike
         widths = sorted(set(all_gather_list([batch["input_ids"].shape[1] for batch in prompts], ctx)))
@@ -338,20 +348,29 @@ class Rewards:
         """The metrics GRPO and RLOO log alike (TRL's names): the mean reward, the completion lengths and
         the truncated share, the lengths of those that ended (with an EOS; as TRL, all 0 when none did),
         and each function's mean and std."""
-        terminated = self.lengths[~self.truncated].float()
-        if terminated.numel() == 0:
-            terminated = torch.zeros(1)
         return {
             "reward": float(self.total.nanmean()),
-            "completions/mean_length": float(self.lengths.mean()),
-            "completions/min_length": float(self.lengths.min()),
-            "completions/max_length": float(self.lengths.max()),
-            "completions/clipped_ratio": float(self.truncated.float().mean()),
-            "completions/mean_terminated_length": float(terminated.mean()),
-            "completions/min_terminated_length": float(terminated.min()),
-            "completions/max_terminated_length": float(terminated.max()),
+            **completion_length_metrics(self.lengths, self.truncated),
             **reward_metrics(reward_funcs, self.per_func),
         }
+
+
+def completion_length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's ``completions/*`` metrics of a generation batch (every rank's rows): the lengths, the share
+    cut at ``max_completion_length``, and the lengths of those that ended with an EOS (all 0 when none
+    did, as TRL)."""
+    terminated = lengths[~truncated].float()
+    if terminated.numel() == 0:
+        terminated = torch.zeros(1)
+    return {
+        "completions/mean_length": float(lengths.float().mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.float().mean()),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
+    }
 
 
 def gather_rewards(

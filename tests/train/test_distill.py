@@ -266,7 +266,8 @@ def test_on_policy_evaluation_equals_trls_distillation_trainer(models, tmp_path)
     """lmbda 1 is TRL's DistillationTrainer, whose evaluation samples the student's completions of the
     held-out prompts (their own completions unread) and weighs each batch's token-mean loss by its rows.
     Both sides decode greedily (``generation_kwargs``), so they score the same completions: the
-    evaluation loss and entropy before the first step are TRL's ``evaluate()``'s."""
+    evaluation loss and entropy before the first step are TRL's ``evaluate()``'s, and the first training
+    step's completion lengths (one step of every training row, whatever their order) are TRL's."""
     import datasets
     from torch.utils.data import SequentialSampler
 
@@ -282,6 +283,7 @@ def test_on_policy_evaluation_equals_trls_distillation_trainer(models, tmp_path)
         beta=0.5,
         temperature=0.8,
         seed=0,
+        per_device_train_batch_size=4,
     )
     ours = distill_config(
         tmp_path,
@@ -293,7 +295,9 @@ def test_on_policy_evaluation_equals_trls_distillation_trainer(models, tmp_path)
         eval_on_start=True,
         **shared,
     )
-    ours = evaluated(run_training(ours, "distill"))
+    ours_logged = logged(run_training(ours, "distill"))
+    ours = next(row for row in ours_logged if "eval_loss" in row)
+    our_step = next(row for row in ours_logged if "loss" in row)
 
     def load(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -304,6 +308,8 @@ def test_on_policy_evaluation_equals_trls_distillation_trainer(models, tmp_path)
         bf16=False,
         use_cpu=True,
         save_strategy="no",
+        max_steps=1,
+        logging_steps=1,
         **shared,
     )
     trainer = DistillationTrainer(
@@ -320,6 +326,12 @@ def test_on_policy_evaluation_equals_trls_distillation_trainer(models, tmp_path)
     assert ours["step"] == 0
     assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5) and ours["eval_loss"] > 0
     assert ours["eval_entropy"] == pytest.approx(theirs["eval_entropy"], rel=1e-5)
+    trainer.train()
+    their_step = next(row for row in trainer.state.log_history if "loss" in row)
+    lengths = sorted(key for key in their_step if key.startswith("completions/"))
+    assert len(lengths) == 7 and lengths == sorted(key for key in our_step if key.startswith("completions/"))
+    for key in lengths:
+        assert our_step[key] == pytest.approx(their_step[key]), key
 
 
 @pytest.mark.slow

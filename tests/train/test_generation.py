@@ -360,7 +360,7 @@ def test_micro_batches_whose_padding_a_processor_reads_sample_as_alone(kwargs):
     eos = an_eos_that_ends_some_rows(model, *first, steps=8)
     tokenizer.eos_token_id = eos
     options = SamplingOptions(2, 8, top_k=1, generation_kwargs=kwargs)
-    reads = generation.reads_prompt_padding(model, options.generate_kwargs(tokenizer))
+    reads = generation.reads_prompt_padding(model, options.generate_kwargs(tokenizer, model))
     assert reads == ("min_length" in kwargs or generation._penalty_reads_padding(model))
     together = generate_completions(model, batches, options, tokenizer, CPU, seeds=[3, 4])
     for index, batch in enumerate(batches):
@@ -503,16 +503,22 @@ def test_use_cache_in_generation_kwargs_is_passed_once(use_cache, caplog, monkey
     assert torch.equal(done.completion_ids, generate(model, ids, mask, 2, **greedy)[:, ids.shape[1] :])
 
 
+@pytest.mark.parametrize("given_by", ["generation_kwargs", "model"])
 @pytest.mark.parametrize("engine", ["fastalign", "generate"])
-def test_a_completion_ends_at_any_of_several_eos_ids(engine):
-    """``generation_kwargs`` may give several EOS ids (so may the model's generation config): sampling
-    stops at any of them, and the completion's mask ends there, untruncated, as sampling ended it."""
+def test_a_completion_ends_at_any_of_several_eos_ids(engine, given_by):
+    """``generation_kwargs`` may give several EOS ids, and so may the model's generation config (an
+    instruct model's end of turn beside the tokenizer's EOS; TRL's sampling trainers stop at both):
+    sampling stops at any of them, and the completion's mask ends there, untruncated, as sampling
+    ended it."""
     model = tiny_model("llama", seed=7).eval()
     ids, mask = left_padded([4, 6], seed=9)
     stop = an_eos_that_ends_some_rows(model, ids, mask, steps=8)
     tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": PAD})()
     kwargs = {"eos_token_id": [2, stop]}
-    options = SamplingOptions(1, 8, top_k=1, generation_kwargs=kwargs, engine=engine)
+    if given_by == "model":
+        model.generation_config.eos_token_id = [stop]  # the tokenizer's 2 still ends a row
+    given = kwargs if given_by == "generation_kwargs" else None
+    options = SamplingOptions(1, 8, top_k=1, generation_kwargs=given, engine=engine)
     (done,) = generate_completions(
         model, [{"input_ids": ids, "attention_mask": mask}], options, tokenizer, CPU
     )

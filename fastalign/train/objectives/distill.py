@@ -93,7 +93,15 @@ from fastalign.train.objectives.online import (
     check_generation_keys,
     sample_completions,
 )
-from fastalign.train.rollout import Completions, SamplingKeys, SamplingOptions, scoring_batch
+from fastalign.train.policy import refuse_unapplied_softcap
+from fastalign.train.rollout import (
+    Completions,
+    SamplingKeys,
+    SamplingOptions,
+    all_gather_rows,
+    completion_length_metrics,
+    scoring_batch,
+)
 
 #: The sampling keys (``SamplingKeys``') that only sampling reads: offline (``teacher_logprobs_path``), where
 #: nothing is sampled, they are refused when set, with ``max_completion_length`` (``temperature`` is the
@@ -505,6 +513,7 @@ class DistillObjective(Objective):
             self._check_scored(evaluation, self.eval_dataset_name if separate else None)
             return Prepared(train, evaluation)
         self.teacher = parts.load_frozen_model(options.teacher_model_name_or_path)
+        refuse_unapplied_softcap(self.teacher, "teacher_model_name_or_path", "distill")
         self.tokenizer = parts.tokenizer
         teacher = self.teacher.get_output_embeddings().weight.shape[0]
         _check_same_vocabulary("teacher_model_name_or_path", teacher, model)
@@ -542,7 +551,7 @@ class DistillObjective(Objective):
     def prepare_step(self, model, micro_batches: list[dict], step: int) -> tuple[list[dict], dict]:
         """Each micro-batch's completions: the student's with probability ``lmbda``, else the teacher's
         (``seq_kd``) or the data's."""
-        batches = []
+        batches, lengths, truncated = [], [], []
         for batch in micro_batches:
             seed = batch[ROLLOUT_KEY][3]
             draw = float(torch.rand((), generator=torch.Generator().manual_seed(seed)))
@@ -550,12 +559,21 @@ class DistillObjective(Objective):
             if sampler is None:
                 batches.append({key: value for key, value in batch.items() if key != ROLLOUT_KEY})
             else:
-                batches.append({key: value.cpu() for key, value in self._sampled(sampler, batch).items()})
-        return batches, {}
+                sampled, done = self._sampled(sampler, batch)
+                batches.append({key: value.cpu() for key, value in sampled.items()})
+                lengths.append(done.lengths.cpu())
+                truncated.append(done.truncated.cpu())
+        if self.options.lmbda < 1:  # GKD logs no completion lengths (some micro-batches are the data's)
+            return batches, {}
+        # lmbda 1: every micro-batch sampled, as TRL's DistillationTrainer's, which logs their lengths
+        every = all_gather_rows(torch.stack([torch.cat(lengths), torch.cat(truncated).long()]), self.ctx)
+        every = every.view(self.ctx.world_size, 2, -1).transpose(0, 1).reshape(2, -1)
+        return batches, completion_length_metrics(every[0], every[1].bool())
 
-    def _sampled(self, sampler: torch.nn.Module, batch: dict) -> dict:
+    def _sampled(self, sampler: torch.nn.Module, batch: dict) -> tuple[dict, Completions]:
         """``batch``'s prompts with completions sampled by ``sampler`` (the student or the teacher),
-        seeded by the batch's ``ROLLOUT_KEY`` (an evaluation batch has none: the current random state)."""
+        seeded by the batch's ``ROLLOUT_KEY`` (an evaluation batch has none: the current random state),
+        and the completions themselves."""
         if "completion_mask" in batch:
             width = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
             batch = {
@@ -565,7 +583,7 @@ class DistillObjective(Objective):
             }
         (done,) = sample_completions(sampler, [batch], self.options.sampling, self.tokenizer, self.ctx)
         sampled, _, _ = scoring_batch(done, done.completion_mask)
-        return sampled
+        return sampled, done
 
     def compute_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor):
         """The micro-batch's summed divergence over the step's completion-token count, and the student's
@@ -574,7 +592,7 @@ class DistillObjective(Objective):
             return self._offline_loss(model, batch, num_items_in_batch)
         assert self.teacher is not None  # set up before any step
         if "completion_mask" not in batch:  # an evaluation micro-batch of prompts: the student samples
-            sampled = self._sampled(model, batch)
+            sampled, _ = self._sampled(model, batch)
             return self.compute_loss(model, sampled, sampled["completion_mask"].sum())
         mask = batch["completion_mask"]
         width = batch["input_ids"].shape[1] - mask.shape[1]
