@@ -259,13 +259,30 @@ def set_tf32(tf32: bool | None) -> None:
     torch.backends.fp32_precision = "tf32" if tf32 else "ieee"
 
 
+#: The config keys that name a model a run loads frozen (the key an error about it names).
+_MODEL_KEYS = ("ref_model_name_or_path", "teacher_model_name_or_path", "model_name_or_path")
+
+
+def refuse_unapplied_softcap(model: torch.nn.Module, key: str, objective: str) -> None:
+    """A one-line error where the model's config has a final-logit softcap (Gemma-2's) and ``objective``'s
+    loss runs in a fused head that does not apply it yet (every objective's but sft's and reward's),
+    before any data or weights are read: its log-probs would be another model's."""
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ConfigError(
+            f"config key {key!r}: {model.config.model_type}'s final_logit_softcapping ({softcap}) is not "
+            f"applied by {objective}'s fused loss head yet (sft's applies it): train sft, or a model without "
+            "a final-logit softcap"
+        )
+
+
 def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:
     """A reference model: quantized, patched and sharded as the policy, frozen, in eval mode.
 
     A Hub id is resolved once (at ``model_revision`` when it is the policy's model, else at main), so
     that its skeleton and the weights filled into it come from one snapshot."""
     revision = config.model_revision if name_or_path == config.model_name_or_path else None
-    key = "ref_model_name_or_path" if name_or_path == config.ref_model_name_or_path else "model_name_or_path"
+    key = next((key for key in _MODEL_KEYS if getattr(config, key) == name_or_path), "model_name_or_path")
     path = str(resolve_model(name_or_path, revision, key=key))
     model, _ = load_model_and_tokenizer(path, quant_options(config), ctx.device, materialize=False)
     set_model_options(model, path, config, ctx.device)

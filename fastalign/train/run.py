@@ -45,7 +45,13 @@ from fastalign.train.optim import (
     build_scheduler,
     check_schedule,
 )
-from fastalign.train.policy import autocast_dtype, load_frozen_model, prepare_policy, quant_options
+from fastalign.train.policy import (
+    autocast_dtype,
+    load_frozen_model,
+    prepare_policy,
+    quant_options,
+    refuse_unapplied_softcap,
+)
 from fastalign.train.run_dir import check_output_dir, check_resume_length, resume, run_identity, start_writing
 
 
@@ -80,6 +86,8 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             materialize=False,
             task=objective.task,
         )
+        if objective.loss_in_head_fn:
+            refuse_unapplied_softcap(model, "model_name_or_path", name)
         override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
         train_examples, eval_examples = _tokenized_splits(config, objective, tokenizer)
         row_tokens = objective.sequence_length(config, train_examples)

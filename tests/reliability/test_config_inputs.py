@@ -161,6 +161,39 @@ def test_a_key_that_would_be_ignored_is_refused_in_one_line(bad_input, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+#: (objective, YAML, key): a model a run cannot train as configured, refused in one line naming its key
+#: before any data or weights are read: a final-logit softcap (Gemma-2's) that the fused heads of the
+#: preference, rollout and distillation losses do not apply yet, and a teacher that is not there.
+UNUSABLE_MODELS = [
+    ("dpo", "model_name_or_path: tiny-gemma2\n", "model_name_or_path"),
+    (
+        "grpo",
+        "model_name_or_path: tiny-gemma2\nreward_funcs: [fastalign.builtin:digit_ratio]\n",
+        "model_name_or_path",
+    ),
+    ("distill", "teacher_model_name_or_path: tiny-gemma2\n", "teacher_model_name_or_path"),
+    ("distill", "teacher_model_name_or_path: /nonexistent/teacher\n", "teacher_model_name_or_path"),
+]
+
+
+@pytest.mark.parametrize(("objective", "text", "key"), UNUSABLE_MODELS)
+def test_a_model_the_objective_cannot_train_is_one_line_naming_its_key(
+    bad_input, tmp_path, objective, text, key
+):
+    path = write(tmp_path, text)
+    outcome = bad_input("train", objective, "--config", path, "--output_dir", tmp_path / "run", culprit=key)
+    assert "nonexistent" in outcome.message or "final_logit_softcapping (30.0)" in outcome.message
+
+
+def test_sft_trains_a_model_with_a_final_logit_softcap(tmp_path):
+    """The labels path applies Gemma-2's softcap (the patched loss equals the model's own:
+    tests/patching): sft is not refused."""
+    config = TrainConfig(
+        model_name_or_path="tiny-gemma2", output_dir=str(tmp_path / "run"), max_steps=1, save_strategy="no"
+    )
+    assert (run_training(config, "sft") / "metrics.jsonl").exists()
+
+
 def test_a_yaml_key_set_twice_names_the_key_and_both_lines(bad_input, finished_run, tmp_path):
     """Before: PyYAML kept the last value silently (max_steps 1000, not the 1 the user read first)."""
     earlier = tmp_path / "run"

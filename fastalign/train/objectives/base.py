@@ -115,6 +115,9 @@ class Objective(ABC):
     #: Whether the loss runs inside the patched model's forward (``head_fn``): the fused head is needed
     #: even when the other kernels are off (``use_liger_kernel: false``).
     needs_fused_head: ClassVar[bool] = True
+    #: Whether the policy's loss is computed by a ``head_fn`` (the fused heads of the preference, rollout
+    #: and distillation losses), which does not apply a final-logit softcap yet; SFT's runs on labels.
+    loss_in_head_fn: ClassVar[bool] = True
     #: What the runner loads the model as: a causal LM, or a sequence classifier with one score (a reward
     #: model, whose new ``score`` head transformers initialises; ``fastalign.train.loading``).
     task: ClassVar[ModelTask] = "causal_lm"
