@@ -1,5 +1,5 @@
-"""``fastalign merge RUN_DIR [--output_dir DIR] [--dtype D]``: a LoRA/QLoRA run's adapter merged into its
-base (in fp32, saved in the base checkpoint's dtype or ``--dtype``)."""
+"""``fastalign merge RUN_DIR [--output_dir DIR] [--overwrite_output_dir] [--dtype D]``: a LoRA/QLoRA run's
+adapter merged into its base (in fp32, saved in the base checkpoint's dtype or ``--dtype``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dir", help="a training output_dir holding adapter_config.json")
     parser.add_argument("--output_dir", help="where to save the merged model (default: RUN_DIR/merged)")
     parser.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="merge into an --output_dir holding a model or run that no merge wrote (replacing its model)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=DTYPES,
         help="dtype of the saved weights (default: the base checkpoint's own; the merge itself is fp32)",
@@ -37,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         dtype = getattr(torch, args.dtype) if args.dtype else None
-        output = merge_adapter(args.run_dir, args.output_dir, dtype)
+        output = merge_adapter(args.run_dir, args.output_dir, dtype, args.overwrite_output_dir)
     except (ValueError, OSError) as error:  # bad run directory or files; OSError: cannot write the output
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2

@@ -14,11 +14,15 @@ from fastalign.train.export import move_into_place
 
 
 def merge_adapter(
-    run_dir: str | Path, output_dir: str | Path | None = None, dtype: torch.dtype | None = None
+    run_dir: str | Path,
+    output_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite_output_dir: bool = False,
 ) -> Path:
     """The run's LoRA adapter in ``run_dir`` merged into its base weights, saved in ``output_dir``
     (default ``<run_dir>/merged``) for ``from_pretrained``, in ``dtype`` (default: the base
-    checkpoint's own dtype, fp32 for a built-in model).
+    checkpoint's own dtype, fp32 for a built-in model). An ``output_dir`` holding a model or run that no
+    merge wrote is refused unless ``overwrite_output_dir``.
 
     The base is rebuilt as the run trained it (read from ``fastalign_config.yaml``): in the run's
     ``dtype``; with QLoRA, the 4-bit weights, dequantized — the weights the adapter was trained against;
@@ -71,11 +75,13 @@ def merge_adapter(
     if not config_file.is_file():
         raise ValueError(f"{config_file} not found: merge rebuilds the run's base model from it")
     config = load_config(config_file)  # a ConfigError names the file and the key
-    output_dir = Path(output_dir) if output_dir is not None else run_dir / "merged"
+    own = run_dir / "merged"
+    output_dir = Path(output_dir) if output_dir is not None else own
     if output_dir.resolve() == run_dir.resolve():
         raise ValueError(f"output directory {output_dir} is the run directory: the merge would overwrite it")
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"output directory {output_dir} is a file")
+    _check_not_another_model(output_dir, overwrite_output_dir or output_dir.resolve() == own.resolve())
 
     with bitsandbytes_hidden(config.quantization is None):  # QLoRA: rebuilt with bitsandbytes
         import peft
@@ -140,7 +146,7 @@ def merge_adapter(
         dequantize_model(model, torch.float32).to(torch.float32)
         merged = model.merge_and_unload().to(dtype)
         merged.config.use_cache = True
-        _merge_save(merged, tokenizer, output_dir)
+        _merge_save(merged, tokenizer, output_dir, run_dir)
         return output_dir
 
 
@@ -178,7 +184,25 @@ def _merge_first_line(error: BaseException) -> str:
     return next((line for line in lines if line.startswith("size mismatch")), lines[0])
 
 
-def _merge_save(model, tokenizer, output_dir: Path) -> None:
+#: What a merge writes beside the model: the run it merged (a later merge may replace what it wrote).
+MARKER = "fastalign_merge.json"
+
+
+def _check_not_another_model(output_dir: Path, allowed: bool) -> None:
+    """A ValueError where ``output_dir`` holds a model or a training run that no merge wrote (its
+    ``config.json`` or ``fastalign_config.yaml`` without ``MARKER``): the merge would replace it."""
+    if allowed or not output_dir.is_dir() or (output_dir / MARKER).exists():
+        return
+    names = ("adapter_config.json", "fastalign_config.yaml", "config.json")
+    found = next((name for name in names if (output_dir / name).exists()), None)
+    if found is not None:
+        raise ValueError(
+            f"output directory {output_dir} holds another model or run ({found}), which the merge would "
+            "replace: choose another --output_dir, or pass --overwrite_output_dir"
+        )
+
+
+def _merge_save(model, tokenizer, output_dir: Path, run_dir: Path) -> None:
     """Save into a temporary sibling directory, then move it into ``output_dir`` as the final export is
     (``move_into_place``: ``config.json`` last, an earlier merge's other weight shards removed, every
     other file kept). A directory holding a LoRA adapter (another run) is refused. A failure is a
@@ -194,6 +218,7 @@ def _merge_save(model, tokenizer, output_dir: Path) -> None:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        (staging / MARKER).write_text(json.dumps({"run_dir": str(run_dir.resolve())}) + "\n")
         move_into_place(staging, output_dir)
     except OSError as error:
         raise ValueError(f"cannot save the merged model to {output_dir}: {error.strerror or error}") from None

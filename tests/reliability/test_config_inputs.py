@@ -584,3 +584,15 @@ def test_an_option_without_what_it_qualifies_is_refused(flags, key, needs):
 )
 def test_an_option_with_what_it_qualifies_is_accepted(flags):
     load_config(None, flags)
+
+
+def test_merge_into_another_runs_directory_is_refused_unless_asked(bad_input, runs, tmp_path, capsys):
+    """Before: ``merge lora --output_dir other_run`` replaced the other run's model silently."""
+    run = copy_run(runs, "builtin", tmp_path)
+    other = copy_run(runs, "base", tmp_path)  # a model directory: another run's export
+    before = snapshot(other)
+    message = bad_input("merge", run, "--output_dir", other, culprit="--overwrite_output_dir").message
+    assert str(other) in message and snapshot(other) == before
+    assert main(["merge", str(run), "--output_dir", str(other), "--overwrite_output_dir"]) == 0
+    assert snapshot(other) != before
+    assert main(["merge", str(run)]) == 0 and main(["merge", str(run)]) == 0  # RUN_DIR/merged: merge's own
