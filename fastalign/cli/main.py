@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from fastalign.cli import bench, demo, merge, plan, teacher_logprobs, train
 from fastalign.cli.usage import one_line_usage_errors
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     head``), which ends quietly as a process that SIGPIPE stops would."""
     try:
         try:
-            return _run(argv)
+            with warnings.catch_warnings():  # the caller's warning display restored on return
+                warnings.showwarning = _one_line_warning
+                return _run(argv)
         finally:
             sys.stdout.flush()  # here (after --help too), so that a closed pipe is caught below, not at exit
     except BrokenPipeError:
@@ -50,6 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one ``warning:`` line, printed above a progress bar rather than glued onto it (not
+    Python's ``file:line: Category: message`` and the source line)."""
+    from tqdm import tqdm
+
+    name = "" if category is UserWarning else f" ({category.__name__})"
+    tqdm.write(f"warning: {message}{name}", file=file or sys.stderr)
 
 
 def _run(argv: list[str] | None) -> int:

@@ -56,7 +56,15 @@ def _noise(line: str) -> bool:
     """Library progress bars and warnings on stderr are not the error message."""
     return any(
         mark in line
-        for mark in ("it/s]", "step/s]", "s/step]", "Warning", "warnings.warn", "Loading weights")
+        for mark in (
+            "it/s]",
+            "step/s]",
+            "s/step]",
+            "Warning",
+            "warnings.warn",
+            "Loading weights",
+            "warning: ",
+        )
     )
 
 
