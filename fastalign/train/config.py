@@ -552,6 +552,8 @@ def load_config(
             close = difflib.get_close_matches(key, list(kinds), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"unknown config key {key!r} ({where[key]}){hint}")
+        if source is None and kinds[key] in (int, float, bool) and str(raw).lower() in _NULL:
+            continue  # --save_steps null: a number or switch the config file set goes back to its default
         try:
             kwargs[key] = _coerce(raw, kinds[key], from_flag=source is None)
         except _Mismatch:

@@ -53,6 +53,20 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
     assert load_config(path, ["--max_steps", "3", "--max_steps=4"]).max_steps == 4  # last flag wins
 
 
+def test_a_null_flag_puts_a_number_or_switch_the_file_set_back_to_its_default(tmp_path):
+    """``--save_steps null`` after a file's ``save_steps: 30`` (with ``--save_strategy epoch``, which
+    refuses a save_steps it would not read): before, 'must be a number, got null'."""
+    path = write(tmp_path, "save_steps: 30\npacking: true\nmax_steps: 5\n")
+    flags = ["--save_strategy", "epoch", "--save_steps", "null", "--packing", "none", "--max_steps=NULL"]
+    config = load_config(path, flags)
+    defaults = TrainConfig()
+    assert (config.save_steps, config.packing, config.max_steps) == (
+        defaults.save_steps, defaults.packing, defaults.max_steps
+    )  # fmt: skip
+    optional = load_config(write(tmp_path, "max_prompt_length: 8\n"), ["--max_prompt_length", "null"])
+    assert optional.max_prompt_length is None  # an optional key: null itself
+
+
 @pytest.mark.parametrize(
     "flags",
     [
