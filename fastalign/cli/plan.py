@@ -76,8 +76,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", default="1", help="sequences per GPU and micro-batch (default: 1)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
     parser.add_argument("--offload-activations", action="store_true", help="offload activations to CPU")
-    parser.add_argument("--lora-r", default="16", help="LoRA rank (default: 16)")
-    parser.add_argument("--lora-dropout", default="0.05", help="LoRA dropout (default: 0.05, as TrainConfig)")
+    parser.add_argument("--lora-r", help="LoRA rank, methods with an adapter only (default: 16)")
+    parser.add_argument(
+        "--lora-dropout", help="LoRA dropout, methods with an adapter only (default: 0.05, as TrainConfig)"
+    )
     parser.add_argument(
         "--fp32", action="store_true", help="no bf16 mixed precision (TrainConfig bf16=false)"
     )
@@ -132,6 +134,12 @@ def plan_from_args(args: argparse.Namespace):
 
     if not args.model:
         raise _OptionError("--model", "required: a built-in shape name or a config.json path")
+    for flag, value in (("--lora-r", args.lora_r), ("--lora-dropout", args.lora_dropout)):
+        if value is not None and "lora" not in args.method:
+            raise _OptionError(flag, f"read only by the methods with an adapter (lora, qlora, ...), not "
+                               f"{args.method!r}: remove it")  # fmt: skip
+    args.lora_r = "16" if args.lora_r is None else args.lora_r
+    args.lora_dropout = "0.05" if args.lora_dropout is None else args.lora_dropout
     try:
         dropout = float(args.lora_dropout)
     except ValueError:

@@ -538,7 +538,9 @@ def _moe(tmp_path):
         (["--model", "llama-3-8b", "--gpu-memory", "24XB"], "--gpu-memory", "cannot parse '24XB'"),
         (["--model", "llama-3-8b", "--gpu-memory", "0GB"], "--gpu-memory", "positive"),
         (["--model", "llama-3-8b", "--method", "dora"], "--method", "full, lora, qlora"),
-        (["--model", "llama-3-8b", "--lora-r", "0"], "--lora-r", "positive"),
+        (["--model", "llama-3-8b", "--method", "lora", "--lora-r", "0"], "--lora-r", "positive"),
+        (["--model", "llama-3-8b", "--lora-r", "64"], "--lora-r", "not 'full': remove it"),  # was ignored
+        (["--model", "llama-3-8b", "--lora-dropout", "0"], "--lora-dropout", "not 'full': remove it"),
         (
             ["--model", "llama-3-8b", "--method", "distill-offline", "--tail-samples", "-1"],
             "--tail-samples",
@@ -550,7 +552,7 @@ def _moe(tmp_path):
             "--tail-samples",
             "distill-offline-qlora only (the stored teacher log-probs' disk), not 'lora'",
         ),
-        (["--model", "llama-3-8b", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
+        (["--model", "llama-3-8b", "--method", "qlora", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
         (["--model", "llama-3-8b", "--method", "ppo-lora", "--gpus", "2"], "--gpus", "use --method ppo"),
         (["--model", "{not_causal}"], "--model", "BertForMaskedLM, not a causal LM"),
         (["--model", "{moe}"], "--model", "mixture-of-experts"),
