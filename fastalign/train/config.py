@@ -89,8 +89,11 @@ class TrainConfig:
     adam_beta2: float = 0.999  # Adam's β2
     adam_epsilon: float = 1e-8  # Adam's ε
     max_grad_norm: float = 1.0  # > 0 (clip_grad_norm_ with 0 would zero every gradient)
-    optim: str = "adamw_torch_fused"  # one of OPTIMIZERS (transformers' names)
-    lr_scheduler_type: str = "linear"  # one of LR_SCHEDULERS (transformers' names and default), after warmup
+    optim: str = "adamw_torch_fused"  # adamw_torch_fused, adamw_torch, adamw_8bit, paged_adamw_8bit,
+    # adafactor or sgd (transformers' names)
+    lr_scheduler_type: str = "linear"  # linear, cosine, cosine_with_restarts, polynomial, constant,
+    # constant_with_warmup, inverse_sqrt, cosine_with_min_lr, cosine_warmup_with_min_lr or
+    # warmup_stable_decay (transformers' names and default), after warmup
     lr_scheduler_kwargs: dict[str, Any] | None = None  # the schedule's own options, e.g. {min_lr_rate: 0.1}
     warmup_ratio: float = 0.0  # warmup as a share of the run's steps, when warmup_steps is 0
     warmup_steps: float = 0  # >= 1: steps; in (0, 1): a ratio of the run's steps; 0: warmup_ratio decides

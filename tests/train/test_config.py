@@ -438,3 +438,17 @@ def test_the_example_config_loads():
     assert (config.lr_scheduler_type, config.warmup_ratio, config.logging_steps) == ("cosine", 0.1, 10)
     assert (config.save_steps, config.packing, config.max_length, config.seed) == (30, True, 256, 0)
     assert load_config(EXAMPLE, ["--max_steps", "20"]).max_steps == 20
+
+
+def test_the_help_of_a_key_with_fixed_values_lists_them_all():
+    """``train --help`` said "one of OPTIMIZERS": the name of a constant, not the values."""
+    from fastalign.train.config_docs import key_docs
+
+    docs = key_docs()
+    for key, values in (
+        ("optim", config_module.OPTIMIZERS),
+        ("lr_scheduler_type", config_module.LR_SCHEDULERS),
+        ("train_sampling_strategy", config_module.SAMPLING_STRATEGIES),
+    ):
+        described = docs[key].doc
+        assert all(value in described for value in values), (key, described)
