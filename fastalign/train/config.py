@@ -192,7 +192,7 @@ class TrainConfig:
     mask_truncated_completions: bool = False  # no loss on completions that reached the length limit
     normalize_advantages: bool = False  # rloo: advantages standardised over the generation batch
     reward_clip_range: list[float] | None = None  # rloo: [low, high] the rewards are clamped to
-    use_vllm: bool = False  # generate with vLLM (colocated) instead of model.generate; needs vllm
+    use_vllm: bool = False  # TRL's vLLM generation: not available (refused); generation_engine samples
     generation_engine: str = "fastalign"  # how completions are sampled: fastalign (the prompt prefilled
     # once per group, ended rows dropped; generate's tokens and distribution) or generate (model.generate)
 

@@ -171,7 +171,7 @@ def check_generation_keys(
         raise ConfigError(
             "config key 'use_vllm': "
             + ("vLLM generation is not wired in yet" if found else "the vllm package is not installed")
-            + "; set it to false to generate with model.generate"
+            + "; set it to false to generate with fastalign's rollout engine (generation_engine)"
         )
     if reward_weights is not None and len(reward_weights) != len(reward_funcs):
         raise ConfigError(
