@@ -256,7 +256,8 @@ class TrainConfig:
     load_best_model_at_end: bool = False  # the exported model is the best checkpoint's (needs evaluation)
     metric_for_best_model: str | None = None  # an evaluation metric, "eval_" prefix optional; None: "loss"
     greater_is_better: bool | None = None  # None: false for a metric ending in "loss", else true
-    resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir
+    resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir (true,
+    # transformers' word for it, is taken as latest; false as null)
     overwrite_output_dir: bool = False  # a non-empty output_dir is refused unless resuming; true: one that
     # holds a fastalign run (fastalign_config.yaml) is emptied, all of it, once the new run has loaded
     report_to: list[str] = field(default_factory=list)  # tensorboard and/or wandb, as transformers takes
@@ -557,6 +558,8 @@ def load_config(
             raise ConfigError(f"unknown config key {key!r} ({where[key]}){hint}")
         if source is None and kinds[key] in (int, float, bool) and str(raw).lower() in _NULL:
             continue  # --save_steps null: a number or switch the config file set goes back to its default
+        if key == "resume_from_checkpoint" and str(raw).lower() in ("true", "false"):
+            raw = "latest" if str(raw).lower() == "true" else None  # transformers' bool form
         try:
             kwargs[key] = _coerce(raw, kinds[key], from_flag=source is None)
         except _Mismatch:

@@ -452,3 +452,12 @@ def test_the_help_of_a_key_with_fixed_values_lists_them_all():
     ):
         described = docs[key].doc
         assert all(value in described for value in values), (key, described)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "flags"),
+    [("resume_from_checkpoint: true\n", []), ("", ["--resume_from_checkpoint", "True"])],
+)
+def test_resume_from_checkpoint_true_is_latest_as_in_transformers(tmp_path, yaml_text, flags):
+    assert load_config(write(tmp_path, yaml_text), flags).resume_from_checkpoint == "latest"
+    assert load_config(write(tmp_path, "resume_from_checkpoint: false\n")).resume_from_checkpoint is None
