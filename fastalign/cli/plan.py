@@ -211,7 +211,10 @@ def longest_from_args(args: argparse.Namespace) -> dict:
             )
     except PlanError as error:
         raise _OptionError(_FLAGS.get(error.option, error.option), str(error)) from None
-    return {"model": plan.model, "method": plan.method, "gpus": plan.gpus, **result}
+    from fastalign.plan.shapes import resolve_model
+
+    context = getattr(resolve_model(args.model)[1], "max_position_embeddings", None)
+    return {"model": plan.model, "method": plan.method, "gpus": plan.gpus, **result, "context": context}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,6 +246,9 @@ def _longest_line(args: argparse.Namespace, longest: dict) -> str:
     )
     if "longest_seq_len_offloaded" in longest:
         line += f"; with --offload-activations: {batch}{longest['longest_seq_len_offloaded']:,} tokens"
+    fits = max(longest["longest_seq_len"], longest.get("longest_seq_len_offloaded", 0))
+    if longest["context"] is not None and fits > longest["context"]:  # memory is not what limits it
+        line += f" (memory's bound: the model's context, max_position_embeddings, is {longest['context']:,})"
     return line
 
 

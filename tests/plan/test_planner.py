@@ -850,3 +850,16 @@ def test_distill_offline_suggestions_keep_offline_distillation():
     big = plan("llama-3-70b", method="distill-offline", gpus=1, seq_len=4096)
     assert big.suggestions == ["--checkpointing", "--method distill-offline-qlora"], big.suggestions
     assert any("264 B per completion token" in note for note in offline.notes)
+
+
+def test_cli_longest_says_when_the_models_context_is_the_bound(capsys):
+    """tiny-llama fits 12M tokens on 80 GB but reads 512 positions: the line says so (it did not)."""
+    assert main(["plan", "--model", "tiny-llama", "--method", "lora", "--longest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 512
+    assert main(["plan", "--model", "tiny-llama", "--method", "lora", "--longest"]) == 0
+    assert "max_position_embeddings, is 512" in capsys.readouterr().out
+    assert (
+        main(["plan", "--model", "llama-3-70b", "--method", "qlora", "--gpu-memory", "48GB", "--longest"])
+        == 0
+    )
+    assert "max_position_embeddings" not in capsys.readouterr().out  # 8,192 positions, fewer tokens fit
