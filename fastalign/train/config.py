@@ -659,7 +659,10 @@ def _read_yaml(path: Path) -> dict[str, object]:
 
 
 def _parse_flags(flags: Sequence[str]) -> list[tuple[str, str]]:
-    """``["--max-steps", "5", "--bf16=true"]`` as ``[("max_steps", "5"), ("bf16", "true")]``."""
+    """``["--max-steps", "5", "--bf16=true"]`` as ``[("max_steps", "5"), ("bf16", "true")]``, with
+    HfArgumentParser's (TRL's scripts') two short forms: a bool key alone is true (``--use_peft``), and
+    a list key takes the values that follow it (``--lora_target_modules q_proj v_proj``)."""
+    hints = typing.get_type_hints(TrainConfig)
     pairs, items = [], list(flags)
     while items:
         flag = items.pop(0)
@@ -668,11 +671,19 @@ def _parse_flags(flags: Sequence[str]) -> list[tuple[str, str]]:
             raise ConfigError(
                 f"expected an option like --learning_rate 1e-4 ({_ON_THE_COMMAND_LINE}), got {flag!r}"
             )
+        key = key.replace("-", "_")
+        kind = hints.get(key)
         if not sep:
-            if not items or items[0].startswith("--"):
+            if (not items or items[0].startswith("--")) and kind is bool:
+                value = "true"
+            elif not items or items[0].startswith("--"):
                 raise ConfigError(f"option --{key} needs a value ({_ON_THE_COMMAND_LINE})")
-            value = items.pop(0)
-        pairs.append((key.replace("-", "_"), value))
+            else:
+                value = items.pop(0)
+                if list in (typing.get_origin(kind), *map(typing.get_origin, typing.get_args(kind))):
+                    while items and not items[0].startswith("--"):
+                        value += f",{items.pop(0)}"
+        pairs.append((key, value))
     return pairs
 
 

@@ -219,6 +219,16 @@ def test_an_unknown_key_with_nothing_close_has_no_suggestion():
     assert message == "unknown config key 'zzzzzz' (on the command line)"
 
 
+def test_hfargumentparsers_short_forms_a_bare_switch_and_a_list_of_words():
+    """TRL's scripts take ``--use_peft`` alone and ``--lora_target_modules q_proj v_proj``: both were
+    'needs a value' / 'expected an option' errors."""
+    flags = ["--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--reward_funcs", "a:f", "b:g"]
+    config = load_config(None, [*flags, "--bf16", "--max_steps", "3"])
+    assert (config.use_peft, config.bf16, config.max_steps) == (True, True, 3)
+    assert (config.lora_target_modules, config.reward_funcs) == (["q_proj", "v_proj"], ["a:f", "b:g"])
+    assert config_error(None, ["--max_steps", "3", "4"]).endswith("got '4'")  # one value for a number
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
