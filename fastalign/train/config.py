@@ -976,7 +976,8 @@ def _check_model_options(config: TrainConfig, where: dict[str, str], trains: boo
         _fail(
             where,
             "attn_implementation",
-            f"({attention}) computes in bf16 or fp16 only: set bf16 (or fp16, or dtype)",
+            f"({attention}) computes in bf16 or fp16 only, on a CUDA GPU with its flash-attn package: set "
+            "bf16 (or fp16, or dtype)",
         )
     if trains and dtype == "float16" and config.fp16 and not config.use_peft:
         _fail(
