@@ -318,9 +318,12 @@ def print_plan(plan) -> None:
         f"{format_bytes(plan.loss_head_materialized)}, fused: {format_bytes(plan.loss_head_fused)}"
     )
     if plan.offload_activations and plan.device == "cuda":
+        from fastalign.plan.planner import AUTO_KEEP_SHARE
+
+        auto = f"the most that fit in {AUTO_KEEP_SHARE:.0%} of the GPU, as training's auto keeps"
         console.print(
             f"offloading: keep_on_device {plan.offload_keep_on_device} (the last layers whose saved tensors "
-            f"stay on the GPU: {'the most that fit' if plan.keep_on_device == 'auto' else 'as asked'})"
+            f"stay on the GPU: {auto if plan.keep_on_device == 'auto' else 'as asked'})"
         )
     if not plan.fits and plan.suggestions:
         console.print(

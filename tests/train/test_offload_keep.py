@@ -10,7 +10,7 @@ import torch
 
 from fastalign.builtin import tiny_model
 from fastalign.plan import PlanError, plan_memory
-from fastalign.train import policy
+from fastalign.plan.planner import AUTO_KEEP_SHARE
 from fastalign.train.config import ConfigError, TrainConfig, load_config
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.policy import offload_keep_on_device
@@ -50,14 +50,13 @@ def test_auto_on_cuda_is_the_planners_choice_for_the_gpus_memory(monkeypatch):
     )
     answers = set()
     fits = plan_memory(model.config, **plan, keep_on_device=0).total_per_gpu
-    for memory in (int(fits / policy._AUTO_KEEP_SHARE) + 1, 80 * GiB):
+    for memory in (int(fits / AUTO_KEEP_SHARE) + 1, 80 * GiB):
         monkeypatch.setattr(
             torch.cuda,
             "get_device_properties",
             lambda device, memory=memory: types.SimpleNamespace(total_memory=memory),
         )
-        planned = int(policy._AUTO_KEEP_SHARE * memory)  # a margin for the planner's under-estimates
-        keep = plan_memory(model.config, **plan, gpu_memory_bytes=planned).offload_keep_on_device
+        keep = plan_memory(model.config, **plan, gpu_memory_bytes=memory).offload_keep_on_device
         assert offload_keep_on_device(model, config, _ctx("cuda")) == keep
         answers.add(keep)
     assert answers == {0, 6}  # none kept where offloading every layer just fits; all six on 80 GB
