@@ -189,11 +189,18 @@ MARKER = "fastalign_merge.json"
 
 
 def _check_not_another_model(output_dir: Path, allowed: bool) -> None:
-    """A ValueError where ``output_dir`` holds a model or a training run that no merge wrote (its
-    ``config.json`` or ``fastalign_config.yaml`` without ``MARKER``): the merge would replace it."""
+    """A ValueError, before any merge work, where ``output_dir`` holds a LoRA adapter (another run:
+    merging there would mix it with a full model, whatever ``allowed`` says), or a model or training run
+    that no merge wrote (its ``config.json`` or ``fastalign_config.yaml`` without ``MARKER``), which the
+    merge would replace."""
+    if (output_dir / "adapter_config.json").exists():
+        raise ValueError(
+            f"output directory {output_dir} holds a LoRA adapter (adapter_config.json): merging there would "
+            "mix it with a full model; choose another --output_dir"
+        )
     if allowed or not output_dir.is_dir() or (output_dir / MARKER).exists():
         return
-    names = ("adapter_config.json", "fastalign_config.yaml", "config.json")
+    names = ("fastalign_config.yaml", "config.json")
     found = next((name for name in names if (output_dir / name).exists()), None)
     if found is not None:
         raise ValueError(
@@ -205,13 +212,7 @@ def _check_not_another_model(output_dir: Path, allowed: bool) -> None:
 def _merge_save(model, tokenizer, output_dir: Path, run_dir: Path) -> None:
     """Save into a temporary sibling directory, then move it into ``output_dir`` as the final export is
     (``move_into_place``: ``config.json`` last, an earlier merge's other weight shards removed, every
-    other file kept). A directory holding a LoRA adapter (another run) is refused. A failure is a
-    ValueError and leaves ``output_dir`` loadable as it was."""
-    if (output_dir / "adapter_config.json").exists():
-        raise ValueError(
-            f"output directory {output_dir} holds a LoRA adapter (adapter_config.json): merging there would "
-            "mix it with a full model; choose another --output_dir"
-        )
+    other file kept). A failure is a ValueError and leaves ``output_dir`` loadable as it was."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = output_dir.with_name(f".{output_dir.name}.merge-tmp")
     shutil.rmtree(staging, ignore_errors=True)  # what a killed merge left
