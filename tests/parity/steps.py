@@ -88,3 +88,18 @@ def trl_run(
     )
     run.train()
     return run.state.log_history
+
+
+def both_steps(
+    objective: str, trainer, config, rows: list[dict], tmp_path: Path, policy: str, tokenizer, **options
+) -> tuple[dict, dict]:
+    """One step of ``fastalign train <objective>`` and of TRL's ``trainer`` on the same ``rows``, model
+    and ``options`` (``ref_model_name_or_path`` among them goes to TRL as its ``ref_model``): the first
+    logged row of each."""
+    (tmp_path / "fastalign").mkdir()
+    ours = fastalign_step(objective, rows, tmp_path / "fastalign", model_name_or_path=policy, **options)
+    reference = options.pop("ref_model_name_or_path", None)
+    theirs = trl_step(
+        trainer, config, rows, tmp_path, policy, ref_model=reference, tokenizer=tokenizer, **options
+    )
+    return ours, theirs

@@ -12,7 +12,7 @@ from fastalign.builtin import tiny_kto_rows, tiny_preference_rows, tiny_sft_rows
 from fastalign.data.prompt_split import special_prefix
 from tests.helpers import require
 from tests.parity.conftest import save_models
-from tests.parity.steps import fastalign_step, trl_step
+from tests.parity.steps import both_steps
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +56,8 @@ def test_plain_text_rows_start_with_the_bos_trl_tokenizes_them_with(case, models
         "kto": ("kto", trl.KTOTrainer, trl.KTOConfig, tiny_kto_rows(8, seed=3), {"beta": 0.1}),
     }[case]
     ref = {} if objective == "sft" else {"ref_model_name_or_path": reference}
-    (tmp_path / "fastalign").mkdir()
-    ours = fastalign_step(
-        objective, rows, tmp_path / "fastalign", model_name_or_path=policy, **ref, **options
-    )
-    theirs = trl_step(
-        trainer, config, rows, tmp_path, policy, ref_model=ref.get("ref_model_name_or_path"),
-        tokenizer=bos_tokenizer(), **options,
-    )  # fmt: skip
+    tokenizer = bos_tokenizer()
+    ours, theirs = both_steps(objective, trainer, config, rows, tmp_path, policy, tokenizer, **ref, **options)
     assert ours["num_tokens"] == theirs["num_tokens"]
     for key in ("loss", "grad_norm"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key

@@ -16,7 +16,7 @@ from fastalign.data.preference import tokenize_kto_dataset, tokenize_preference_
 from fastalign.data.sft import tokenize_sft_dataset
 from tests.helpers import require
 from tests.parity.conftest import save_models
-from tests.parity.steps import fastalign_step, trl_step
+from tests.parity.steps import both_steps
 
 pytestmark = pytest.mark.slow
 
@@ -142,14 +142,8 @@ def test_one_step_equals_trl(objective, rows_of, odd_models, tmp_path):
     }[objective]
     options = {} if objective == "sft" else {"beta": 0.1}
     ref = {"ref_model_name_or_path": reference} if objective in ("dpo", "kto") else {}
-    (tmp_path / "fastalign").mkdir()
-    ours = fastalign_step(
-        objective, rows, tmp_path / "fastalign", model_name_or_path=policy, **ref, **options
-    )
-    theirs = trl_step(
-        trainer, config, rows, tmp_path, policy, ref_model=ref.get("ref_model_name_or_path"),
-        tokenizer=odd_tokenizer(), **options,
-    )  # fmt: skip
+    tokenizer = odd_tokenizer()
+    ours, theirs = both_steps(objective, trainer, config, rows, tmp_path, policy, tokenizer, **ref, **options)
     if "num_tokens" in theirs:
         assert ours["num_tokens"] == theirs["num_tokens"]
     for key in ("loss", "grad_norm"):
