@@ -126,7 +126,7 @@ def eos_token_ids(model: torch.nn.Module, kwargs: dict[str, Any]) -> list[int]:
         value = merged_generation_config(model, kwargs)[0].eos_token_id
     else:
         value = kwargs.get("eos_token_id")
-    return [] if value is None else _as_list(value)
+    return [] if value is None else token_id_list(value)
 
 
 def reads_prompt_padding(model: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
@@ -274,7 +274,7 @@ def sample_groups(
     prompt's completions do not depend on which other prompts share the call."""
     config, _ = merged_generation_config(model, kwargs)
     device = prompt_ids.device
-    eos = torch.tensor(_as_list(config.eos_token_id), dtype=torch.long, device=device)
+    eos = torch.tensor(token_id_list(config.eos_token_id), dtype=torch.long, device=device)
     pad = config.pad_token_id if config.pad_token_id is not None else int(eos[0])
     config._eos_token_tensor = eos  # what generate's _prepare_special_tokens sets; processors read it
     width = prompt_ids.shape[1]
@@ -419,7 +419,8 @@ def _any_running(local: bool, synced: bool, device: torch.device) -> bool:
     return bool(flag.item() > 0)
 
 
-def _as_list(value) -> list[int]:
+def token_id_list(value) -> list[int]:
+    """An ``eos_token_id`` as configs hold it (one id or several) as a list of ints."""
     if value is None:
         raise ValueError("generation needs an eos_token_id (the tokenizer's or the model's)")
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]

@@ -29,7 +29,13 @@ import torch.distributed as dist
 
 from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import combine_rewards
-from fastalign.sampling.generation import engine_refusal, eos_token_ids, reads_prompt_padding, sample_groups
+from fastalign.sampling.generation import (
+    engine_refusal,
+    eos_token_ids,
+    reads_prompt_padding,
+    sample_groups,
+    token_id_list,
+)
 from fastalign.train.distributed import DistributedContext, raise_on_every_rank
 from fastalign.train.rewards import RewardFunction, compute_rewards, reward_metrics
 
@@ -108,9 +114,9 @@ def stop_token_ids(tokenizer, model: torch.nn.Module) -> list[int] | None:
     every id the model's generation config ends on (an instruct model's end of turn, Llama-3's
     ``<|eot_id|>`` beside ``<|end_of_text|>``), which the tokenizer's alone would sample past."""
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    declared = [] if declared is None else token_id_list(declared)
     first = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    return list(dict.fromkeys(first + [int(value) for value in declared])) or None
+    return list(dict.fromkeys(first + declared)) or None
 
 
 @dataclass
