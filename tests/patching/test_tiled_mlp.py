@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastalign.ops.tiled import tiled_mlp
 from fastalign.patching.modules import gated_mlp_forward, mlp_tile_tokens
+from tests.conftest import DEVICE
 
 HIDDEN, INTERMEDIATE, TILE = 8, 64, 5
 SHAPE = (2, 19, HIDDEN)  # 38 tokens: 7 tiles of 5 and one of 3
@@ -27,7 +28,7 @@ def llama_mlp(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     config = LlamaConfig(
         hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=2, num_key_value_heads=2
     )
-    return LlamaMLP(config).to(dtype)
+    return LlamaMLP(config).to(DEVICE, dtype)
 
 
 def with_lora(mlp: torch.nn.Module, dropout: float = 0.0) -> torch.nn.Module:
@@ -53,7 +54,7 @@ def bind(mlp: torch.nn.Module, backend: str, tile: int | None) -> torch.nn.Modul
 
 def _per_token(mlp: torch.nn.Module) -> int:
     """Bytes per token that ``mlp_tile_tokens`` budgets (one token per tile at a budget of one token's)."""
-    x = torch.zeros(1, HIDDEN, dtype=next(mlp.parameters()).dtype)
+    x = torch.zeros(1, HIDDEN, dtype=next(mlp.parameters()).dtype, device=DEVICE)
     lora = 2 if any("lora" in name for name, _ in mlp.named_modules()) else 1
     per_token = (2 * INTERMEDIATE + HIDDEN) * x.dtype.itemsize * 2 * lora
     assert mlp_tile_tokens(mlp, x, per_token) == 1 and mlp_tile_tokens(mlp, x, 3 * per_token + 1) == 3
@@ -84,7 +85,7 @@ def assert_same(tiled, untiled, tol: float = 1e-12) -> None:
 
 
 def inputs(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(SHAPE, dtype=dtype), torch.randn(SHAPE, dtype=dtype)
+    return torch.randn(SHAPE, dtype=dtype, device=DEVICE), torch.randn(SHAPE, dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -120,11 +121,16 @@ def test_tiled_lora_dropout_replays_its_masks_in_backward(backend):
         assert_same(run(mlp, x, grad, checkpointed), expected)
     torch.manual_seed(1)
     out = mlp(x.detach().requires_grad_())
-    after_forward = torch.get_rng_state()
+    after_forward = rng_state()
     out.backward(grad)
-    assert torch.equal(torch.get_rng_state(), after_forward)
+    assert all(map(torch.equal, rng_state(), after_forward))
     torch.manual_seed(2)
     assert not torch.equal(mlp(x), expected[0])  # the masks are random: the test above can tell them apart
+
+
+def rng_state() -> list[torch.Tensor]:
+    """The generators dropout may draw from: the CPU's, and the GPU's where the test runs on one."""
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if DEVICE.type == "cuda" else [])
 
 
 def test_tiled_mlp_over_a_4bit_base(backend):
@@ -142,9 +148,9 @@ def test_tiled_mlp_over_a_4bit_base(backend):
 
 def test_short_sequences_take_the_untiled_path(backend):
     mlp = bind(llama_mlp(), backend, len(torch.empty(SHAPE).reshape(-1, HIDDEN)))
-    out = mlp(torch.randn(SHAPE, dtype=torch.float64, requires_grad=True))
+    out = mlp(torch.randn(SHAPE, dtype=torch.float64, device=DEVICE, requires_grad=True))
     assert "TiledMLP" not in type(out.grad_fn).__name__
-    longer = mlp(torch.randn(3, 19, HIDDEN, dtype=torch.float64, requires_grad=True))
+    longer = mlp(torch.randn(3, 19, HIDDEN, dtype=torch.float64, device=DEVICE, requires_grad=True))
     assert "TiledMLP" in type(longer.grad_fn.next_functions[0][0]).__name__
 
 
@@ -185,7 +191,7 @@ def test_no_tensor_outgrows_a_tile(lora):
 
 def test_tiled_mlp_without_gradients_runs_tile_by_tile():
     seen = []
-    x = torch.randn(SHAPE)
+    x = torch.randn(SHAPE, device=DEVICE)
 
     def fn(tile):
         seen.append(len(tile))
