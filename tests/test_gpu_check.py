@@ -40,6 +40,21 @@ def test_longest_tokens_is_the_last_multiple_of_256_that_fits():
     assert total(longest) <= 24 * 2**30 < total(longest + 256)
 
 
+def test_the_default_run_leaves_the_long_context_goals_to_calls_of_their_own():
+    default = [phase.name for phase in check.selected_phases(None)]
+    assert default == ["tests", "lora_8b", "qlora_70b", "loss_heads", "generation_1b", "trl_1b"]
+    assert sum(phase.cap_s for phase in check.selected_phases(None)) <= 8 * 60
+    assert [phase.name for phase in check.selected_phases(["long_8b", "tests"])] == ["tests", "long_8b"]
+    assert all(phase.cap_s <= 570 for phase in check.PHASES)  # a call may run 600 s, with the set-up
+
+
+def test_a_phase_stopped_at_its_cap_says_what_it_was_doing():
+    assert check._stopped("loading\n{'step': 1}\n\n") == (
+        "stopped at the phase's time cap; its last output: {'step': 1}"
+    )
+    assert check._stopped("") == "stopped at the phase's time cap"
+
+
 def _run(phases: dict, date: str = "2026-11-26T23:39:39Z") -> dict:
     env = {"device": "NVIDIA H100 80GB HBM3", "date": date, "torch": "2.11", "triton": "3.6",
            "transformers": "5.17", "git_commit": "abc1234", "device_type": "cuda"}  # fmt: skip
@@ -64,6 +79,15 @@ def test_the_report_judges_the_goals_from_the_latest_run_of_each_phase():
     assert "- offloaded step ≤ 1.15× the step without: **met** — 1.02×" in text
     assert "- 70B QLoRA > 89,389 tokens on 80 GB: not measured on GPU" in text
     assert "ImportError" not in text  # the rerun's rows replace the failed phase
+    assert "- 8B LoRA > 342,733 tokens on 80 GB: not measured on GPU (not run: `--phases long_8b`)" in text
+
+    long_row = _qlora_row(90112, True, 240.0, 77.5, 104.0)
+    long_run = _run({"long_70b": {"rows": [long_row], "seconds": 300}}, date="2026-11-27T00:00:00Z")
+    text = "".join(gpu_report.sections([failed, rerun, lora, long_run]))
+    assert (
+        "- 70B QLoRA > 89,389 tokens on 80 GB: **met** — 90,112 tokens, peak 77.5 GiB (planner 79.0)" in text
+    )
+    assert "### long_70b" in text and "| 90,112 | True |" in text
 
 
 @pytest.mark.slow
@@ -74,7 +98,7 @@ def test_every_phase_runs_on_tiny_shapes(phase, tmp_path):
     assert "error" not in outcome, outcome
     if phase == "tests":
         assert outcome["exit"] == 0 and outcome["counts"].get("passed", 0) > 0 and not outcome["failed"]
-    elif phase in ("lora_8b", "qlora_70b"):
+    elif phase in ("lora_8b", "qlora_70b", "long_70b", "long_8b"):
         rows = [row for row in outcome["rows"] if "error" not in row]
         assert rows and all(row["tokens_per_s"] > 0 and row["first_loss"] > 0 for row in rows), outcome
         if phase == "lora_8b":  # one seed, one batch: every provider starts from the same loss

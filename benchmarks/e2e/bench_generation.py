@@ -17,8 +17,9 @@ topics, ``pydoc_data``), ``group`` sampled completions of each (temperature 1, n
   ``use_transformers_paged``), each completion a request (on a CPU one call, at the shortest length
   only, without a warm-up: a first call took 2.6 to 25 minutes on a shared 2-core CPU).
 
-Every provider runs the same prompts, seeds and options, interleaved (each repeat runs every provider in
-turn), in one process. A row: ``seconds`` (median wall time of a call), ``cpu_seconds`` (median CPU time
+Every provider runs the same prompts, seeds and options in one process, one provider after the other
+(its warm-up, then its repeats; its row is recorded as soon as it is measured, so a run stopped early
+keeps the rows it finished). A row: ``seconds`` (median wall time of a call), ``cpu_seconds`` (median CPU time
 of this process: on a CPU shared with other work it moves less than the wall time),
 ``completion_tokens`` (completion tokens up to and including the EOS, summed over the rows, median),
 ``tokens_per_s`` = completion_tokens / seconds, ``speedup`` = tokens_per_s over ``generate``'s,
@@ -208,11 +209,12 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                 do_sample=True, max_new_tokens=length, temperature=1.0, top_k=0, top_p=1.0,
                 eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
             )  # fmt: skip
-            figures: dict[str, dict[str, list]] = {
-                p: {"seconds": [], "cpu": [], "tokens": [], "work": []} for p in providers
-            }
-            for repeat in range(preset["repeats"] + 1):  # the first repeat warms up
-                for provider in providers:
+            base = None
+            # provider by provider (its warm-up, then its repeats), each row recorded as soon as it is
+            # measured: a run stopped early (the GPU check's cap) keeps the rows it finished
+            for provider in providers:
+                got: dict[str, list] = {"seconds": [], "cpu": [], "tokens": [], "work": []}
+                for repeat in range(preset["repeats"] + 1):  # the first repeat warms up
                     if provider == "continuous" and not _continuous_runs(preset, length, repeat):
                         continue
                     torch.manual_seed(repeat)
@@ -224,17 +226,14 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                         completions = sample(provider, model, ids, mask, preset["group"], options, cache)
                     except Exception as failure:  # a provider that fails is a skipped row
                         skipped[f"{provider}/{length}"] = f"{type(failure).__name__}: {failure}"[:300]
-                        continue
+                        break
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     if repeat:
-                        figures[provider]["seconds"].append(time.perf_counter() - wall)
-                        figures[provider]["cpu"].append(time.process_time() - cpu)
-                        figures[provider]["tokens"].append(completion_tokens(completions, eos))
-                        figures[provider]["work"].append(counter.take())
-            base = None
-            for provider in providers:
-                got = figures[provider]
+                        got["seconds"].append(time.perf_counter() - wall)
+                        got["cpu"].append(time.process_time() - cpu)
+                        got["tokens"].append(completion_tokens(completions, eos))
+                        got["work"].append(counter.take())
                 if not got["seconds"]:
                     continue
                 seconds, tokens = statistics.median(got["seconds"]), statistics.median(got["tokens"])

@@ -410,8 +410,9 @@ def measure_row(spec: dict, preset: dict, attempts: int, timeout: float) -> dict
 
 
 def random_model_dir(shape: str, directory: Path) -> Path:
-    """A model directory of random weights of a built-in shape (``fastalign.plan.shapes``), saved with
-    the built-in byte-level tokenizer padded to the shape's vocabulary (the same weights for every tool)."""
+    """A model directory of random weights of a built-in shape (``fastalign.plan.shapes``), saved (bf16 on
+    a GPU) with the built-in byte-level tokenizer padded to the shape's vocabulary (the same weights for
+    every tool)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -423,6 +424,8 @@ def random_model_dir(shape: str, directory: Path) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if device.type == "cuda":  # half the bytes each process reads: every tool loads them as fp32 alike
+        model = model.to(torch.bfloat16)
     model.save_pretrained(directory)
     tokenizer = tiny_tokenizer(config.vocab_size)
     tokenizer.save_pretrained(directory)

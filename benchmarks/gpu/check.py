@@ -13,14 +13,17 @@ Phases, in order (``PHASES``):
   transformers + peft, the same with Liger-Kernel's patch, with ``fastalign.patch_model``; checkpointing
   off at 4,096 tokens and on at 16,384 (fastalign also with offloading); then TRL's ``SFTTrainer``
   alone, with ``use_liger_kernel`` and on a patched model, where the time allows;
-- ``qlora_70b``: QLoRA steps of the Llama-3-70B shape (NF4, fastalign) at 8,192 and 12,106 tokens and
-  the planner's longest for 48 GB and 80 GB, with and without offloading, each beside the planner;
+- ``qlora_70b``: QLoRA steps of the Llama-3-70B shape (NF4, fastalign, the tiled MLP) at 8,192 tokens
+  with and without offloading and at 12,106 offloaded, each beside the planner (which also records its
+  longest for 48 GB and 80 GB in this machine's RAM);
 - ``loss_heads``: linear cross-entropy at two vocabularies, the DPO, GRPO and distillation heads
   against Liger, Cut Cross-Entropy and eager (the kernel benchmark scripts);
 - ``generation_1b``: rollout generation of the Llama-3.2-1B shape (``benchmarks/e2e/bench_generation.py``):
   fastalign's engine against ``model.generate`` and transformers' continuous batching;
 - ``trl_1b``: DPO and GRPO steps of the Llama-3.2-1B shape, ``fastalign train`` against TRL's trainers
-  (GRPO's generation and training apart).
+  (GRPO's generation and training apart);
+- not in the default run, a call each: ``long_70b`` and ``long_8b``, one step of 70B QLoRA past 89,389
+  tokens and of 8B LoRA past 342,733 (the long-context goals), with the tiled MLP and offloading.
 
 Results: ``gpu_check-<device>-<date>.json`` in ``--out`` (rewritten after every phase), the kernel
 scripts' own result files beside it, and ``gpu_check-tests.log``. Into ``benchmarks/results`` they
@@ -48,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from benchmarks.gpu.lora_step import TILE_MIB  # noqa: E402
 
 GiB = 2**30
 KERNEL = "gpu_check"
@@ -59,6 +63,7 @@ class Phase:
     cap_s: float  # on a GPU; the smoke run caps every phase at SMOKE_CAP_S
     run: Callable[[Context, float], dict]
     summary: str
+    default: bool = True  # in the run without --phases (the long-context goals take a call each)
 
 
 @dataclass
@@ -104,6 +109,12 @@ def _python(
         with open(log, "a") as f:
             f.write(text)
     return status, text[-4000:]
+
+
+def _stopped(tail: str) -> str:
+    """Why a phase's process ended early at its cap, with the last line it printed (what it was doing)."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return "stopped at the phase's time cap" + (f"; its last output: {lines[-1][:200]}" if lines else "")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -158,7 +169,7 @@ def _lora_worker(ctx: Context, spec: dict, deadline: float) -> tuple[list[dict],
     if killed:
         return rows, killed[0]
     if status == "timeout":
-        return rows, "stopped at the phase's time cap"
+        return rows, _stopped(tail)
     return rows, common.error_line(tail, f"exit status {status}")
 
 
@@ -199,6 +210,9 @@ def phase_lora_8b(ctx: Context, cap: float) -> dict:
     return {"rows": rows, "skipped": skipped}
 
 
+PLAN_FLAGS = {"checkpointing": True, "lora_r": 16, "lora_dropout": 0.05, "base_dtype": "bf16"}
+
+
 def longest_tokens(shape: str, method: str, gpu_gib: float, **flags) -> int:
     """The planner's longest sequence (a multiple of 256) whose plan fits in ``gpu_gib``."""
     from fastalign.plan import longest_sequence
@@ -206,13 +220,19 @@ def longest_tokens(shape: str, method: str, gpu_gib: float, **flags) -> int:
     return longest_sequence(shape, method=method, gpu_memory_bytes=int(gpu_gib * GiB), **flags)
 
 
+def host_memory_bytes() -> int:
+    """This machine's RAM (``MemTotal``): what the long-context plans may offload into."""
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+
+
 def phase_qlora_70b(ctx: Context, cap: float) -> dict:
     deadline = time.monotonic() + cap
     shape = "tiny-llama" if ctx.smoke else "llama-3-70b"
-    flags = {"checkpointing": True, "lora_r": 16, "lora_dropout": 0.05}
+    host = {"host_memory_bytes": host_memory_bytes()}
     longest = {
         f"{gib}gb{'_offload' if offload else ''}": longest_tokens(
-            shape, "qlora", gib, offload_activations=offload, **flags
+            shape, "qlora", gib, offload_activations=offload, tiled_mlp_mib=TILE_MIB, **PLAN_FLAGS, **host
         )
         for gib in (48, 80)
         for offload in (False, True)
@@ -221,15 +241,44 @@ def phase_qlora_70b(ctx: Context, cap: float) -> dict:
     settings = [
         {"tokens": 8192} | ckpt,
         {"tokens": 8192, "offloading": True} | ckpt,
-        {"tokens": 12106, "offloading": True} | ckpt,
-        {"tokens": longest["48gb_offload"], "offloading": True, "goal": "longest within 48 GB"} | ckpt,
-        {"tokens": longest["80gb"], "goal": "longest on 80 GB, no offloading"} | ckpt,
-        {"tokens": longest["80gb_offload"], "offloading": True, "goal": "longest on 80 GB"} | ckpt,
+        {"tokens": 12106, "offloading": True, "goal": "within 48 GB"} | ckpt,
     ]
-    spec = {"shape": shape, "provider": "fastalign", "quant": "nf4", "steps": 2,
+    spec = {"shape": shape, "provider": "fastalign", "quant": "nf4", "steps": 2, "tiled_mlp": True,
             "settings": _smoke_settings(settings) if ctx.smoke else settings}  # fmt: skip
     rows, why = _lora_worker(ctx, spec, deadline)
     return {"rows": rows, "planner_longest_tokens": longest, "skipped": {"rest": why} if why else {}}
+
+
+#: The long-context goals of the open issue, each one training step just past its anchor's length:
+#: (phase, shape, quantized, tokens, the anchor). ~4 and ~7 minutes on an H100 (estimated, not measured):
+#: a call each, beside the check (``--phases long_70b``).
+LONG = {
+    "long_70b": ("llama-3-70b", True, 90112, "Unsloth's 89,389 tokens, 70B QLoRA on 80 GB"),
+    "long_8b": ("llama-3-8b", False, 344064, "Unsloth's 342,733 tokens, 8B LoRA on 80 GB"),
+}
+
+
+def _phase_long(name: str) -> Callable[[Context, float], dict]:
+    def phase(ctx: Context, cap: float) -> dict:
+        """One step at the goal's length: checkpointing, the tiled MLP, offloading with the planner's
+        keep_on_device (auto), against the planner's prediction."""
+        from fastalign.plan import plan_memory
+
+        shape, quant, tokens, anchor = LONG[name]
+        shape, tokens = ("tiny-llama", 512) if ctx.smoke else (shape, tokens)
+        plan = plan_memory(
+            shape, method="qlora" if quant else "lora", seq_len=tokens, offload_activations=True,
+            tiled_mlp_mib=TILE_MIB, gpu_memory_bytes=80 * GiB, host_memory_bytes=host_memory_bytes(),
+            suggest=False, **PLAN_FLAGS,
+        )  # fmt: skip
+        setting = {"tokens": tokens, "checkpointing": True, "offloading": True,
+                   "keep_on_device": plan.offload_keep_on_device, "goal": anchor}  # fmt: skip
+        spec = {"shape": shape, "provider": "fastalign", "quant": "nf4" if quant else None, "steps": 1,
+                "tiled_mlp": True, "host_limit_fraction": 0.95, "settings": [setting]}  # fmt: skip
+        rows, why = _lora_worker(ctx, spec, time.monotonic() + cap)
+        return {"rows": rows, "plan_fits": plan.fits, "skipped": {"rest": why} if why else {}}
+
+    return phase
 
 
 def phase_loss_heads(ctx: Context, cap: float) -> dict:
@@ -267,11 +316,7 @@ def phase_loss_heads(ctx: Context, cap: float) -> dict:
         new = sorted(set(ctx.out.glob(f"{name}-*.json")) - before)
         files += [path.name for path in new]
         if status != 0:
-            skipped[name] = (
-                "stopped at the phase's time cap"
-                if status == "timeout"
-                else tail.strip().splitlines()[-1][:300]
-            )
+            skipped[name] = _stopped(tail) if status == "timeout" else tail.strip().splitlines()[-1][:300]
     return {"files": files, "skipped": skipped}
 
 
@@ -284,9 +329,7 @@ def _script_phase(ctx: Context, cap: float, script: str, kernel: str, preset: st
     result: dict = {"files": sorted(path.name for path in set(ctx.out.glob(f"{kernel}-*.json")) - before)}
     if status != 0:
         result["skipped"] = {
-            "rest": "stopped at the phase's time cap"
-            if status == "timeout"
-            else tail.strip().splitlines()[-1][:300]
+            "rest": _stopped(tail) if status == "timeout" else tail.strip().splitlines()[-1][:300]
         }
     return result
 
@@ -307,17 +350,25 @@ PHASES = (
     Phase("tests", 55, phase_tests, "the CUDA test subset"),
     Phase("lora_8b", 140, phase_lora_8b, "Llama-3-8B-shape LoRA SFT steps side by side"),
     Phase("qlora_70b", 115, phase_qlora_70b, "Llama-3-70B-shape QLoRA: long context and offloading"),
-    Phase("loss_heads", 70, phase_loss_heads, "loss heads against Liger, CCE and eager"),
+    Phase("loss_heads", 60, phase_loss_heads, "loss heads against Liger, CCE and eager"),
     Phase(
-        "generation_1b", 35, phase_generation_1b, "Llama-3.2-1B-shape rollout generation: engine vs generate"
+        "generation_1b", 45, phase_generation_1b, "Llama-3.2-1B-shape rollout generation: engine vs generate"
     ),
     Phase("trl_1b", 65, phase_trl_1b, "Llama-3.2-1B-shape DPO and GRPO against TRL"),
+    Phase("long_70b", 540, _phase_long("long_70b"), LONG["long_70b"][3], default=False),
+    Phase("long_8b", 540, _phase_long("long_8b"), LONG["long_8b"][3], default=False),
 )
 BY_NAME = {phase.name: phase for phase in PHASES}
 
 
-def run(out: Path, smoke: bool, names: list[str] | None = None) -> Path:
-    """Run the phases (all, or ``names``) and write the check's result file; returns its path."""
+def selected_phases(names: list[str] | None) -> list[Phase]:
+    """``names`` in the check's order, or without names the default run (all but the long-context goals)."""
+    return [phase for phase in PHASES if (phase.name in names if names else phase.default)]
+
+
+def run(out: Path, smoke: bool, names: list[str] | None = None, cap_s: float | None = None) -> Path:
+    """Run the phases (the default ones, or ``names``), each within its cap (or ``cap_s``), and write the
+    check's result file; returns its path."""
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not smoke and device.type != "cuda":
@@ -336,10 +387,8 @@ def run(out: Path, smoke: bool, names: list[str] | None = None) -> Path:
     path = out / f"{KERNEL}-{common.slug(env['device'])}-{env['date'].replace(':', '').replace('-', '')}.json"
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
         ctx = Context(out, smoke, device, ceiling, Path(scratch))
-        for phase in PHASES:
-            if names and phase.name not in names:
-                continue
-            cap = SMOKE_CAP_S if smoke else phase.cap_s
+        for phase in selected_phases(names):
+            cap = SMOKE_CAP_S if smoke else cap_s or phase.cap_s
             print(f"== {phase.name} ({phase.summary}), at most {cap:.0f} s", flush=True)
             started = time.monotonic()
             try:
@@ -371,12 +420,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, help="results folder (default: benchmarks/results; smoke: a temp dir)"
     )
-    parser.add_argument("--phases", nargs="+", choices=list(BY_NAME), help="these phases only (default: all)")
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        choices=list(BY_NAME),
+        help="these phases only (default: all but the long-context goals, long_70b and long_8b)",
+    )
+    parser.add_argument(
+        "--cap", type=float, help="seconds each phase may take (default: its own cap; the caps sum to 8 min)"
+    )
     args = parser.parse_args(argv)
     out = args.out or (
         Path(tempfile.mkdtemp(prefix="gpu_check_smoke_")) if args.smoke else common.RESULTS_DIR
     )
-    path = run(out, args.smoke, args.phases)
+    if args.cap is not None and args.cap <= 0:
+        parser.error(f"--cap must be a positive number of seconds, got {args.cap:g}")
+    path = run(out, args.smoke, args.phases, args.cap)
     phases = json.loads(path.read_text())["phases"]
     failed = [name for name, outcome in phases.items() if outcome.get("error") or outcome.get("failed")]
     if failed:

@@ -9,14 +9,15 @@ after Liger-Kernel's ``apply_liger_kernel_to_llama``), ``fastalign`` (the same a
 (``trl-liger``) and on a model patched by fastalign (``trl-fastalign``). Every provider builds the same
 weights (one seed, built on the device) and trains on the same random tokens, so first losses agree.
 
-A setting is (tokens, checkpointing, offloading); the rows of one process share the loaded model, each
-starting from fresh peak statistics (and from the adapters the rows before it trained: a later row's
-first loss is compared with the same row of another provider, not with the first row). A row: the median
-step time of the steps after the first, tokens/s, model TFLOP/s and MFU against the device's matmul
-ceiling measured by the check (model FLOPs: 4·P·T for the frozen base's matmuls, forward and input
-gradients, plus 6·P_lora·T and causal attention 6·L·S²·width, recomputation not counted), peak GPU memory
-of the whole process so far and of the step, the host's peak resident set, the first loss, and the
-planner's prediction of the same run.
+A setting is (tokens, checkpointing, offloading, keep_on_device: the last layers whose saved tensors stay
+on the GPU); ``"tiled_mlp": true`` in the spec runs fastalign's MLPs in token tiles. The rows of one
+process share the loaded model, each starting from fresh peak statistics (and from the adapters the rows
+before it trained: a later row's first loss is compared with the same row of another provider, not with
+the first row). A row: the median step time of the steps after the first, tokens/s, model TFLOP/s and MFU
+against the device's matmul ceiling measured by the check (model FLOPs: 4·P·T for the frozen base's
+matmuls, forward and input gradients, plus 6·P_lora·T and causal attention 6·L·S²·width, recomputation
+not counted), peak GPU memory of the whole process so far and of the step, the host's peak resident set,
+the first loss, and the planner's prediction of the same run.
 
 A host-memory watchdog ends the process with a note when its resident set passes
 ``host_limit_fraction`` of the machine's memory, so a run that pins too much host memory loses its own
@@ -39,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"}
+#: spec "tiled_mlp": patch_model's tiled MLP at TrainConfig's default tile (tiled_mlp_budget_mib)
+TILE_MIB = 256
 GiB = 2**30
 
 
@@ -107,7 +110,8 @@ def build_model(spec: dict, device: torch.device):
     if provider == "fastalign":
         import fastalign
 
-        fastalign.patch_model(model)
+        tiled = bool(spec.get("tiled_mlp"))
+        fastalign.patch_model(model, tiled_mlp=tiled, tiled_mlp_budget_mib=TILE_MIB if tiled else None)
     return model, config
 
 
@@ -138,7 +142,8 @@ def planner_row(spec: dict, setting: dict) -> dict:
         seq_len=setting["tokens"],
         checkpointing=setting["checkpointing"], offload_activations=setting.get("offloading", False),
         lora_r=LORA["r"], lora_dropout=LORA["lora_dropout"], gpu_memory_bytes=80 * GiB, suggest=False,
-        keep_on_device=0,  # as train_steps offloads: every layer
+        keep_on_device=setting.get("keep_on_device", 0),  # as train_steps offloads
+        tiled_mlp_mib=TILE_MIB if spec.get("tiled_mlp") else 0,
     )  # fmt: skip
     return {  # the peak measured is max_memory_allocated: without the CUDA context the plan counts
         "planned_gib": round((plan.total_per_gpu - plan.cuda_context) / GiB, 2),
@@ -179,7 +184,11 @@ def train_steps(model, setting: dict, steps: int, device: torch.device, vocab: i
     from fastalign.train import memory
 
     _set_checkpointing(model, setting["checkpointing"])
-    offloader = memory.enable_activation_offloading(model) if setting.get("offloading") else None
+    offloader = None
+    if setting.get("offloading"):
+        offloader = memory.enable_activation_offloading(
+            model, keep_on_device=setting.get("keep_on_device", 0)
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
     generator = torch.Generator(device=device).manual_seed(1)

@@ -25,6 +25,7 @@ _FLAGS = {
     "lora_r": "--lora-r",
     "lora_dropout": "--lora-dropout",
     "gpu_memory_bytes": "--gpu-memory",
+    "host_memory_bytes": "--host-memory",
     "device": "--device",
     "base_dtype": "--base-dtype",
     "top_k": "--top-k",
@@ -72,6 +73,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--gpus", default="1", help="GPUs; more than 1 shards with FSDP2 (default: 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 24GB (default: 80GB)")
+    parser.add_argument(
+        "--host-memory",
+        help="host RAM of the machine, e.g. 128GB: a plan whose host share (offloaded activations) would "
+        "not fit in it, less a tenth (at least 2 GiB) kept for the rest, does not fit (default: not checked)",
+    )
     parser.add_argument("--seq-len", default="4096", help="tokens per sequence (default: 4096)")
     parser.add_argument("--batch-size", default="1", help="sequences per GPU and micro-batch (default: 1)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
@@ -169,6 +175,9 @@ def _plan_flags(args: argparse.Namespace, dropout: float) -> dict:
         lora_r=_positive_int("--lora-r", args.lora_r),
         lora_dropout=dropout,
         gpu_memory_bytes=parse_memory(args.gpu_memory),
+        host_memory_bytes=None
+        if args.host_memory is None
+        else parse_memory(args.host_memory, "host_memory_bytes"),
         bf16=not args.fp32,
         base_dtype=args.base_dtype,
         device=args.device,
@@ -241,7 +250,8 @@ def _longest_line(args: argparse.Namespace, longest: dict) -> str:
     batch = f"{args.batch_size} × " if args.batch_size != "1" else ""
     line = (
         f"longest sequence for {longest['model']} ({longest['method']}, {longest['gpus']} GPU × "
-        f"{args.gpu_memory}{', checkpointing' if args.checkpointing else ''}): "
+        f"{args.gpu_memory}{f', host {args.host_memory}' if args.host_memory else ''}"
+        f"{', checkpointing' if args.checkpointing else ''}): "
         f"{batch}{longest['longest_seq_len']:,} tokens"
     )
     if "longest_seq_len_offloaded" in longest:
@@ -308,10 +318,19 @@ def print_plan(plan) -> None:
         f"process{'es' if plan.gpus > 1 else ''}",
     )
     console.print(table)
-    verdict = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
-    console.print(
-        f"{format_bytes(plan.total_per_gpu)} of {format_bytes(plan.gpu_memory_bytes)} per GPU: {verdict}"
-    )
+    gpu_fits = plan.total_per_gpu <= plan.gpu_memory_bytes
+    line = f"{format_bytes(plan.total_per_gpu)} of {format_bytes(plan.gpu_memory_bytes)} per GPU: "
+    line += "[green]fits[/]" if gpu_fits else "[red]does not fit[/]"
+    if plan.host_memory_bytes is not None:
+        from fastalign.plan.planner import usable_host_bytes
+
+        usable = format_bytes(usable_host_bytes(plan.host_memory_bytes))
+        line += (
+            f"; host {format_bytes(plan.host_total)} of the {usable} offloading may take of "
+            f"{format_bytes(plan.host_memory_bytes)}: "
+        )
+        line += "[green]fits[/]" if plan.host_fits else "[red]does not fit[/]"
+    console.print(line)
     console.print(
         f"params {plan.params:,}, trainable {plan.trainable_params:,}; activations "
         f"{plan.layer_activation_bytes_per_token:,} B/token/layer; loss head with materialized logits: "

@@ -143,18 +143,19 @@ BASE_DTYPES = ("fp32", "bf16")
 _MAX_GPUS = 1024
 
 
-def parse_memory(text: str) -> int:
-    """Bytes of '24GB', '80GiB', '141 GB', '81559MiB', '1.5T', '512' (GiB when no unit).
+def parse_memory(text: str, option: str = "gpu_memory_bytes") -> int:
+    """Bytes of '24GB', '80GiB', '141 GB', '81559MiB', '1.5T', '512' (GiB when no unit); a bad ``text``
+    raises ``PlanError`` naming ``option``.
 
     Units are binary (JEDEC: 1 GB = 2**30 bytes), as GPU memory is sold.
     """
     match = _MEMORY.match(str(text))
     if not match or (match.group(3) and match.group(3).lower() == "ib" and not match.group(2)):
-        raise PlanError("gpu_memory_bytes", f"cannot parse {text!r} (e.g. 24GB, 80GiB, 81559MiB)")
+        raise PlanError(option, f"cannot parse {text!r} (e.g. 24GB, 80GiB, 81559MiB)")
     unit = (match.group(2) or "").lower() or ("b" if match.group(3) else "")
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise PlanError("gpu_memory_bytes", f"must be positive, got {text!r}")
+        raise PlanError(option, f"must be positive, got {text!r}")
     return value
 
 
@@ -214,6 +215,7 @@ class _Request:
     double_quant: bool
     gpu_memory_bytes: int
     tiled_mlp_mib: float
+    host_memory_bytes: int | None
 
 
 _FLAGS = tuple(f.name for f in fields(_Request) if f.name != "model")
@@ -228,7 +230,8 @@ def _flags(request: _Request) -> dict:
 class MemoryPlan(_Request):
     """Memory of one training configuration, per GPU and per process on the host, in bytes.
 
-    The per-GPU terms add up to ``total_per_gpu``; ``fits`` compares it with ``gpu_memory_bytes``;
+    The per-GPU terms add up to ``total_per_gpu``; ``fits`` compares it with ``gpu_memory_bytes``, and
+    where ``host_memory_bytes`` is given, ``host_total`` with what offloading may take of it (``host_fits``);
     ``suggestions`` are flag changes (applied together) that make it fit, cheapest first, with the
     resulting total in ``suggested_total_per_gpu``.
     """
@@ -268,6 +271,8 @@ class MemoryPlan(_Request):
     reference: int = 0
     #: distill-offline methods: disk per completion token of the teacher's stored top-k (0 for the others)
     teacher_logprobs_bytes_per_token: int = 0
+    #: ``host_total`` within ``usable_host_bytes(host_memory_bytes)`` (True where no host memory is given)
+    host_fits: bool = True
 
     @property
     def training_state_bytes(self) -> int:
@@ -460,6 +465,7 @@ def plan_memory(
     fused_loss_head: bool = True,
     double_quant: bool = True,
     tiled_mlp_mib: float = 0,
+    host_memory_bytes: int | None = None,
     suggest: bool = True,
     top_k: int | None = None,
     tail_samples: int | None = None,
@@ -479,6 +485,9 @@ def plan_memory(
     ``tiled_mlp_mib``: the gated MLPs run in token tiles of that working set (``TrainConfig.tiled_mlp``
     with ``tiled_mlp_budget_mib``; needs the fused kernels): a layer keeps only its MLP's input, and the
     tile's working set is held once; 0: untiled.
+    ``host_memory_bytes``: the host RAM of the machine (all its GPUs' processes together); the plan then
+    fits only where ``host_total`` stays within ``usable_host_bytes`` of it, the share training's own
+    check gives offloading (``fastalign.train.memory``). None: the host is not checked.
     ``top_k``, ``tail_samples``: with a ``distill-offline`` method, the teacher's stored top-k (None: 32)
     and tail draws per token (None: 0), for the disk per token; no other method reads them, so setting
     them there is an error (a size that changed nothing would read as planned).
@@ -491,6 +500,10 @@ def plan_memory(
     if tiled_mlp_mib and not fused_loss_head:
         raise PlanError("tiled_mlp_mib", "tiles the fused MLP: needs fused_loss_head (fastalign's kernels)")
     _validate(method, gpus, seq_len, batch_size, lora_r, lora_dropout, gpu_memory_bytes, device, base_dtype)
+    if host_memory_bytes is not None and (
+        isinstance(host_memory_bytes, bool) or not isinstance(host_memory_bytes, int) or host_memory_bytes < 1
+    ):
+        raise PlanError("host_memory_bytes", f"must be a positive integer or None, got {host_memory_bytes!r}")
     if method not in DISTILL_OFFLINE_METHODS:
         for name, value in (("top_k", top_k), ("tail_samples", tail_samples)):
             if value is not None:
@@ -524,6 +537,7 @@ def plan_memory(
         double_quant=double_quant,
         gpu_memory_bytes=gpu_memory_bytes,
         tiled_mlp_mib=tiled_mlp_mib,
+        host_memory_bytes=host_memory_bytes,
     )
     if method in PPO_METHODS:
         return _ppo_plan(shape, flags, suggest)
@@ -564,11 +578,27 @@ def plan_memory(
         layer_input_bytes_per_token=setup.layer_input,
         loss_head_fused=_fused_loss_head_bytes(setup),
         loss_head_materialized=_materialized_loss_head_bytes(setup),
-        fits=total <= gpu_memory_bytes,
+        fits=total <= gpu_memory_bytes and _host_fits(host * gpus, host_memory_bytes),
         terms=terms,
         offload_keep_on_device=setup.keep,
+        host_fits=_host_fits(host * gpus, host_memory_bytes),
     )
     return _with_suggestions(shape, plan, _notes(plan, setup), suggest)
+
+
+def host_margin(available: int) -> int:
+    """What offloading leaves to everything else on the host (the data loader, the CPU copy of a
+    checkpoint being written, the page cache): a tenth of what is available, at least 2 GiB."""
+    return max(available // 10, 2 * GiB)
+
+
+def usable_host_bytes(host_memory_bytes: int) -> int:
+    """The host memory offloading may take: what there is, less ``host_margin``."""
+    return host_memory_bytes - host_margin(host_memory_bytes)
+
+
+def _host_fits(host_total: int, host_memory_bytes: int | None) -> bool:
+    return host_memory_bytes is None or host_total <= usable_host_bytes(host_memory_bytes)
 
 
 def _largest_keep(setup: _Setup) -> int:
@@ -659,7 +689,7 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
         trainable_params=policy.trainable_params + critic_trained,
         terms=[*policy.terms, critic, reference],
         total_per_gpu=total,
-        fits=total <= flags["gpu_memory_bytes"],
+        fits=total <= flags["gpu_memory_bytes"] and policy.host_fits,
         critic=critic.gpu_bytes,
         reference=reference.gpu_bytes,
     )

@@ -54,6 +54,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from fastalign.errors import one_line
 from fastalign.models.structure import base_model, decoder_layers, decoder_stack
+from fastalign.plan.planner import host_margin, usable_host_bytes
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -112,12 +113,6 @@ class HostMemoryError(MemoryError):
     """Offloading would need more host memory than the machine has available."""
 
 
-def _host_margin(available: int) -> int:
-    """What offloading leaves to everything else on the host (the data loader, the CPU copy of a
-    checkpoint being written, the page cache): a tenth of what is available, at least 2 GiB."""
-    return max(available // 10, 2 << 30)
-
-
 def _available_host_bytes() -> int:
     """``MemAvailable`` of /proc/meminfo: what the host can give without swapping."""
     with open("/proc/meminfo") as meminfo:
@@ -129,10 +124,10 @@ def _available_host_bytes() -> int:
 
 def _check_host_memory(nbytes: int, what: str) -> None:
     available = _available_host_bytes()
-    if nbytes > available - _host_margin(available):
+    if nbytes > usable_host_bytes(available):
         raise HostMemoryError(
             f"activation offloading needs {nbytes / 2**30:.1f} GiB of host memory ({what}), more than the "
-            f"{available / 2**30:.1f} GiB available less a {_host_margin(available) / 2**30:.1f} GiB margin: "
+            f"{available / 2**30:.1f} GiB available less a {host_margin(available) / 2**30:.1f} GiB margin: "
             "keep more layers on the GPU (keep_on_device), shorten the batches, or turn offloading off"
         )
 

@@ -759,6 +759,45 @@ def test_cli_longest_prints_both_lengths(capsys):
     assert f"{result['longest_seq_len']:,} tokens; with --offload-activations: {offloaded:,} tokens" in line
 
 
+def test_host_memory_bounds_what_offloading_may_take():
+    """With ``host_memory_bytes`` a plan fits only where its offloaded activations stay within the share
+    training's own check gives them (all but a tenth, at least 2 GiB): the 70B QLoRA longest on an
+    80 GB GPU in a 125.9 GiB machine is shorter than the GPU alone allows, and is host-bound."""
+    from fastalign.plan.planner import usable_host_bytes
+
+    host = int(125.9 * GiB)
+    flags = dict(method="qlora", checkpointing=True, offload_activations=True, tiled_mlp_mib=256)
+    free = longest_sequence("llama-3-70b", **flags)
+    bound = longest_sequence("llama-3-70b", **flags, host_memory_bytes=host)
+    assert 0 < bound < free
+    fitting = plan_memory("llama-3-70b", **flags, seq_len=bound, host_memory_bytes=host, suggest=False)
+    assert fitting.fits and fitting.host_fits and fitting.host_total <= usable_host_bytes(host)
+    longer = plan_memory("llama-3-70b", **flags, seq_len=bound + 256, host_memory_bytes=host, suggest=False)
+    assert not longer.fits and not longer.host_fits and longer.total_per_gpu <= longer.gpu_memory_bytes
+    assert plan_memory("llama-3-70b", **flags, seq_len=bound + 256, suggest=False).fits  # not checked: fits
+    assert usable_host_bytes(host) == host - host // 10 and usable_host_bytes(8 * GiB) == 6 * GiB
+    with pytest.raises(PlanError, match="must be a positive integer or None, got 0") as error:
+        plan_memory("tiny-llama", host_memory_bytes=0)
+    assert error.value.option == "host_memory_bytes"
+
+
+def test_cli_host_memory_bounds_the_longest_and_the_verdict(capsys):
+    argv = ["plan", "--model", "llama-3-70b", "--method", "qlora", "--checkpointing", "--tiled-mlp"]
+    host = ["--host-memory", "125.9GB"]
+    assert main([*argv, *host, "--longest", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    flags = dict(method="qlora", checkpointing=True, tiled_mlp_mib=256, host_memory_bytes=int(125.9 * GiB))
+    assert result["longest_seq_len_offloaded"] == longest_sequence(
+        "llama-3-70b", **flags, offload_activations=True
+    )
+    too_long = str(result["longest_seq_len_offloaded"] + 256)
+    assert main([*argv, *host, "--offload-activations", "--seq-len", too_long]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "per GPU: fits; host " in out and "offloading may take of 125.90 GiB: does not fit" in out
+    assert main([*argv, "--host-memory", "lots"]) == 2
+    assert capsys.readouterr().err.startswith("error: --host-memory")
+
+
 @pytest.mark.parametrize(("method", "gpus", "bf16", "dropout", "base_dtype"), _REGIMES)
 def test_tiled_layer_activation_formula_matches_saved_tensors(method, gpus, bf16, dropout, base_dtype):
     """``tiled_mlp_mib``: the patched model with its MLPs tiled (``patch_model(tiled_mlp=)``) saves what
