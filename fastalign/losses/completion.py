@@ -24,6 +24,7 @@ class Completions(NamedTuple):
     completion_mask: Tensor  # [B, T] 0/1 (bool or integer)
     advantages: Tensor  # [B], or [B, T] for a per-token loss (PPO's)
     bias: Tensor | None  # [V]
+    softcap: float | None = None  # the model's final-logit softcap (Gemma-2's): s·tanh(logits/s)
 
     @property
     def targets(self) -> Tensor:
@@ -43,7 +44,7 @@ def check_completion_inputs(
     [B, T], ``completion_mask`` and the ``per_token`` tensors [B, T], ``advantages`` [B] (or [B, T] with
     ``token_advantages``); ``optional`` tensors only need to be tensors (their shapes are the caller's
     to check)."""
-    hidden, weight, completion_ids, completion_mask, advantages, bias = inputs
+    hidden, weight, completion_ids, completion_mask, advantages, bias, _ = inputs
     for name, tensor in (
         ("hidden", hidden),
         ("weight", weight),
@@ -102,21 +103,34 @@ class CompletionLoss(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.chunk_size, self.backend = chunk_size, backend
 
-    def forward(self, hidden, weight, completion_ids, completion_mask, advantages, *, bias=None, **inputs):
+    def forward(
+        self,
+        hidden,
+        weight,
+        completion_ids,
+        completion_mask,
+        advantages,
+        *,
+        bias=None,
+        softcap=None,
+        **inputs,
+    ):
         """The loss of completions [B, T] from their hidden states [B, T, D] and the LM head ``weight``
-        [V, D] (and ``bias`` [V]): see the subclass's ``completion_loss`` for ``advantages``, the other
-        inputs and the output."""
-        completions = Completions(hidden, weight, completion_ids, completion_mask, advantages, bias)
+        [V, D] (and ``bias`` [V]; ``softcap``: the model's final-logit softcap): see the subclass's
+        ``completion_loss`` for ``advantages``, the other inputs and the output."""
+        completions = Completions(hidden, weight, completion_ids, completion_mask, advantages, bias, softcap)
         return self.completion_loss(completions, **inputs)
 
     def completion_loss(self, completions: Completions, **inputs):
         """The subclass's loss (``forward`` calls it)."""
         raise NotImplementedError
 
-    def fused_options(self, return_entropy: bool = True) -> dict:
-        """How the fused head computes the completion tokens' log-probs at ``temperature`` (and their
-        entropy: a metric, and GRPO's entropy mask's input)."""
+    def fused_options(self, softcap: float | None, return_entropy: bool = True) -> dict:
+        """How the fused head computes the completion tokens' log-probs at ``temperature``, from the
+        model's logits (``softcap``: its final-logit softcap), and their entropy (a metric, and GRPO's
+        entropy mask's input)."""
         return dict(
+            softcap=softcap,
             temperature=self.temperature,
             return_entropy=return_entropy,
             chunk_size=self.chunk_size,
@@ -130,5 +144,5 @@ class CompletionLoss(nn.Module):
             completions.weight,
             completions.targets,
             completions.bias,
-            **self.fused_options(),
+            **self.fused_options(completions.softcap),
         )

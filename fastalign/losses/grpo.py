@@ -176,7 +176,7 @@ class GRPOLoss(CompletionLoss):
                 "ref_per_token_logps": ref_per_token_logps,
             },
         )
-        hidden, weight, _, completion_mask, advantages, bias = completions
+        hidden, weight, _, completion_mask, advantages, bias, softcap = completions
         if self.config.beta > 0 and ref_per_token_logps is None:
             raise ValueError("beta > 0 needs ref_per_token_logps")
         checks = completion_value_checks(completion_mask, advantages)
@@ -196,7 +196,7 @@ class GRPOLoss(CompletionLoss):
         seq_weight = self._sequence_weights(mask, num_items_in_batch)
         ref = ref_per_token_logps if self.config.beta else None
         if self.config.sequence_level:  # every log-prob of a completion is needed before its ratio
-            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self.fused_options())
+            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self.fused_options(softcap))
             loss, sums = unchecked_grpo_token_loss(
                 logps,
                 mask,
@@ -214,20 +214,18 @@ class GRPOLoss(CompletionLoss):
             return GRPOLossOutput(loss, metrics, logps.detach())
         if self.top_entropy_quantile < 1.0:
             return self._entropy_masked(
-                hidden, weight, bias, targets, mask, advantages, seq_weight, old_per_token_logps, ref
+                completions._replace(completion_mask=mask), targets, seq_weight, old_per_token_logps, ref
             )
         # Token level: each token's loss needs only its own log-prob, so the gradient is formed chunk
         # by chunk in the forward pass and the logits are built once.
         inputs = TokenLossInputs.build(mask, advantages, seq_weight, old_per_token_logps, ref)
         objective = grpo_token_objective(inputs, self.config, self.backend)
-        result = token_objective(hidden, weight, targets, objective, bias, **self.fused_options())
+        result = token_objective(hidden, weight, targets, objective, bias, **self.fused_options(softcap))
         sums = torch.cat([result.loss.detach().reshape(1), result.aux])
         clip = completion_clip_fractions(result.logprobs, mask, advantages, self.config, old_per_token_logps)
         return GRPOLossOutput(result.loss, self._metrics(sums, mask, result.entropy, clip), result.logprobs)
 
-    def _entropy_masked(
-        self, hidden, weight, bias, targets, mask, advantages, seq_weight, old, ref
-    ) -> GRPOLossOutput:
+    def _entropy_masked(self, completions: Completions, targets, seq_weight, old, ref) -> GRPOLossOutput:
         """Token level with ``top_entropy_quantile`` < 1. The threshold needs every token's entropy before
         any token's gradient, and the head's gradient sums over tokens, so (short of keeping [tokens,
         vocab] probabilities) the logits are built twice: a forward-only pass of the fused head gives
@@ -235,9 +233,11 @@ class GRPOLoss(CompletionLoss):
         tokens whose gradient is not 0 alone: the kept ones, or with a KL term (whose gradient every
         token has) all completion tokens. At ρ = 0.2 without KL that is 3.2·N·V·D, under the 6 of the
         unmasked loss; with KL, 8. Loss and gradient are those of the unmasked formula times the mask
-        (a dropped token's policy term and gradient are 0); the metrics come from the first pass."""
+        (a dropped token's policy term and gradient are 0); the metrics come from the first pass.
+        ``completions``' mask is the float one."""
+        hidden, weight, _, mask, advantages, bias, softcap = completions
         with torch.no_grad():
-            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self.fused_options())
+            logps, entropy = token_logprobs(hidden, weight, targets, bias, **self.fused_options(softcap))
             keep = self._keep(entropy, mask)
             # every token's KL and clip flags (the second pass sees the kept tokens alone without KL)
             _, sums = unchecked_grpo_token_loss(
@@ -259,7 +259,7 @@ class GRPOLoss(CompletionLoss):
             inputs = TokenLossInputs.build(mask, advantages, seq_weight, old, ref, keep)
             objective = grpo_token_objective(inputs.rows(rows.reshape(-1)), self.config, self.backend)
             loss = token_objective(
-                hidden[rows], weight, targets[rows], objective, bias, **self.fused_options(False)
+                hidden[rows], weight, targets[rows], objective, bias, **self.fused_options(softcap, False)
             ).loss
         clip = completion_clip_fractions(logps, mask, advantages, self.config, old)
         return GRPOLossOutput(loss, self._metrics(sums, mask, entropy, clip), logps)

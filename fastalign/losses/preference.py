@@ -147,6 +147,7 @@ def sequence_logprobs(
     token_weights: torch.Tensor | None = None,
     entropy: bool = False,
     head_metrics: bool = False,
+    softcap: float | None = None,
     chunk_size=None,
     backend: Backend = "auto",
 ) -> _Sequences:
@@ -155,7 +156,8 @@ def sequence_logprobs(
     ``token_weights`` [N, T] make the sum a weighted one (LD-DPO); ``entropy`` also returns the
     per-token entropy, which the fused kernel's statistics hold already (Σ p·z beside log Σ e^z);
     ``head_metrics`` each sequence's Σ mean logit and argmax hits (TRL's ``logits/*``, token accuracy),
-    from those statistics too. Raises a ValueError naming the first sequence without a loss token."""
+    from those statistics too. ``softcap``: the model's final-logit softcap (Gemma-2's), applied to the
+    logits. Raises a ValueError naming the first sequence without a loss token."""
     validation.require_tensor("targets", targets)
     lengths = loss_token_counts(targets)
     out = token_logprobs(
@@ -165,6 +167,7 @@ def sequence_logprobs(
         bias,
         return_entropy=entropy,
         return_stats=head_metrics,
+        softcap=softcap,
         chunk_size=chunk_size,
         backend=backend,
     )
@@ -395,6 +398,7 @@ class PreferenceLoss(nn.Module):
         ref_chosen_logps: torch.Tensor | None = None,
         ref_rejected_logps: torch.Tensor | None = None,
         nll_tokens: float | torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> PreferenceLossOutput:
         """hidden [2P, T, D]: the P chosen sequences, then the P rejected ones, each position's state
         predicting ``targets`` [2P, T] there; ``loss_mask`` [2P, T] marks the completion tokens.
@@ -402,6 +406,10 @@ class PreferenceLoss(nn.Module):
         nll_tokens: what the chosen NLL (CPO, ORPO, 'sft') divides its sum by; default this batch's
         chosen-token count. A trainer that splits a batch passes the whole batch's count (scaled by the
         weight it gives this part), so the NLL is the whole batch's token mean.
+
+        softcap: the model's final-logit softcap (Gemma-2's ``final_logit_softcapping``), for the policy's
+        and a computed reference's logits alike; not with ``use_weighting`` (WPO's statistic is taken
+        from the raw logits).
 
         Masked positions (``loss_mask`` 0 or target -100) are ignored by the fused log-softmax: their hidden
         states (NaN at padding, say) reach neither the loss nor a gradient."""
@@ -413,6 +421,10 @@ class PreferenceLoss(nn.Module):
             raise ValueError(
                 "hidden holds chosen then rejected sequences: its batch size "
                 f"({hidden.shape[0]}) must be even"
+            )
+        if softcap is not None and self.use_weighting:
+            raise ValueError(
+                "use_weighting (WPO) cannot take a final-logit softcap: its statistic is of the raw logits"
             )
         pairs = hidden.shape[0] // 2
         targets = _masked_targets(targets, loss_mask)
@@ -430,6 +442,7 @@ class PreferenceLoss(nn.Module):
                 ref_bias,
                 ref_chosen_logps,
                 ref_rejected_logps,
+                softcap,
             )
             if dpo
             else None
@@ -462,6 +475,7 @@ class PreferenceLoss(nn.Module):
                 token_weights=token_weights,
                 return_entropy=dpo,
                 return_aligned=self.use_weighting,
+                softcap=softcap,
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             )
@@ -480,6 +494,7 @@ class PreferenceLoss(nn.Module):
                 token_weights=token_weights,
                 entropy=dpo,
                 head_metrics=dpo,
+                softcap=softcap,
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             )
@@ -577,7 +592,16 @@ class PreferenceLoss(nn.Module):
         return margin.sum() / pairs + self.cpo_alpha * pair.nll, (c, r), logps
 
     def _reference(
-        self, pairs, targets, token_weights, ref_hidden, ref_weight, ref_bias, ref_chosen, ref_rejected
+        self,
+        pairs,
+        targets,
+        token_weights,
+        ref_hidden,
+        ref_weight,
+        ref_bias,
+        ref_chosen,
+        ref_rejected,
+        softcap,
     ):
         """Reference sequence log-probs (chosen [P], rejected [P]): given (weighted by LD-DPO's
         ``token_weights`` already, when on), computed, or 0 (reference-free)."""
@@ -601,6 +625,7 @@ class PreferenceLoss(nn.Module):
                 targets,
                 ref_bias,
                 token_weights=token_weights,
+                softcap=softcap,
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             ).logps
@@ -656,10 +681,11 @@ class KTOLoss(nn.Module):
         kl_logps: torch.Tensor | None = None,
         ref_kl_logps: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> PreferenceLossOutput:
         """hidden [N, T, D] of N completions; ``labels`` [N] True where desirable; reference sequence
         log-probs [N]; policy and reference log-probs of the mismatched (KL) completions [M] ('kto'
-        only)."""
+        only); ``softcap``: the model's final-logit softcap (Gemma-2's)."""
         uses_kl = self.loss_type == "kto"
         if not uses_kl and (kl_logps is not None or ref_kl_logps is not None):
             raise ValueError(f"loss_type {self.loss_type!r} has no KL term: pass no kl_logps/ref_kl_logps")
@@ -710,6 +736,7 @@ class KTOLoss(nn.Module):
                 lambda index, sums: loss_of(sums.logps, index),
                 bias,
                 return_entropy=True,
+                softcap=softcap,
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             )
@@ -722,6 +749,7 @@ class KTOLoss(nn.Module):
                 bias,
                 entropy=True,
                 head_metrics=True,
+                softcap=softcap,
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             )

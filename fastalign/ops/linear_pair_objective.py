@@ -50,6 +50,7 @@ def linear_pair_objective(
     return_entropy: bool = False,
     return_aligned: bool = False,
     ignore_index: int = -100,
+    softcap: float | None = None,
     chunk_size: int | None = None,
     workspace_bytes: int | None = None,
     backend: Backend = "auto",
@@ -60,7 +61,8 @@ def linear_pair_objective(
     ``token_weights`` [2P, T] weight the sequence log-probs ``PairSums.chosen``/``rejected`` (LD-DPO);
     ``chosen_tokens`` stays the plain sum. ``return_entropy``: the per-token entropy (from the softmax
     statistics); ``return_aligned``: WPO's per-sequence Σ (log p − log Σ_v p_v²) in ``PairSums`` and the
-    result. The result's per-sequence values are [2P]: chosen rows, then rejected. A chunk holds
+    result. ``softcap``: Gemma-2's final-logit softcap (see ``linear_sequence_objective``). The result's
+    per-sequence values are [2P]: chosen rows, then rejected. A chunk holds
     ``chunk_size`` loss tokens (default: as many as fit ``workspace_bytes``), or one pair when a pair has
     more.
     """
@@ -86,6 +88,7 @@ def linear_pair_objective(
         return_entropy=return_entropy,
         return_aligned=return_aligned,
         ignore_index=ignore_index,
+        softcap=softcap,
         chunk_size=chunk_size,
         workspace_bytes=workspace_bytes,
         backend=backend,

@@ -206,6 +206,7 @@ def linear_sequence_objective(
     return_entropy: bool = False,
     return_aligned: bool = False,
     ignore_index: int = -100,
+    softcap: float | None = None,
     chunk_size: int | None = None,
     workspace_bytes: int | None = None,
     backend: Backend = "auto",
@@ -219,9 +220,15 @@ def linear_sequence_objective(
     statistics); ``return_aligned``: WPO's per-sequence Σ (log p − log Σ_v p_v²) in ``SequenceSums`` and
     the result. A chunk holds ``chunk_size`` loss tokens (default: as many as fit ``workspace_bytes``,
     see ``linear_cross_entropy``), or one unit when a unit has more: then the chunk is over the budget,
-    by at most ``MAX_CHUNKS_PER_UNIT`` times where ``fits_whole_units`` chose this op. Under autocast the
-    head runs in autocast's dtype, as ``F.linear`` would.
+    by at most ``MAX_CHUNKS_PER_UNIT`` times where ``fits_whole_units`` chose this op. ``softcap``: the
+    logits are ``softcap·tanh(logits/softcap)`` (Gemma-2's final-logit softcap), as in
+    ``linear_cross_entropy``; not with ``return_aligned``. Under autocast the head runs in autocast's
+    dtype, as ``F.linear`` would.
     """
+    if softcap is not None and return_aligned:
+        raise ValueError(
+            "return_aligned (WPO's statistic) is computed from the raw logits: it cannot take a softcap"
+        )
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [S, T, D], got {tuple(hidden.shape)}")
     if token_weights is not None and token_weights.shape != targets.shape:
@@ -243,7 +250,7 @@ def linear_sequence_objective(
         targets,
         bias,
         ignore_index,
-        None,
+        softcap,
         1.0,
         return_entropy,
         chunk_size,

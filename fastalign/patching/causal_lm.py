@@ -6,6 +6,7 @@ Without ``labels`` or ``logprob_targets`` it is the model's original forward, un
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,7 +172,10 @@ def fused_causal_lm_forward(
             (``fastalign.losses``) trains a patched model. For a family with a logit scale, hidden and
             bias come scaled, so that ``hidden·weightᵀ + bias`` are the model's logits. With a peft
             LoRA ``lm_head``, hidden is [B, S, D + r] and weight [V, D + r]: the adapters' features and
-            scaled ``lora_B`` weights appended (``_head_inputs``), so that this still holds.
+            scaled ``lora_B`` weights appended (``_head_inputs``), so that this still holds. A family
+            with a final-logit softcap (Gemma-2's ``final_logit_softcapping``) passes it as
+            ``head_fn(..., softcap=s)``, for the fused ops' ``softcap=``: the model's logits are then
+            ``s·tanh((hidden·weightᵀ + bias)/s)``; a ``head_fn`` without that parameter is refused there.
         """
         shifted = kwargs.pop("shift_labels", None)
         # transformers' ``can_return_tuple``: the argument, else the config's; the body always returns
@@ -297,12 +301,16 @@ def fused_causal_lm_forward(
 
         head_output = None
         if head_fn is not None:
-            if softcap is not None:
+            if softcap is None:
+                head_output = head_fn(head_hidden, weight, head_bias)
+            elif "softcap" in inspect.signature(head_fn).parameters:
+                head_output = head_fn(head_hidden, weight, head_bias, softcap=softcap)
+            else:
                 raise ValueError(
-                    f"head_fn does not apply final_logit_softcapping ({softcap}) of "
-                    f"{self.config.model_type}: use logprob_targets, which does"
+                    f"head_fn takes no softcap, so it cannot apply final_logit_softcapping ({softcap}) of "
+                    f"{self.config.model_type}: give it a softcap parameter (the fused ops take softcap=), "
+                    "or use logprob_targets"
                 )
-            head_output = head_fn(head_hidden, weight, head_bias)
 
         if return_logits is None:  # evaluation (eval mode, no gradients: transformers.Trainer's
             # prediction_step) gets the logits the unpatched model returns with its loss, for

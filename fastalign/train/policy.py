@@ -257,16 +257,16 @@ def set_tf32(tf32: bool | None) -> None:
 _MODEL_KEYS = ("ref_model_name_or_path", "teacher_model_name_or_path", "model_name_or_path")
 
 
-def refuse_unapplied_softcap(model: torch.nn.Module, key: str, objective: str) -> None:
-    """A one-line error where the model's config has a final-logit softcap (Gemma-2's) and ``objective``'s
-    loss runs in a fused head that does not apply it yet (every objective's but sft's and reward's),
-    before any data or weights are read: its log-probs would be another model's."""
+def refuse_unapplied_softcap(model: torch.nn.Module, key: str, head: str) -> None:
+    """A one-line error where the model's config has a final-logit softcap (Gemma-2's) and ``head`` (the
+    loss head that would score it: distillation's divergence heads, WPO's statistic) does not apply it
+    yet, before any data or weights are read: its log-probs would be another model's."""
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if softcap is not None:
         raise ConfigError(
             f"config key {key!r}: {model.config.model_type}'s final_logit_softcapping ({softcap}) is not "
-            f"applied by {objective}'s fused loss head yet (sft's applies it): train sft, or a model without "
-            "a final-logit softcap"
+            f"applied by {head} yet (every other loss head applies it): use a model without a final-logit "
+            "softcap"
         )
 
 

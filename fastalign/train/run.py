@@ -86,8 +86,8 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             materialize=False,
             task=objective.task,
         )
-        if objective.loss_in_head_fn:
-            refuse_unapplied_softcap(model, "model_name_or_path", name)
+        if (head := objective.softcap_refusal()) is not None:
+            refuse_unapplied_softcap(model, "model_name_or_path", head)
         override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
         train_examples, eval_examples = _tokenized_splits(config, objective, tokenizer)
         row_tokens = objective.sequence_length(config, train_examples)

@@ -187,7 +187,7 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     path = resolve_model(config.model_name_or_path, config.model_revision)
     quantization = quant_options(config)  # 4-bit as training's teacher (its unquantized rest as there)
     model, tokenizer = load_model_and_tokenizer(path, quantization, ctx.device, materialize=False)
-    refuse_unapplied_softcap(model, "model_name_or_path", "teacher-logprobs")  # its head_fn, as distill's
+    refuse_unapplied_softcap(model, "model_name_or_path", "teacher-logprobs' top-k head")
     set_model_options(model, str(path), config, ctx.device)  # on the skeleton: filled in its dtype
     model = materialize_model(
         model, path, quantization, ctx.device, config.seed, dtype=model_dtype(config, str(path))

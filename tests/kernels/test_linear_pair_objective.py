@@ -47,10 +47,13 @@ def pair_loss(index, chosen, rejected, chosen_tokens):
     return -F.logsigmoid(margin).sum() / PAIRS - 0.3 * chosen_tokens.sum() / 10
 
 
-def reference(hidden, weight, bias, targets, weights):
-    """The loss, sequence sums and entropies from float64 logits, differentiated by autograd."""
+def reference(hidden, weight, bias, targets, weights, softcap=None):
+    """The loss, sequence sums and entropies from float64 logits (capped at ``softcap``: s·tanh(x/s)),
+    differentiated by autograd."""
     valid = targets != IGNORE
     logits = torch.where(valid[..., None], hidden.double(), 0.0) @ weight.double().T + bias.double()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     logp = logits.log_softmax(-1)
     token = torch.where(valid, logp.gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1), 0.0)
     weighted = (token * (1.0 if weights is None else weights.double())).sum(-1)
@@ -63,9 +66,12 @@ def reference(hidden, weight, bias, targets, weights):
     return loss, weighted, plain, entropy, aligned
 
 
-def call(hidden, weight, bias, targets, weights, backend, chunk_size):
+def call(hidden, weight, bias, targets, weights, backend, chunk_size, softcap=None):
+    aligned = softcap is None  # WPO's statistic is of the raw logits: refused with a softcap
+
     def loss_fn(index: torch.Tensor, sums: PairSums) -> torch.Tensor:
-        assert sums.aligned_chosen is not None and sums.aligned_chosen.shape == index.shape
+        if aligned:
+            assert sums.aligned_chosen is not None and sums.aligned_chosen.shape == index.shape
         return pair_loss(index.cpu(), sums.chosen, sums.rejected, sums.chosen_tokens)
 
     return linear_pair_objective(
@@ -76,7 +82,8 @@ def call(hidden, weight, bias, targets, weights, backend, chunk_size):
         bias,
         token_weights=weights,
         return_entropy=True,
-        return_aligned=True,
+        return_aligned=aligned,
+        softcap=softcap,
         chunk_size=chunk_size,
         backend=backend,
     )
@@ -105,6 +112,33 @@ def test_loss_sums_and_gradients_equal_float64(backend, dtype, chunk_size, weigh
         grad = torch.nan_to_num(leaf.grad, nan=1e9)  # a NaN anywhere would fail loudly
         assert_close_to_reference(f"grad {name}", grad, ref.grad, dtype)
     assert torch.equal(leaves[0].grad[1, -3:], torch.zeros_like(leaves[0].grad[1, -3:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [3, 16], ids=["pair-per-chunk", "pairs-per-chunk"])
+def test_a_final_logit_softcap_equals_float64(backend, dtype, chunk_size):
+    """Gemma-2's softcap s·tanh(x/s) (here 1.5, where the logits spread over several units, so the cap
+    bends them) in the loss, the sums, the entropy and every gradient."""
+    hidden, weight, bias, targets, weights = make_inputs(dtype)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    out = call(*leaves, targets, weights, backend, chunk_size, softcap=1.5)
+    out.loss.backward()
+    ref_leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    ref_loss, ref_weighted, ref_plain, ref_entropy, _ = reference(*ref_leaves, targets, weights, 1.5)
+    ref_loss.backward()
+    uncapped = reference(*(t.detach().double() for t in (hidden, weight, bias)), targets, weights)
+    assert (uncapped[1] - ref_weighted).abs().max() > 0.5  # the cap changes the log-probs
+
+    assert_close_to_reference("loss", out.loss.reshape(1), ref_loss.reshape(1), dtype)
+    assert_close_to_reference("logps", out.logps, ref_weighted.detach(), dtype)
+    assert_close_to_reference("token_sums", out.token_sums, ref_plain.detach(), dtype)
+    assert_close_to_reference("entropy", out.entropy, ref_entropy.detach(), dtype)
+    assert out.aligned is None
+    for name, leaf, ref in zip(("hidden", "weight", "bias"), leaves, ref_leaves, strict=True):
+        grad = torch.nan_to_num(leaf.grad, nan=1e9)
+        assert_close_to_reference(f"grad {name}", grad, ref.grad, dtype)
+    with pytest.raises(ValueError, match=r"return_aligned .* cannot take a softcap"):
+        linear_pair_objective(hidden, weight, targets, lambda *a: 0, bias, return_aligned=True, softcap=1.5)
 
 
 def test_without_gradients_the_sums_are_the_same(backend):

@@ -14,10 +14,19 @@ def models(tmp_path_factory) -> tuple[str, str]:
     return save_models(tmp_path_factory.mktemp("parity-models"), tiny_tokenizer)
 
 
-def save_models(root, tokenizer) -> tuple[str, str]:
-    """``models``' pair saved in ``root`` with the tokenizer ``tokenizer()`` makes."""
+@pytest.fixture(scope="session")
+def softcap_models(tmp_path_factory) -> tuple[str, str]:
+    """``models``' pair as a tiny Gemma-2 whose final-logit softcap, 0.2, bends its logits (a random tiny
+    model's head gives logits of a few tenths): 0.2·tanh(lm_head(hidden)/0.2)."""
+    root = tmp_path_factory.mktemp("parity-softcap-models")
+    return save_models(root, tiny_tokenizer, "gemma2", final_logit_softcapping=0.2)
+
+
+def save_models(root, tokenizer, model_type: str = "llama", **overrides) -> tuple[str, str]:
+    """``models``' pair saved in ``root`` with the tokenizer ``tokenizer()`` makes (a tiny ``model_type``
+    with the config ``overrides``)."""
     torch.manual_seed(0)
-    policy = tiny_model("llama")
+    policy = tiny_model(model_type, **overrides)
     policy.save_pretrained(root / "policy")
     with torch.no_grad():
         for parameter in policy.parameters():

@@ -120,7 +120,7 @@ def fastalign_loss_and_grads(models, data, options) -> tuple[float, dict]:
     input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], 1)
     attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], 1)
 
-    def head(hidden, weight, bias):
+    def head(hidden, weight, bias, softcap=None):
         return loss_fn(
             hidden[:, PROMPT - 1 : -1],
             weight,
@@ -130,6 +130,7 @@ def fastalign_loss_and_grads(models, data, options) -> tuple[float, dict]:
             old_per_token_logps=logps + data["old_shift"],
             ref_per_token_logps=logps + data["ref_shift"],
             bias=bias,
+            softcap=softcap,
             num_items_in_batch=data["num_items_in_batch"] if loss_fn.uses_item_count else None,
         )
 

@@ -923,8 +923,9 @@ def test_the_dense_families_details_and_what_is_patched(checkpoints):
 @torch.no_grad()
 @pytest.mark.parametrize("family_id", DENSE_IDS)
 def test_fused_head_outputs_and_greedy_generation_match(checkpoints, family_id):
-    """Per-token log-probs (at a temperature), logits on request and ``head_fn``'s view of the head
-    equal the original model's logits after its own scaling/softcapping; greedy decoding is unchanged."""
+    """Per-token log-probs (at a temperature), logits on request and ``head_fn``'s view of the head (with
+    the softcap it is handed) equal the original model's logits after its own scaling/softcapping; greedy
+    decoding is unchanged."""
     original, _ = checkpoints(family_id)
     patched = fastalign.patch_model(copy.deepcopy(original))
     batch = packed_row([9, 7])
@@ -934,9 +935,18 @@ def test_fused_head_outputs_and_greedy_generation_match(checkpoints, family_id):
     out = patched(**batch, logprob_targets=targets, temperature=0.7, return_logits=True)
     torch.testing.assert_close(out.token_logprobs, expected * (targets != -100), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.logits, logits, rtol=1e-5, atol=1e-5)
-    if getattr(original.config, "final_logit_softcapping", None) is None:  # head_fn refuses a softcap
+    cap = getattr(original.config, "final_logit_softcapping", None)
+    if cap is None:
         head = patched(**batch, head_fn=lambda h, w, b: torch.nn.functional.linear(h, w, b)).head_output
-        torch.testing.assert_close(head, logits, rtol=1e-5, atol=1e-5)
+    else:  # the softcap comes to a head_fn that takes it; one that does not is refused
+        with pytest.raises(ValueError, match="head_fn takes no softcap"):
+            patched(**batch, head_fn=lambda h, w, b: torch.nn.functional.linear(h, w, b))
+
+        def capped(hidden, weight, bias, softcap):
+            return softcap * torch.tanh(torch.nn.functional.linear(hidden, weight, bias) / softcap)
+
+        head = patched(**batch, head_fn=capped).head_output
+    torch.testing.assert_close(head, logits, rtol=1e-5, atol=1e-5)
 
     prompt = {"input_ids": batch["input_ids"][:, :6]}
     generate = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)

@@ -29,6 +29,7 @@ from fastalign.quant import (
 from fastalign.train.config import ConfigError, TrainConfig
 from fastalign.train.engine import Callback
 from fastalign.train.run import run_training
+from tests.conftest import DEVICE
 from tests.helpers import require
 from tests.torchrun import run_two_processes
 
@@ -60,20 +61,22 @@ def logged(output_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def batch() -> dict:
+def batch(device: torch.device | str = "cpu") -> dict:
     tokenizer = tiny_tokenizer()
-    return dict(
-        tokenizer(["What is 3 plus 4? The answer is 7.", "user assistant"], padding=True, return_tensors="pt")
-    )
+    texts = ["What is 3 plus 4? The answer is 7.", "user assistant"]
+    return {
+        key: value.to(device) for key, value in tokenizer(texts, padding=True, return_tensors="pt").items()
+    }
 
 
 class _TrainedLogits(Callback):
-    """Keeps the trained model's logits on ``batch()`` (eval mode), to compare a reloaded adapter with."""
+    """Keeps the trained model's logits on ``batch()`` (eval mode, on the device it trained on: the GPU
+    where there is one), to compare a reloaded adapter with."""
 
     def on_train_end(self, engine):
         engine.model.eval()
         with torch.no_grad():
-            self.logits = engine.model(**batch()).logits
+            self.logits = engine.model(**batch(engine.ctx.device)).logits
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +118,7 @@ def test_the_base_stays_4bit_and_frozen(tmp_path):
     """The 4-bit bytes are identical after training; only LoRA parameters had gradients."""
     from fastalign.train.loading import load_model_and_tokenizer
 
-    before, _ = load_model_and_tokenizer("tiny-llama", QuantOptions())
+    before, _ = load_model_and_tokenizer("tiny-llama", QuantOptions(), DEVICE)  # where training runs
     packed_before = {n: m.weight.clone() for n, m in before.named_modules() if isinstance(m, FourBitLinear)}
     seen = {}
 
@@ -141,22 +144,22 @@ def test_adapter_round_trip_and_merge_give_the_trained_outputs(trained_run, caps
     from fastalign.train.loading import load_model_and_tokenizer
 
     trained_run, trained_logits = trained_run
-    base, _ = load_model_and_tokenizer("tiny-llama", QuantOptions())
+    base, _ = load_model_and_tokenizer("tiny-llama", QuantOptions(), DEVICE)  # where training ran
     model = peft.PeftModel.from_pretrained(fastalign.patch_model(base), trained_run).eval()
-    fresh, _ = load_model_and_tokenizer("tiny-llama", QuantOptions())
+    fresh, _ = load_model_and_tokenizer("tiny-llama", QuantOptions(), DEVICE)
     with torch.no_grad():
-        adapter_on = model(**batch()).logits
-        without = fresh(**batch()).logits
+        adapter_on = model(**batch(DEVICE)).logits
+        without = fresh(**batch(DEVICE)).logits
     torch.testing.assert_close(adapter_on, trained_logits, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(adapter_on, without, atol=1e-3)  # the adapter learned something
 
     # merged in fp32 and saved in the base's dtype (fp32 for a built-in model): the adapter's outputs
     assert main(["merge", str(trained_run)]) == 0
-    merged = AutoModelForCausalLM.from_pretrained(trained_run / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(trained_run / "merged").to(DEVICE)
     assert merged.dtype == torch.float32
     assert not any(isinstance(m, FourBitLinear) for m in merged.modules())
     with torch.no_grad():
-        torch.testing.assert_close(merged(**batch()).logits, adapter_on, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(merged(**batch(DEVICE)).logits, adapter_on, rtol=1e-4, atol=1e-4)
 
     assert (
         main(["merge", str(trained_run), "--dtype", "bfloat16", "--output_dir", str(trained_run / "bf16")])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import typing
@@ -162,13 +163,13 @@ def test_a_key_that_would_be_ignored_is_refused_in_one_line(bad_input, tmp_path,
 
 
 #: (objective, YAML, key): a model a run cannot train as configured, refused in one line naming its key
-#: before any data or weights are read: a final-logit softcap (Gemma-2's) that the fused heads of the
-#: preference, rollout and distillation losses do not apply yet, and a teacher that is not there.
+#: before any data or weights are read: a final-logit softcap (Gemma-2's) where the loss head does not
+#: apply it yet (distillation's divergence heads, WPO's statistic), and a teacher that is not there.
 UNUSABLE_MODELS = [
-    ("dpo", "model_name_or_path: tiny-gemma2\n", "model_name_or_path"),
+    ("dpo", "model_name_or_path: tiny-gemma2\nuse_weighting: true\n", "model_name_or_path"),
     (
-        "grpo",
-        "model_name_or_path: tiny-gemma2\nreward_funcs: [fastalign.builtin:digit_ratio]\n",
+        "distill",
+        "model_name_or_path: tiny-gemma2\nteacher_model_name_or_path: tiny-llama\n",
         "model_name_or_path",
     ),
     ("distill", "teacher_model_name_or_path: tiny-gemma2\n", "teacher_model_name_or_path"),
@@ -185,13 +186,25 @@ def test_a_model_the_objective_cannot_train_is_one_line_naming_its_key(
     assert "nonexistent" in outcome.message or "final_logit_softcapping (30.0)" in outcome.message
 
 
-def test_sft_trains_a_model_with_a_final_logit_softcap(tmp_path):
-    """The labels path applies Gemma-2's softcap (the patched loss equals the model's own:
-    tests/patching): sft is not refused."""
+SAMPLING = ("grpo", "rloo", "online_dpo", "ppo")
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "kto", *SAMPLING])
+def test_every_other_objective_trains_a_model_with_a_final_logit_softcap(tmp_path, objective):
+    """Gemma-2's softcap is applied by SFT's labels path and by every head_fn loss (the patched forward
+    hands it over; tests/parity/test_softcap_trl.py checks DPO, KTO and GRPO against TRL): one step of
+    each on the built-in data, a finite loss."""
+    options = {"reward_funcs": ["fastalign.builtin:digit_ratio"]} if objective in SAMPLING else {}
+    options |= {"max_completion_length": 8} if objective in ("grpo", "rloo", "ppo") else {}
     config = TrainConfig(
-        model_name_or_path="tiny-gemma2", output_dir=str(tmp_path / "run"), max_steps=1, save_strategy="no"
+        model_name_or_path="tiny-gemma2",
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        save_strategy="no",
+        **options,
     )
-    assert (run_training(config, "sft") / "metrics.jsonl").exists()
+    metrics = (run_training(config, objective) / "metrics.jsonl").read_text().splitlines()
+    assert math.isfinite(json.loads(metrics[0])["loss"])
 
 
 def test_a_yaml_key_set_twice_names_the_key_and_both_lines(bad_input, finished_run, tmp_path):

@@ -115,9 +115,6 @@ class Objective(ABC):
     #: Whether the loss runs inside the patched model's forward (``head_fn``): the fused head is needed
     #: even when the other kernels are off (``use_liger_kernel: false``).
     needs_fused_head: ClassVar[bool] = True
-    #: Whether the policy's loss is computed by a ``head_fn`` (the fused heads of the preference, rollout
-    #: and distillation losses), which does not apply a final-logit softcap yet; SFT's runs on labels.
-    loss_in_head_fn: ClassVar[bool] = True
     #: What the runner loads the model as: a causal LM, or a sequence classifier with one score (a reward
     #: model, whose new ``score`` head transformers initialises; ``fastalign.train.loading``).
     task: ClassVar[ModelTask] = "causal_lm"
@@ -166,6 +163,12 @@ class Objective(ABC):
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         """Everything the objective needs besides the policy (a reference, a tokenizer to decode)."""
         return Prepared(train, evaluation)
+
+    def softcap_refusal(self) -> str | None:
+        """Why this run's loss cannot apply the model's final-logit softcap (Gemma-2's), as the head of
+        what; None where it does (the patched forward hands ``head_fn`` the softcap, and every fused op
+        but the divergence heads takes it). The runner refuses such a model before loading its weights."""
+        return None
 
     def sequence_length(self, config: TrainConfig, train: list) -> int:
         """The length of a training row, for the throughput estimate (MFU's attention term), once the

@@ -472,6 +472,9 @@ class DistillObjective(Objective):
         evaluation runs the loss on the dataset's completions)."""
         return self.options.lmbda == 1
 
+    def softcap_refusal(self) -> str | None:
+        return "distill's divergence head"
+
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         options = self.options
         every_batch_sampled = options.lmbda == 1 or options.seq_kd
@@ -513,7 +516,7 @@ class DistillObjective(Objective):
             self._check_scored(evaluation, self.eval_dataset_name if separate else None)
             return Prepared(train, evaluation)
         self.teacher = parts.load_frozen_model(options.teacher_model_name_or_path)
-        refuse_unapplied_softcap(self.teacher, "teacher_model_name_or_path", "distill")
+        refuse_unapplied_softcap(self.teacher, "teacher_model_name_or_path", "distill's divergence head")
         self.tokenizer = parts.tokenizer
         teacher = self.teacher.get_output_embeddings().weight.shape[0]
         _check_same_vocabulary("teacher_model_name_or_path", teacher, model)

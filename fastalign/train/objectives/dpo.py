@@ -154,6 +154,13 @@ class DPOObjective(Objective):
     def collate(self, tokenizer) -> PreferenceCollator:
         return PreferenceCollator(tokenizer.pad_token_id)
 
+    def softcap_refusal(self) -> str | None:
+        return (
+            "use_weighting (WPO), whose statistic is of the raw logits,"
+            if self.options.use_weighting
+            else None
+        )
+
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         if self.options.disable_dropout:
             disable_dropout(model)
@@ -187,8 +194,10 @@ class DPOObjective(Objective):
         # the loss is scaled by this batch's share below: pre-divide so the NLL ends as the step's mean
         nll_tokens = self._step_chosen_tokens * pairs / num_items_in_batch.cpu() if model.training else None
 
-        def head(hidden, weight, bias):
-            return self.loss(hidden, weight, targets, bias=bias, nll_tokens=nll_tokens, **references)
+        def head(hidden, weight, bias, softcap=None):
+            return self.loss(
+                hidden, weight, targets, bias=bias, nll_tokens=nll_tokens, softcap=softcap, **references
+            )
 
         result = model(
             input_ids=batch["input_ids"],

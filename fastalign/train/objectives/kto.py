@@ -190,7 +190,7 @@ class KTOObjective(Objective):
             kl_terms = {"kl_logps": kl, "ref_kl_logps": torch.zeros_like(kl)}
         labels = batch["kto_labels"].bool()
 
-        def head(hidden, weight, bias):
+        def head(hidden, weight, bias, softcap=None):
             return self.loss(
                 hidden,
                 weight,
@@ -198,6 +198,7 @@ class KTOObjective(Objective):
                 labels,
                 ref_logps=ref_logps,
                 bias=bias,
+                softcap=softcap,
                 **kl_terms,
             )
 

@@ -375,11 +375,18 @@ class RolloutObjective(PromptObjective):
     #: Whether ``loss`` divides by the step's loss-term count itself (else: the micro-batch's mean).
     normalises = False
 
-    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items):
-        """The loss of ``batch`` from the completion tokens' hidden states, inside the model's forward."""
+    def head_loss(self, hidden, weight, bias, completion_ids, batch: dict, num_items, softcap=None):
+        """The loss of ``batch`` from the completion tokens' hidden states, inside the model's forward
+        (``softcap``: the model's final-logit softcap, which the patched forward passes)."""
         mask = batch["completion_mask"]
         return self.loss(
-            hidden, weight, completion_ids, mask, bias=bias, **self.loss_inputs(batch, num_items)
+            hidden,
+            weight,
+            completion_ids,
+            mask,
+            bias=bias,
+            softcap=softcap,
+            **self.loss_inputs(batch, num_items),
         )
 
     @property
@@ -518,9 +525,9 @@ class RolloutObjective(PromptObjective):
         completion_ids = batch["input_ids"][:, prompt_width:]
         num_items = num_items_in_batch if self.normalises else None
 
-        def head(hidden, weight, bias):
+        def head(hidden, weight, bias, softcap=None):
             states = hidden[:, prompt_width - 1 : -1]
-            return self.head_loss(states, weight, bias, completion_ids, batch, num_items)
+            return self.head_loss(states, weight, bias, completion_ids, batch, num_items, softcap)
 
         output = model(
             input_ids=batch["input_ids"],

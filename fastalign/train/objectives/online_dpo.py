@@ -153,8 +153,8 @@ class OnlineDPOObjective(PromptObjective):
         prompt_width = batch["input_ids"].shape[1] - mask.shape[1]
         targets = batch["input_ids"][:, prompt_width:].masked_fill(mask == 0, IGNORE_INDEX)
 
-        def head(hidden, weight, bias):
-            tokens = token_logprobs(hidden[:, prompt_width - 1 : -1], weight, targets, bias)
+        def head(hidden, weight, bias, softcap=None):
+            tokens = token_logprobs(hidden[:, prompt_width - 1 : -1], weight, targets, bias, softcap=softcap)
             return self._loss(tokens.sum(-1), batch["ref_logps"], batch["scores"])
 
         loss, metrics = model(

@@ -50,7 +50,6 @@ class RewardObjective(Objective):
     default_dataset = "tiny-preference"
     default_learning_rate = 1e-4  # TRL's RewardConfig
     needs_fused_head = False
-    loss_in_head_fn = False
     task = "sequence_classification"
 
     def __init__(self, options: RewardOptions, ctx: DistributedContext | None = None):

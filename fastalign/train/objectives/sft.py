@@ -84,7 +84,6 @@ class SFTObjective(Objective):
 
     default_dataset = "tiny-sft"
     default_learning_rate = 2e-5
-    loss_in_head_fn = False  # the labels path, which applies a final-logit softcap
 
     def __init__(self, options: SFTOptions | None = None, ctx: DistributedContext | None = None):
         super().__init__(ctx)
