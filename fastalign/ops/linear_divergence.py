@@ -52,6 +52,8 @@ class DivergenceSpec:
     chunk_size: int
     row_math: RowMath
     hard_label_weight: float
+    student_softcap: float | None = None  # final-logit softcaps (Gemma-2's): s·tanh(logits/s)
+    teacher_softcap: float | None = None
 
 
 class _Constants(NamedTuple):
@@ -71,13 +73,17 @@ class _Constants(NamedTuple):
 _TORCH_ROW_BUFFERS = 7
 
 
-def logit_bytes(dtype: torch.dtype, backend: Literal["triton", "torch"], device: torch.device) -> int:
+def logit_bytes(
+    dtype: torch.dtype, backend: Literal["triton", "torch"], device: torch.device, softcap: bool = False
+) -> int:
     """Bytes a chunk holds at once per element of its [C, V] logits, for the workspace budget
     (``fastalign.ops.head_workspace``): both heads' fp32 logits, the gradient's copy in the student's
     dtype (low precision), its fp32 copy where the weight gradient's sum upcasts
-    (``upcasts_for_fp32_sum``), and the PyTorch row math's buffers."""
+    (``upcasts_for_fp32_sum``), the slope of the student's softcap (``softcap``), and the PyTorch row
+    math's buffers."""
     size = 8 + (dtype.itemsize if dtype != torch.float32 else 0)
     size += 4 if upcasts_for_fp32_sum(device, dtype) else 0
+    size += 4 if softcap else 0
     return size + (4 * _TORCH_ROW_BUFFERS if backend == "torch" else 0)
 
 
@@ -99,6 +105,11 @@ def _fp32_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         logits = bias.float().expand(shape).clone()
     addmm_fp32_(logits, hidden, weight.t())
     return logits
+
+
+def softcap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap·tanh(logits/softcap)`` in place (a final-logit softcap, Gemma-2's); None: unchanged."""
+    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
 
 
 def _divergence_rows_(student_logits, teacher_logits, labels, coef_div, coef_ce, spec: DivergenceSpec):
@@ -142,8 +153,16 @@ def _sweep(
     )
     for rows in loss_row_chunks(valid, spec.chunk_size)[1]:
         hidden_chunk = student_hidden[rows]
-        teacher_logits = _fp32_logits(teacher_hidden[rows], teacher_weight, teacher_bias)
-        student_logits = _fp32_logits(hidden_chunk, student_weight, student_bias)
+        teacher_logits = softcap_(
+            _fp32_logits(teacher_hidden[rows], teacher_weight, teacher_bias), spec.teacher_softcap
+        )
+        student_logits = softcap_(
+            _fp32_logits(hidden_chunk, student_weight, student_bias), spec.student_softcap
+        )
+        # the softcap's slope 1 − (z/s)², for the chain rule once the rows hold the gradient w.r.t. z
+        slope = None
+        if grads is not None and spec.student_softcap is not None:
+            slope = (student_logits / spec.student_softcap).square_().neg_().add_(1.0)
         coef_div = coef_ce = None
         if grads is not None:
             coef_div = (1.0 - w) * upstream[rows]
@@ -157,10 +176,12 @@ def _sweep(
         if spec.row_math.with_entropy:
             entropy[rows] = chunk_entropy
         if grads is not None:
+            if slope is not None:
+                student_logits.mul_(slope)
             # The gradient matmuls run in the student's dtype (tensor cores); the sums stay fp32.
             grads.add_chunk(rows, student_logits.to(student_weight.dtype), hidden_chunk, student_weight)
         # Drop this chunk's buffers before the next one is allocated: one chunk alive, not two.
-        del student_logits, teacher_logits
+        del student_logits, teacher_logits, slope
     finished = grads.finish(student_weight, student_bias) if grads is not None else (None,) * 3
     return token_loss, entropy, finished
 
@@ -338,6 +359,8 @@ def linear_divergence(
     chunk_size: int | None = None,
     workspace_bytes: int | None = None,
     return_entropy: bool = False,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TRL's generalized JSD between the student's and the teacher's next-token distributions, from
     their hidden states and LM heads, without building either model's logits for all tokens.
@@ -372,6 +395,8 @@ def linear_divergence(
         return_entropy: also return the student's per-token entropy at ``temperature``,
             −Σ p·log p (fp32, shaped like ``labels``, 0 at tokens left out; no gradient): TRL's
             DistillationTrainer ``entropy`` metric, from the rows' first pass at no extra matmul.
+        student_softcap, teacher_softcap: each model's final-logit softcap (Gemma-2's
+            ``final_logit_softcapping``): its logits are ``s·tanh(logits/s)`` before anything else.
 
     Returns:
         The fp32 loss (with ``return_entropy``: the loss and the entropy). Gradients reach the
@@ -404,6 +429,8 @@ def linear_divergence(
                 chunk_size=chunk_size,
                 workspace_bytes=workspace_bytes,
                 return_entropy=return_entropy,
+                student_softcap=student_softcap,
+                teacher_softcap=teacher_softcap,
             )
 
     if reduction not in REDUCTIONS:
@@ -422,18 +449,24 @@ def linear_divergence(
     _check_pair(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, tensors)
     if chunk_size is not None:
         chunk_size = validation.positive_int("chunk_size", chunk_size, "a positive number of tokens")
+    caps = {
+        name: None if cap is None else validation.positive_finite(name, cap)
+        for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap))
+    }
     vocab = student_weight.shape[0]
     resolved = resolve_backend("auto" if backend is None else backend, student_hidden)
     if chunk_size is None:
         budget = head_workspace_bytes(student_hidden.device.type, workspace_bytes, student_weight)
-        chunk_size = chunk_rows(
-            vocab, logit_bytes(student_weight.dtype, resolved, student_hidden.device), budget
+        per_logit = logit_bytes(
+            student_weight.dtype, resolved, student_hidden.device, student_softcap is not None
         )
+        chunk_size = chunk_rows(vocab, per_logit, budget)
     spec = DivergenceSpec(
         backend=resolved,
         chunk_size=chunk_size,
         row_math=row_math,
         hard_label_weight=float(hard_label_weight),
+        **caps,
     )
 
     tokens = student_hidden.shape[:-1]

@@ -45,7 +45,7 @@ from fastalign.ops.chunked_head import (
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 from fastalign.ops.linear_cross_entropy import autocast_aware
 from fastalign.ops.linear_cross_entropy_torch import exp_with_dot_
-from fastalign.ops.linear_divergence import _fp32_logits
+from fastalign.ops.linear_divergence import _fp32_logits, softcap_
 
 #: TRL's clamp of the top-k mass's log below 0 (``_add_tail_bucket``): the tail stays a real log.
 TAIL_CLAMP = -1e-7
@@ -133,17 +133,18 @@ def tail_sample_support(
 # The student's fused head.
 
 
-def logit_bytes(dtype: torch.dtype, device: torch.device) -> int:
+def logit_bytes(dtype: torch.dtype, device: torch.device, softcap: bool = False) -> int:
     """Bytes a chunk holds at once per element of its [C, V] logits, for the workspace budget
     (``fastalign.ops.head_workspace``): the fp32 logits, which become exp(z − max), the softmax and the
-    gradient in place (an fp32 head's chunk: 4 bytes, as ``linear_cross_entropy``'s); the gradient's
-    copy in a low-precision head's dtype and its fp32 copy where the weight gradient's sum upcasts
-    (``upcasts_for_fp32_sum``). Not counted, as the per-token outputs are not: the entropy's fp32
-    [16, V] exp block (``linear_cross_entropy_torch.ENTROPY_BLOCK_ROWS``; 3 MiB at V = 49,152), one tenth
-    of a 160-row CPU chunk."""
+    gradient in place (an fp32 head's chunk: 4 bytes, as ``linear_cross_entropy``'s); the gradient's copy
+    in a low-precision head's dtype and its fp32 copy where the weight gradient's sum upcasts
+    (``upcasts_for_fp32_sum``); the slope of a softcap (``softcap``). Not counted, as the per-token
+    outputs are not: the entropy's fp32 [16, V] exp block
+    (``linear_cross_entropy_torch.ENTROPY_BLOCK_ROWS``; 3 MiB at V = 49,152), one tenth of a 160-row CPU
+    chunk."""
     size = 4 + (dtype.itemsize if dtype != torch.float32 else 0)
     size += 4 if upcasts_for_fp32_sum(device, dtype) else 0
-    return size
+    return size + (4 if softcap else 0)
 
 
 class _Sparse(NamedTuple):
@@ -161,6 +162,7 @@ class _Spec(NamedTuple):
     add_tail: bool
     chunk_size: int
     with_entropy: bool
+    softcap: float | None  # the student's final-logit softcap (Gemma-2's): s·tanh(logits/s)
 
 
 def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
@@ -171,7 +173,11 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
     for rows in loss_row_chunks(sparse.valid, spec.chunk_size)[1]:
         hidden_chunk = hidden[rows]
         # One [C, V] fp32 buffer, turned in place into exp(z − max), the softmax, then the gradient.
-        logits = _fp32_logits(hidden_chunk, weight, bias)
+        logits = softcap_(_fp32_logits(hidden_chunk, weight, bias), spec.softcap)
+        # the softcap's slope 1 − (z/s)², for the chain rule at the end
+        slope = None
+        if grads is not None and spec.softcap is not None:
+            slope = (logits / spec.softcap).square_().neg_().add_(1.0)
         if spec.inv_temperature != 1.0:
             logits.mul_(spec.inv_temperature)
         ids = sparse.support_ids[rows]
@@ -205,9 +211,11 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
             grad.scatter_add_(1, ids, g_support)
             if spec.inv_temperature != 1.0:
                 grad.mul_(spec.inv_temperature)
+            if slope is not None:
+                grad.mul_(slope)
             grads.add_chunk(rows, grad.to(weight.dtype), hidden_chunk, weight)
             del grad
-        del logits, shifted
+        del logits, shifted, slope
     finished = grads.finish(weight, bias) if grads is not None else (None,) * 3
     return token_loss, entropy, finished
 
@@ -237,6 +245,7 @@ def linear_sparse_divergence(
     reduction: str = "sum",
     return_entropy: bool = False,
     workspace_bytes: int | None = None,
+    softcap: float | None = None,
 ):
     """The sparse-support divergence (TRL's server distillation loss) of the student whose final hidden
     states are ``hidden`` [..., D] and head ``weight`` [V, D] (and ``bias`` [V]), against the teacher's
@@ -246,13 +255,16 @@ def linear_sparse_divergence(
     (default all). ``reduction`` 'sum' or 'mean' (over valid tokens). The student's distribution is
     ``softmax(logits / temperature)``; the teacher's log-probs are taken as given (scored at the same
     temperature). With ``return_entropy`` also the student's per-token entropy at the temperature
-    (fp32 [...], 0 at tokens not counted, no gradient)."""
+    (fp32 [...], 0 at tokens not counted, no gradient). ``softcap``: the student's final-logit softcap
+    (Gemma-2's), its logits ``s·tanh(logits/s)`` before the temperature."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be positive and finite, got {softcap}")
     lead = hidden.shape[:-1]
     if support_ids.shape[:-1] != lead or teacher_logprobs.shape != support_ids.shape:
         raise ValueError(
@@ -279,8 +291,9 @@ def linear_sparse_divergence(
         float(beta),
         1.0 / temperature,
         bool(add_tail),
-        chunk_rows(vocab, logit_bytes(weight.dtype, weight.device), budget),
+        chunk_rows(vocab, logit_bytes(weight.dtype, weight.device, softcap is not None), budget),
         bool(return_entropy),
+        None if softcap is None else float(softcap),
     )
     sparse = _Sparse(ids, teacher_logprobs.reshape(n, k), mask, valid)
     count = valid.sum()
@@ -311,9 +324,12 @@ class TopK(NamedTuple):
 VOCAB_SLICE = 16384
 
 
-def _logits_block(hidden, weight, bias, v0: int, v1: int, inv_t: float) -> torch.Tensor:
-    """The fp32 logits [C, v1 − v0] of vocabulary ids [v0, v1) at temperature 1 / ``inv_t``."""
-    logits = _fp32_logits(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
+def _logits_block(
+    hidden, weight, bias, v0: int, v1: int, inv_t: float, softcap: float | None
+) -> torch.Tensor:
+    """The fp32 logits [C, v1 − v0] of vocabulary ids [v0, v1), capped at ``softcap`` (Gemma-2's
+    final-logit softcap; None: not), at temperature 1 / ``inv_t``."""
+    logits = softcap_(_fp32_logits(hidden, weight[v0:v1], None if bias is None else bias[v0:v1]), softcap)
     return logits.mul_(inv_t) if inv_t != 1.0 else logits
 
 
@@ -331,13 +347,15 @@ def linear_topk_logprobs(
     workspace_bytes: int | None = None,
     tail_samples: int = 0,
     uniforms: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> TopK:
     """The top-``k`` next-token log-probs of ``softmax((hidden·weightᵀ + bias) / temperature)`` for every
     row of ``hidden`` [N, D], their ids, the log of the mass outside them, and the log-prob of ``tokens``
     [N] (0 where not given). Never more than one [C, vocab_slice] block of logits. Inside an autocast
     region the head runs as ``F.linear`` would there (``autocast_aware``: hidden states, weight and bias
     in the autocast dtype), its logits accumulated in fp32 all the same: a teacher scored under ``bf16``
-    is scored as training's online teacher is.
+    is scored as training's online teacher is. ``softcap``: the model's final-logit softcap (Gemma-2's),
+    applied to the logits before the temperature.
 
     With ``tail_samples`` M > 0, also M draws per row from its tail (the distribution renormalised over
     the ids outside its top-k), by inverse CDF at ``uniforms`` [N, M] in [0, 1) (the caller's, so that
@@ -384,7 +402,7 @@ def linear_topk_logprobs(
         chunk_tokens = tokens[rows] if tokens is not None else None
         for v0 in range(0, vocab, slice_width):
             v1 = min(vocab, v0 + slice_width)
-            logits = _logits_block(h, weight, bias, v0, v1, inv_t)
+            logits = _logits_block(h, weight, bias, v0, v1, inv_t, softcap)
             if chunk_tokens is not None:
                 inside = (chunk_tokens >= v0) & (chunk_tokens < v1)
                 local = (chunk_tokens - v0).clamp(0, v1 - v0 - 1)
@@ -405,13 +423,13 @@ def linear_topk_logprobs(
             out_token[rows] = token_logit - lse
         if tail_samples:
             out_samples[rows] = _tail_draws(
-                h, weight, bias, best_ids, rest, uniforms[rows], slice_width, inv_t
+                h, weight, bias, best_ids, rest, uniforms[rows], slice_width, inv_t, softcap
             )
     return TopK(out_ids, out_lp, out_tail, out_token, out_samples)
 
 
 def _tail_draws(
-    hidden, weight, bias, top_ids, rest, uniforms, slice_width: int, inv_t: float
+    hidden, weight, bias, top_ids, rest, uniforms, slice_width: int, inv_t: float, softcap: float | None
 ) -> torch.Tensor:
     """Draws [C, M] from each row's tail by inverse CDF: draw i is the first id, in vocabulary order with
     the row's ``top_ids`` left out, where the tail's cumulative probability exceeds ``uniforms[:, i]``.
@@ -436,7 +454,7 @@ def _tail_draws(
     half = max(1, (c + 1) // 2)
     for v0 in range(0, vocab, slice_width):
         v1 = min(vocab, v0 + slice_width)
-        logits = _logits_block(hidden, weight, bias, v0, v1, inv_t)
+        logits = _logits_block(hidden, weight, bias, v0, v1, inv_t, softcap)
         local = top_ids - v0
         inside = (local >= 0) & (local < v1 - v0)
         # −inf onto the top-k ids of this slice; the others add 0 at a clamped index (exact in any order)

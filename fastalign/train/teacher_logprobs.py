@@ -64,7 +64,7 @@ from fastalign.train.loading import (
     resolve_model,
 )
 from fastalign.train.objectives.distill import CompletionCollator, DistillExample, DistillObjective
-from fastalign.train.policy import model_dtype, quant_options, refuse_unapplied_softcap, set_model_options
+from fastalign.train.policy import model_dtype, quant_options, set_model_options
 
 #: The ``TrainConfig`` keys scoring reads; any other one set away from its default (a training key: an
 #: optimizer's, a loss's, LoRA's, sampling's) is refused rather than ignored (``refuse_unread``).
@@ -187,7 +187,6 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
     path = resolve_model(config.model_name_or_path, config.model_revision)
     quantization = quant_options(config)  # 4-bit as training's teacher (its unquantized rest as there)
     model, tokenizer = load_model_and_tokenizer(path, quantization, ctx.device, materialize=False)
-    refuse_unapplied_softcap(model, "model_name_or_path", "teacher-logprobs' top-k head")
     set_model_options(model, str(path), config, ctx.device)  # on the skeleton: filled in its dtype
     model = materialize_model(
         model, path, quantization, ctx.device, config.seed, dtype=model_dtype(config, str(path))
@@ -374,7 +373,7 @@ def _score_batch(model, batch: dict, config: TrainConfig, ctx: DistributedContex
     inputs = {key: batch[key].to(ctx.device) for key in ("input_ids", "attention_mask", "position_ids")}
     device_mask, device_tokens = mask.to(ctx.device), tokens.to(ctx.device)
 
-    def head(hidden, weight, bias):
+    def head(hidden, weight, bias, softcap=None):
         rows = hidden[:, width - 1 : -1][device_mask]
         return linear_topk_logprobs(
             rows,
@@ -383,6 +382,7 @@ def _score_batch(model, batch: dict, config: TrainConfig, ctx: DistributedContex
             device_tokens[device_mask],
             bias=bias,
             temperature=config.temperature,
+            softcap=softcap,
             tail_samples=0 if uniforms is None else uniforms.shape[1],
             uniforms=None if uniforms is None else uniforms.to(ctx.device),
         )

@@ -65,13 +65,27 @@ def call(student, teacher, labels, **kwargs):
 
 
 def reference(
-    student, teacher, labels, *, beta=0.5, temperature=1.0, hard_label_weight=0.0, reduction="mean"
+    student,
+    teacher,
+    labels,
+    *,
+    beta=0.5,
+    temperature=1.0,
+    hard_label_weight=0.0,
+    reduction="mean",
+    student_softcap=None,
+    teacher_softcap=None,
 ):
     """float64: TRL's per-element generalized JSD summed over the vocabulary, the cross-entropy at T=1,
-    and the reduction over non-ignored tokens. Returns the loss and the float64 student leaves."""
+    and the reduction over non-ignored tokens, on the logits capped where a softcap is given (s·tanh(x/s),
+    as Gemma-2's model computes them). Returns the loss and the float64 student leaves."""
+
+    def capped(logits, softcap):
+        return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
     leaves = [t.detach().double().requires_grad_() for t in student]
-    student_logits = F.linear(*leaves)
-    teacher_logits = F.linear(*(t.detach().double() for t in teacher))
+    student_logits = capped(F.linear(*leaves), student_softcap)
+    teacher_logits = capped(F.linear(*(t.detach().double() for t in teacher)), teacher_softcap)
     jsd = trl_generalized_jsd_loss()(
         student_logits, teacher_logits, beta=beta, temperature=temperature, reduction="none"
     ).sum(-1)
@@ -105,6 +119,23 @@ def test_every_divergence_matches_float64(backend, beta, temperature, hard_label
     out = call(student, teacher, labels, backend=backend, **options)
     ref, leaves = reference(student, teacher, labels, **options)
     check(out, ref, student, leaves, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("caps", [(1.5, None), (None, 1.0), (1.5, 2.0)], ids=["student", "teacher", "both"])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_final_logit_softcaps_match_float64(backend, reduction, caps, dtype):
+    """Gemma-2's softcap on the student's logits, the teacher's, or both (the logits here spread over
+    several units, so the caps bend them), with the hard-label term, which takes the capped logits too."""
+    student, teacher, labels = make_inputs(dtype)
+    options = dict(beta=0.5, temperature=2.0, hard_label_weight=0.3, reduction=reduction)
+    caps = dict(zip(("student_softcap", "teacher_softcap"), caps, strict=True))
+    out = call(student, teacher, labels, backend=backend, **options, **caps)
+    ref, leaves = reference(student, teacher, labels, **options, **caps)
+    uncapped, _ = reference(student, teacher, labels, **options)
+    assert (uncapped - ref).abs().max() > 0.05  # the caps change the loss
+    upstream = torch.rand(out.shape, device=DEVICE) if reduction == "none" else None
+    check(out, ref, student, leaves, dtype, upstream)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -63,8 +63,10 @@ def assert_equals_trls(ours, theirs, k: int, add_tail: bool, tensors) -> None:
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-6)
 
 
-def student_log_probs(hidden, weight, bias, temperature):
+def student_log_probs(hidden, weight, bias, temperature, softcap=None):
     logits = hidden @ weight.t() + (bias if bias is not None else 0)
+    if softcap is not None:  # Gemma-2's final-logit softcap
+        logits = softcap * torch.tanh(logits / softcap)
     return torch.log_softmax(logits / temperature, dim=-1)
 
 
@@ -100,6 +102,37 @@ def test_forward_kl_equals_trls_server_path(k, add_tail):
         workspace_bytes=8 * V * 4,  # chunks of 8 rows: several
     )
     assert_equals_trls(ours, theirs, k, add_tail, leaves(hidden, weight, bias))
+
+
+@pytest.mark.parametrize("add_tail", [True, False])
+def test_a_final_logit_softcap_equals_trls_server_path_on_the_capped_logits(add_tail):
+    """The student's logits capped (s·tanh(x/s), here 1.0 where they spread over a few units) before the
+    temperature, as a Gemma-2 student's model computes them for TRL: loss and gradients."""
+    trl = server_trainer()
+    k, temperature, cap = 8, 0.8, 1.0
+    hidden, weight, bias, teacher_logits, valid, _ = make(k)
+    teacher = torch.log_softmax(teacher_logits / temperature, -1).topk(k, dim=-1)
+    fake = SimpleNamespace(
+        loss_add_tail=add_tail, _reduce_divergence_loss=trl.ServerDistillationTrainer._reduce_divergence_loss
+    )
+    labels = torch.where(valid, 1, -100)[None]
+    stored = {"topk_logprobs": teacher.values[None], "topk_token_ids": teacher.indices[None]}
+    student = student_log_probs(hidden, weight, bias, temperature, cap)
+    theirs = trl.ServerDistillationTrainer._compute_server_forward_kl_loss(
+        fake, stored, student[None], labels
+    )
+    ours = linear_sparse_divergence(
+        hidden, weight, teacher.indices, teacher.values, valid=valid, temperature=temperature,
+        add_tail=add_tail, bias=bias, reduction="mean", workspace_bytes=8 * V * 8, softcap=cap,
+    )  # fmt: skip
+    uncapped = student_log_probs(hidden, weight, bias, temperature)
+    assert (uncapped - student).abs().max() > 0.1  # the cap changes the distribution
+    assert_equals_trls(ours, theirs, k, add_tail, leaves(hidden, weight, bias))
+    with torch.no_grad():  # the teacher's scoring pass caps as well
+        top = linear_topk_logprobs(
+            hidden, weight, k, bias=bias, temperature=temperature, vocab_slice=16, softcap=cap
+        )
+    torch.testing.assert_close(top.logprobs, student.detach().topk(k, dim=-1).values)
 
 
 @pytest.mark.parametrize("beta", [0.5, 1.0])

@@ -24,7 +24,7 @@ from fastalign.train.objectives import make_objective
 from fastalign.train.run import run_training
 from tests import torchrun
 from tests.helpers import require
-from tests.parity.conftest import models  # noqa: F401 (the student and a perturbed teacher)
+from tests.parity.conftest import models, softcap_models  # noqa: F401 (student, perturbed teacher)
 from tests.train.runs import logged, short_config, train
 
 WORKER = Path(__file__).with_name("train_worker.py")
@@ -92,6 +92,20 @@ def test_loss_and_gradients_equal_trls_generalized_jsd(models, beta, temperature
     # completions of different lengths after prompts of different lengths: padding on both sides
     assert batch["completion_mask"].sum(-1).unique().numel() > 1 or batch["attention_mask"].min() == 0
     theirs, their_entropy, their_grads = trl_loss_and_grads(models, batch, beta, temperature)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7) and ours > 0
+    assert our_entropy == pytest.approx(their_entropy, rel=1e-5)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("beta", "temperature"), [(0.0, 1.0), (0.5, 0.7), (1.0, 2.0)])
+def test_a_final_logit_softcap_equals_trls_generalized_jsd(softcap_models, beta, temperature):  # noqa: F811
+    """Gemma-2 student and teacher capped at 0.2 (tests/parity/conftest.py): both models' logits are
+    capped in the fused divergence, as in TRL's full logits."""
+    _, ours, our_entropy, our_grads = fastalign_loss_and_grads(softcap_models, beta, temperature)
+    batch, *_ = fastalign_loss_and_grads(softcap_models, beta, temperature, train=False)
+    theirs, their_entropy, their_grads = trl_loss_and_grads(softcap_models, batch, beta, temperature)
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7) and ours > 0
     assert our_entropy == pytest.approx(their_entropy, rel=1e-5)
     for name, grad in their_grads.items():

@@ -85,9 +85,16 @@ def scoring_config(tmp_path: Path, teacher: Path, rows: list[dict], **options) -
     return TrainConfig(**defaults | options)
 
 
-def test_scores_equal_the_teachers_full_log_softmax(tmp_path, teacher_dir):
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_scores_equal_the_teachers_full_log_softmax(tmp_path, teacher_dir, family):
     """Every stored top-k, tail and completion-token log-prob is the teacher's on that row, and rows
-    are found by their content hash, in any order."""
+    are found by their content hash, in any order; a Gemma-2 teacher's with its final-logit softcap
+    (0.2 here, which bends its logits)."""
+    overrides = {"final_logit_softcapping": 0.2} if family == "gemma2" else {}
+    if family != "llama":
+        teacher_dir = tmp_path / "teacher"
+        tiny_model(family, seed=1, **overrides).save_pretrained(teacher_dir)
+        tiny_tokenizer().save_pretrained(teacher_dir)
     config = scoring_config(tmp_path, teacher_dir, tiny_sft_rows(7))
     report = score_teacher(config, ScoringOptions(shard_rows=3))
     assert (report.rows, report.shards_written) == (7, 3)
@@ -99,7 +106,7 @@ def test_scores_equal_the_teachers_full_log_softmax(tmp_path, teacher_dir):
     )
     tokenizer = tiny_tokenizer()
     examples = objective.tokenize(tiny_sft_rows(7), tokenizer)
-    model = tiny_model("llama", seed=1).eval()
+    model = tiny_model(family, seed=1, **overrides).eval()
     for example in random.Random(0).sample(examples, len(examples)):
         ids = torch.tensor([example.prompt_ids + example.completion_ids])
         with torch.no_grad():

@@ -93,7 +93,6 @@ from fastalign.train.objectives.online import (
     check_generation_keys,
     sample_completions,
 )
-from fastalign.train.policy import refuse_unapplied_softcap
 from fastalign.train.rollout import (
     Completions,
     SamplingKeys,
@@ -472,9 +471,6 @@ class DistillObjective(Objective):
         evaluation runs the loss on the dataset's completions)."""
         return self.options.lmbda == 1
 
-    def softcap_refusal(self) -> str | None:
-        return "distill's divergence head"
-
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         options = self.options
         every_batch_sampled = options.lmbda == 1 or options.seq_kd
@@ -516,7 +512,6 @@ class DistillObjective(Objective):
             self._check_scored(evaluation, self.eval_dataset_name if separate else None)
             return Prepared(train, evaluation)
         self.teacher = parts.load_frozen_model(options.teacher_model_name_or_path)
-        refuse_unapplied_softcap(self.teacher, "teacher_model_name_or_path", "distill's divergence head")
         self.tokenizer = parts.tokenizer
         teacher = self.teacher.get_output_embeddings().weight.shape[0]
         _check_same_vocabulary("teacher_model_name_or_path", teacher, model)
@@ -602,11 +597,11 @@ class DistillObjective(Objective):
         labels = batch["input_ids"][:, width:].masked_fill(mask == 0, IGNORE_INDEX)
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
         with torch.no_grad():  # the teacher's final hidden states of the completion positions, and its head
-            teacher_hidden, teacher_weight, teacher_bias = self.teacher(
+            teacher_hidden, teacher_weight, teacher_bias, teacher_softcap = self.teacher(
                 **inputs, head_fn=self._teacher_head(width)
             ).head_output
 
-        def head(hidden, weight, bias):
+        def head(hidden, weight, bias, softcap=None):
             return linear_divergence(
                 hidden[:, width - 1 : -1],
                 weight,
@@ -619,6 +614,8 @@ class DistillObjective(Objective):
                 teacher_bias=teacher_bias,
                 reduction="sum",
                 return_entropy=True,
+                student_softcap=softcap,
+                teacher_softcap=teacher_softcap,
             )
 
         return _divergence_loss(model, inputs, head, num_items_in_batch)
@@ -647,7 +644,7 @@ class DistillObjective(Objective):
             support_mask = torch.stack([torch.ones_like(mask), tokens != top1], dim=-1)
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
 
-        def head(hidden, weight, bias):
+        def head(hidden, weight, bias, softcap=None):
             return linear_sparse_divergence(
                 hidden[:, width - 1 : -1],
                 weight,
@@ -661,23 +658,25 @@ class DistillObjective(Objective):
                 bias=bias,
                 reduction="sum",
                 return_entropy=True,
+                softcap=softcap,
             )
 
         return _divergence_loss(model, inputs, head, num_items_in_batch)
 
     def _teacher_head(self, width: int):
         """The teacher's ``head_fn``: the final hidden states of the positions that predict the
-        completion, and the LM head, for the student's forward to read after the teacher's returns.
+        completion, the LM head and the model's final-logit softcap (Gemma-2's; None for most), for the
+        student's forward to read after the teacher's returns.
 
         Under FSDP2 the head is the teacher's root unit's all-gathered weight (and bias), which the
         teacher's forward frees (reshards) as it returns: they are copied here, while whole (one [V, Dt]
         head alive during the student's forward, less than keeping the teacher's root unit gathered).
         On one process they are the parameters themselves, which outlive the forward."""
 
-        def head(hidden, weight, bias):
+        def head(hidden, weight, bias, softcap=None):
             if self.ctx.enabled:
                 weight, bias = weight.clone(), None if bias is None else bias.clone()
-            return hidden[:, width - 1 : -1], weight, bias
+            return hidden[:, width - 1 : -1], weight, bias, softcap
 
         return head
 
