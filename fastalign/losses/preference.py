@@ -408,8 +408,7 @@ class PreferenceLoss(nn.Module):
         weight it gives this part), so the NLL is the whole batch's token mean.
 
         softcap: the model's final-logit softcap (Gemma-2's ``final_logit_softcapping``), for the policy's
-        and a computed reference's logits alike; not with ``use_weighting`` (WPO's statistic is taken
-        from the raw logits).
+        and a computed reference's logits alike (and WPO's statistic).
 
         Masked positions (``loss_mask`` 0 or target -100) are ignored by the fused log-softmax: their hidden
         states (NaN at padding, say) reach neither the loss nor a gradient."""
@@ -421,10 +420,6 @@ class PreferenceLoss(nn.Module):
             raise ValueError(
                 "hidden holds chosen then rejected sequences: its batch size "
                 f"({hidden.shape[0]}) must be even"
-            )
-        if softcap is not None and self.use_weighting:
-            raise ValueError(
-                "use_weighting (WPO) cannot take a final-logit softcap: its statistic is of the raw logits"
             )
         pairs = hidden.shape[0] // 2
         targets = _masked_targets(targets, loss_mask)
@@ -500,7 +495,9 @@ class PreferenceLoss(nn.Module):
             )
             pair = as_pairs(seq[:pairs], seq[pairs:], tokens[:pairs])
             wpo = (
-                self._wpo_weights(hidden, weight, bias, targets, tokens, pair) if self.use_weighting else None
+                self._wpo_weights(hidden, weight, bias, targets, tokens, pair, softcap)
+                if self.use_weighting
+                else None
             )
             loss, rewards, logps = self._loss(pair, refs, wpo, pairs)
         chosen_rewards, rejected_rewards = (self.beta * reward.detach() for reward in rewards)
@@ -517,10 +514,10 @@ class PreferenceLoss(nn.Module):
         return PreferenceLossOutput(loss, metrics)
 
     @torch.no_grad()
-    def _wpo_weights(self, hidden, weight, bias, targets, tokens, pair: _Pairs) -> torch.Tensor:
+    def _wpo_weights(self, hidden, weight, bias, targets, tokens, pair: _Pairs, softcap) -> torch.Tensor:
         """WPO's pair weights from per-token log-probs, with a second pass for log Σ_v p_v²."""
         log_sum_sq = token_log_sum_sq_probs(
-            hidden, weight, targets, bias, chunk_size=self.chunk_size, backend=self.backend
+            hidden, weight, targets, bias, softcap=softcap, chunk_size=self.chunk_size, backend=self.backend
         )
         return _wpo_weights(*(tokens - log_sum_sq).sum(-1).chunk(2), pair)
 

@@ -154,7 +154,9 @@ class _SequenceObjectiveFunction(GradientInForward):
             targets_chunk, hidden_chunk = targets[rows], hidden[rows]
             logits = F.linear(hidden_chunk, weight, bias)
             # before the statistics, which may overwrite the logits (PyTorch path)
-            log_sum_sq = log_sum_sq_probs(logits, spec.backend) if plan.with_aligned else None
+            log_sum_sq = (
+                log_sum_sq_probs(logits, spec.backend, spec.transform.softcap) if plan.with_aligned else None
+            )
             stats, workspace = row_stats(logits, targets_chunk, spec)
             token = stats.target_logit - stats.lse
             weights = None if plan.token_weights is None else plan.token_weights[rows]
@@ -222,13 +224,8 @@ def linear_sequence_objective(
     see ``linear_cross_entropy``), or one unit when a unit has more: then the chunk is over the budget,
     by at most ``MAX_CHUNKS_PER_UNIT`` times where ``fits_whole_units`` chose this op. ``softcap``: the
     logits are ``softcap·tanh(logits/softcap)`` (Gemma-2's final-logit softcap), as in
-    ``linear_cross_entropy``; not with ``return_aligned``. Under autocast the head runs in autocast's
-    dtype, as ``F.linear`` would.
+    ``linear_cross_entropy``. Under autocast the head runs in autocast's dtype, as ``F.linear`` would.
     """
-    if softcap is not None and return_aligned:
-        raise ValueError(
-            "return_aligned (WPO's statistic) is computed from the raw logits: it cannot take a softcap"
-        )
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [S, T, D], got {tuple(hidden.shape)}")
     if token_weights is not None and token_weights.shape != targets.shape:
@@ -241,7 +238,9 @@ def linear_sequence_objective(
         budget = head_workspace_bytes(weight.device.type, workspace_bytes, weight)
         identity = LogitTransform(None, 1.0)
         chunk_size = min(
-            chunk_rows(weight.shape[0], log_sum_sq_bytes(weight.dtype, resolved), budget),
+            chunk_rows(
+                weight.shape[0], log_sum_sq_bytes(weight.dtype, resolved, softcap is not None), budget
+            ),
             budget_chunk_rows(weight, weight.dtype, resolved, identity, return_entropy, budget),
         )
     flat_hidden, flat_targets, spec = prepare(

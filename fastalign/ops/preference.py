@@ -182,8 +182,13 @@ def length_desensitised_weights(
     return weights * counted
 
 
-def log_sum_sq_probs(logits: torch.Tensor, backend: Literal["triton", "torch"]) -> torch.Tensor:
-    """log Σ_v softmax(logits)_v² per row [C] (fp32) of a logits chunk [C, V] (a resolved backend)."""
+def log_sum_sq_probs(
+    logits: torch.Tensor, backend: Literal["triton", "torch"], softcap: float | None = None
+) -> torch.Tensor:
+    """log Σ_v softmax(logits)_v² per row [C] (fp32) of a logits chunk [C, V] (a resolved backend), the
+    logits capped first where ``softcap`` is given (Gemma-2's s·tanh(x/s), on a copy)."""
+    if softcap is not None:
+        logits = logits.div(softcap).tanh_().mul_(softcap)
     if backend == "triton":
         from fastalign.kernels import preference as kernels
 
@@ -192,13 +197,15 @@ def log_sum_sq_probs(logits: torch.Tensor, backend: Literal["triton", "torch"]) 
     return torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
 
 
-def log_sum_sq_bytes(dtype: torch.dtype, backend: Literal["triton", "torch"]) -> int:
+def log_sum_sq_bytes(dtype: torch.dtype, backend: Literal["triton", "torch"], softcap: bool = False) -> int:
     """Bytes ``log_sum_sq_probs`` holds at once per element of its logits chunk, for the workspace
-    budget (``fastalign.ops.head_workspace``): the logits, and on the PyTorch path their fp32 copy
-    (low precision), ``2·z`` and ``logsumexp``'s two temporaries (``z − max`` and its exp)."""
+    budget (``fastalign.ops.head_workspace``): the logits (twice with a softcap: the capped copy), and on
+    the PyTorch path their fp32 copy (low precision), ``2·z`` and ``logsumexp``'s two temporaries
+    (``z − max`` and its exp)."""
+    logits = dtype.itemsize * (2 if softcap else 1)
     if backend == "triton":
-        return dtype.itemsize
-    return dtype.itemsize + 4 * (int(dtype != torch.float32) + 3)
+        return logits
+    return logits + 4 * (int(dtype != torch.float32) + 3)
 
 
 @torch.no_grad()
@@ -209,11 +216,13 @@ def token_log_sum_sq_probs(
     bias: torch.Tensor | None = None,
     *,
     ignore_index: int = -100,
+    softcap: float | None = None,
     chunk_size: int | None = None,
     workspace_bytes: int | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
-    """log Σ_v p_v² of softmax(hidden @ weight.T + bias) at each loss token (fp32, shaped like
+    """log Σ_v p_v² of softmax(hidden @ weight.T + bias) (capped at ``softcap``: Gemma-2's final-logit
+    softcap) at each loss token (fp32, shaped like
     ``targets``, 0 where it is ``ignore_index``), without gradient: WPO's alignment term (TRL's
     ``log_sum_sq_probs``).
 
@@ -227,8 +236,9 @@ def token_log_sum_sq_probs(
     out = torch.zeros(flat_targets.shape, dtype=torch.float32, device=hidden.device)
     resolved = resolve_backend(backend, hidden)
     budget = head_workspace_bytes(weight.device.type, workspace_bytes, weight)
-    step = chunk_size or chunk_rows(vocab, log_sum_sq_bytes(weight.dtype, resolved), budget)
+    per_logit = log_sum_sq_bytes(weight.dtype, resolved, softcap is not None)
+    step = chunk_size or chunk_rows(vocab, per_logit, budget)
     for start in range(0, rows.numel(), step):
         index = rows[start : start + step]
-        out[index] = log_sum_sq_probs(F.linear(flat_hidden[index], weight, bias), resolved)
+        out[index] = log_sum_sq_probs(F.linear(flat_hidden[index], weight, bias), resolved, softcap)
     return out.view(targets.shape)

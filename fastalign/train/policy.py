@@ -257,19 +257,6 @@ def set_tf32(tf32: bool | None) -> None:
 _MODEL_KEYS = ("ref_model_name_or_path", "teacher_model_name_or_path", "model_name_or_path")
 
 
-def refuse_unapplied_softcap(model: torch.nn.Module, key: str, head: str) -> None:
-    """A one-line error where the model's config has a final-logit softcap (Gemma-2's) and ``head`` (the
-    loss head that would score it: distillation's divergence heads, WPO's statistic) does not apply it
-    yet, before any data or weights are read: its log-probs would be another model's."""
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    if softcap is not None:
-        raise ConfigError(
-            f"config key {key!r}: {model.config.model_type}'s final_logit_softcapping ({softcap}) is not "
-            f"applied by {head} yet (every other loss head applies it): use a model without a final-logit "
-            "softcap"
-        )
-
-
 def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedContext) -> torch.nn.Module:
     """A reference model: quantized, patched and sharded as the policy, frozen, in eval mode.
 

@@ -50,7 +50,6 @@ from fastalign.train.policy import (
     load_frozen_model,
     prepare_policy,
     quant_options,
-    refuse_unapplied_softcap,
 )
 from fastalign.train.run_dir import check_output_dir, check_resume_length, resume, run_identity, start_writing
 
@@ -86,8 +85,6 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             materialize=False,
             task=objective.task,
         )
-        if (head := objective.softcap_refusal()) is not None:
-            refuse_unapplied_softcap(model, "model_name_or_path", head)
         override_tokenizer(tokenizer, model, config.eos_token, config.pad_token, config.chat_template_path)
         train_examples, eval_examples = _tokenized_splits(config, objective, tokenizer)
         row_tokens = objective.sequence_length(config, train_examples)

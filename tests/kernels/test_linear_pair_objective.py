@@ -67,11 +67,8 @@ def reference(hidden, weight, bias, targets, weights, softcap=None):
 
 
 def call(hidden, weight, bias, targets, weights, backend, chunk_size, softcap=None):
-    aligned = softcap is None  # WPO's statistic is of the raw logits: refused with a softcap
-
     def loss_fn(index: torch.Tensor, sums: PairSums) -> torch.Tensor:
-        if aligned:
-            assert sums.aligned_chosen is not None and sums.aligned_chosen.shape == index.shape
+        assert sums.aligned_chosen is not None and sums.aligned_chosen.shape == index.shape
         return pair_loss(index.cpu(), sums.chosen, sums.rejected, sums.chosen_tokens)
 
     return linear_pair_objective(
@@ -82,7 +79,7 @@ def call(hidden, weight, bias, targets, weights, backend, chunk_size, softcap=No
         bias,
         token_weights=weights,
         return_entropy=True,
-        return_aligned=aligned,
+        return_aligned=True,
         softcap=softcap,
         chunk_size=chunk_size,
         backend=backend,
@@ -118,13 +115,15 @@ def test_loss_sums_and_gradients_equal_float64(backend, dtype, chunk_size, weigh
 @pytest.mark.parametrize("chunk_size", [3, 16], ids=["pair-per-chunk", "pairs-per-chunk"])
 def test_a_final_logit_softcap_equals_float64(backend, dtype, chunk_size):
     """Gemma-2's softcap s·tanh(x/s) (here 1.5, where the logits spread over several units, so the cap
-    bends them) in the loss, the sums, the entropy and every gradient."""
+    bends them) in the loss, the sums, the entropy, WPO's statistic and every gradient."""
     hidden, weight, bias, targets, weights = make_inputs(dtype)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     out = call(*leaves, targets, weights, backend, chunk_size, softcap=1.5)
     out.loss.backward()
     ref_leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
-    ref_loss, ref_weighted, ref_plain, ref_entropy, _ = reference(*ref_leaves, targets, weights, 1.5)
+    ref_loss, ref_weighted, ref_plain, ref_entropy, ref_aligned = reference(
+        *ref_leaves, targets, weights, 1.5
+    )
     ref_loss.backward()
     uncapped = reference(*(t.detach().double() for t in (hidden, weight, bias)), targets, weights)
     assert (uncapped[1] - ref_weighted).abs().max() > 0.5  # the cap changes the log-probs
@@ -133,12 +132,10 @@ def test_a_final_logit_softcap_equals_float64(backend, dtype, chunk_size):
     assert_close_to_reference("logps", out.logps, ref_weighted.detach(), dtype)
     assert_close_to_reference("token_sums", out.token_sums, ref_plain.detach(), dtype)
     assert_close_to_reference("entropy", out.entropy, ref_entropy.detach(), dtype)
-    assert out.aligned is None
+    assert_close_to_reference("aligned", out.aligned, ref_aligned.detach(), dtype)
     for name, leaf, ref in zip(("hidden", "weight", "bias"), leaves, ref_leaves, strict=True):
         grad = torch.nan_to_num(leaf.grad, nan=1e9)
         assert_close_to_reference(f"grad {name}", grad, ref.grad, dtype)
-    with pytest.raises(ValueError, match=r"return_aligned .* cannot take a softcap"):
-        linear_pair_objective(hidden, weight, targets, lambda *a: 0, bias, return_aligned=True, softcap=1.5)
 
 
 def test_without_gradients_the_sums_are_the_same(backend):

@@ -1,8 +1,8 @@
 """TRL 1.16 as the oracle on a model with a final-logit softcap (Gemma-2's ``final_logit_softcapping``,
 0.2 here so that it bends the logits): the fused heads that score completions inside the patched
 forward (``head_fn``, which hands them the softcap) give TRL's loss, gradients and metrics for DPO (its
-pair head and its reference), KTO, and GRPO at token and sequence level, with and without its KL term.
-Before, these objectives refused such a model."""
+pair head and its reference) and WPO, KTO, and GRPO at token and sequence level, with and without its KL
+term. Before, these objectives refused such a model (distillation's: tests/train/test_distill.py)."""
 
 from __future__ import annotations
 
@@ -32,13 +32,15 @@ def test_the_softcap_bends_the_logits(softcap_models):
     assert (output.logits - raw).abs().max() > 0.1
 
 
-def test_dpo_one_step_equals_trl(softcap_models, tmp_path):
+@pytest.mark.parametrize("use_weighting", [False, True], ids=["dpo", "wpo"])
+def test_dpo_one_step_equals_trl(softcap_models, tmp_path, use_weighting):
+    """DPO, and WPO (whose weights take log Σ p² of the capped logits too)."""
     require("trl")
     from trl import DPOConfig, DPOTrainer
 
     rows = tiny_preference_rows(8, seed=3)
     policy, reference = softcap_models
-    options = dict(beta=0.1, loss_type=["sigmoid"])
+    options = dict(beta=0.1, loss_type=["sigmoid"], use_weighting=use_weighting)
     ours = fastalign_step(
         "dpo", rows, tmp_path, model_name_or_path=policy, ref_model_name_or_path=reference, **options
     )

@@ -163,10 +163,8 @@ def test_a_key_that_would_be_ignored_is_refused_in_one_line(bad_input, tmp_path,
 
 
 #: (objective, YAML, key): a model a run cannot train as configured, refused in one line naming its key
-#: before any data or weights are read: a final-logit softcap (Gemma-2's) where the loss does not apply it
-#: (WPO's statistic, of the raw logits), and a teacher that is not there.
+#: before any data or weights are read: a teacher that is not there.
 UNUSABLE_MODELS = [
-    ("dpo", "model_name_or_path: tiny-gemma2\nuse_weighting: true\n", "model_name_or_path"),
     ("distill", "teacher_model_name_or_path: /nonexistent/teacher\n", "teacher_model_name_or_path"),
 ]
 

@@ -164,12 +164,6 @@ class Objective(ABC):
         """Everything the objective needs besides the policy (a reference, a tokenizer to decode)."""
         return Prepared(train, evaluation)
 
-    def softcap_refusal(self) -> str | None:
-        """Why this run's loss cannot apply the model's final-logit softcap (Gemma-2's), as the head of
-        what; None where it does (the patched forward hands ``head_fn`` the softcap, and every fused op
-        but the divergence heads takes it). The runner refuses such a model before loading its weights."""
-        return None
-
     def sequence_length(self, config: TrainConfig, train: list) -> int:
         """The length of a training row, for the throughput estimate (MFU's attention term), once the
         training examples ``train`` are tokenized: ``max_length``."""

@@ -154,13 +154,6 @@ class DPOObjective(Objective):
     def collate(self, tokenizer) -> PreferenceCollator:
         return PreferenceCollator(tokenizer.pad_token_id)
 
-    def softcap_refusal(self) -> str | None:
-        return (
-            "use_weighting (WPO), whose statistic is of the raw logits,"
-            if self.options.use_weighting
-            else None
-        )
-
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         if self.options.disable_dropout:
             disable_dropout(model)
