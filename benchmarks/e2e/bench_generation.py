@@ -224,8 +224,9 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                     counter.take()
                     try:
                         completions = sample(provider, model, ids, mask, preset["group"], options, cache)
-                    except Exception as failure:  # a provider that fails is a skipped row
+                    except Exception as failure:  # a provider that fails is a skipped row, not a partial one
                         skipped[f"{provider}/{length}"] = f"{type(failure).__name__}: {failure}"[:300]
+                        got["seconds"].clear()
                         break
                     if device.type == "cuda":
                         torch.cuda.synchronize()

@@ -274,7 +274,7 @@ def _phase_long(name: str) -> Callable[[Context, float], dict]:
         setting = {"tokens": tokens, "checkpointing": True, "offloading": True,
                    "keep_on_device": plan.offload_keep_on_device, "goal": anchor}  # fmt: skip
         spec = {"shape": shape, "provider": "fastalign", "quant": "nf4" if quant else None, "steps": 1,
-                "tiled_mlp": True, "host_limit_fraction": 0.95, "settings": [setting]}  # fmt: skip
+                "tiled_mlp": True, "host_limit_fraction": 0.9, "settings": [setting]}  # fmt: skip
         rows, why = _lora_worker(ctx, spec, time.monotonic() + cap)
         return {"rows": rows, "plan_fits": plan.fits, "skipped": {"rest": why} if why else {}}
 

@@ -147,7 +147,9 @@ def goals(phases: dict[str, tuple[dict, dict]]) -> list[str]:
 
 
 def _long_goal(what: str, anchor: int, rows: list[dict], otherwise: str) -> str:
-    """'<what> > <anchor> tokens on 80 GB': met by the longest row that trained past it."""
+    """'<what> > <anchor> tokens on 80 GB': met by the longest row that trained past it within 80 GiB (a
+    row of a larger card does not count)."""
+    rows = [row for row in rows if row["peak_gib"] <= 80]
     reached = max((row["tokens"] for row in rows), default=0)
     goal = f"- {what} > {anchor:,} tokens on 80 GB"
     if reached > anchor:

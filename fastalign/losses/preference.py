@@ -448,7 +448,7 @@ class PreferenceLoss(nn.Module):
             nll = -chosen_tokens.sum() / nll_divisor
             return _Pairs(chosen, rejected, lengths[:pairs][index], lengths[pairs:][index], nll)
 
-        if self._pair_head(lengths, weight):
+        if self._pair_head(lengths, weight, softcap):
             # the gradient formed per chunk of whole pairs (logits built once): the loss of the pairs
             # ``index`` from their sums, the same function as below on the whole batch
             def chunk_loss(index: torch.Tensor, sums: PairSums) -> torch.Tensor:
@@ -521,14 +521,15 @@ class PreferenceLoss(nn.Module):
         )
         return _wpo_weights(*(tokens - log_sum_sq).sum(-1).chunk(2), pair)
 
-    def _pair_head(self, lengths: torch.Tensor, weight: torch.Tensor) -> bool:
+    def _pair_head(self, lengths: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> bool:
         """Whether the loss runs in chunks of whole pairs with its gradient formed in the forward
         (``linear_pair_objective``): not for 'aot'/'aot_unpaired', whose loss sorts all the pairs, nor
         when a pair's loss tokens are too many for one sweep (``fits_whole_units``)."""
         if {"aot", "aot_unpaired"} & set(self.loss_types):
             return False
         pairs = len(lengths) // 2  # ``lengths``: each sequence's loss tokens, chosen rows first
-        return fits_whole_units(lengths[:pairs] + lengths[pairs:], weight, self.chunk_size, self.backend)
+        units = lengths[:pairs] + lengths[pairs:]
+        return fits_whole_units(units, weight, self.chunk_size, self.backend, softcap=softcap)
 
     def _loss(self, pair: _Pairs, refs: tuple | None, wpo: torch.Tensor | None, pairs: int):
         """The loss of the pairs in ``pair`` (a mean over all ``pairs`` of the batch: a sum over these
@@ -723,7 +724,7 @@ class KTOLoss(nn.Module):
             losses = pair_loss(c, r, "kto", beta=self.beta, backend=self.backend)
             return (losses * weights[index]).sum() / count
 
-        if fits_whole_units(lengths, weight, self.chunk_size, self.backend):
+        if fits_whole_units(lengths, weight, self.chunk_size, self.backend, softcap=softcap):
             # each completion's loss is its own once the KL is fixed: the gradient formed per chunk of
             # whole completions, the logits built once (``linear_sequence_objective``)
             head = linear_sequence_objective(

@@ -92,15 +92,16 @@ def fits_whole_units(
     chunk_size: int | None,
     backend: Backend = "auto",
     workspace_bytes: int | None = None,
+    softcap: float | None = None,
 ) -> bool:
     """Whether the largest unit's loss tokens (``unit_tokens`` [U]) fit ``MAX_CHUNKS_PER_UNIT`` chunks
-    of the head ``weight`` [V, D] (``chunk_size``, or the workspace budget's with the entropy on): when
-    not, run per-token log-probs."""
+    of the head ``weight`` [V, D] (``chunk_size``, or the workspace budget's with the entropy on and the
+    logits capped at ``softcap``): when not, run per-token log-probs."""
     device = weight.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    identity = LogitTransform(None, 1.0)
+    transform = LogitTransform(softcap, 1.0)
     resolved = resolve_backend(backend, weight)
-    chunk = chunk_size or budget_chunk_rows(weight, dtype, resolved, identity, True, workspace_bytes)
+    chunk = chunk_size or budget_chunk_rows(weight, dtype, resolved, transform, True, workspace_bytes)
     return unit_tokens.numel() == 0 or int(unit_tokens.max()) <= MAX_CHUNKS_PER_UNIT * chunk
 
 
@@ -236,12 +237,12 @@ def linear_sequence_objective(
     if return_aligned and chunk_size is None:  # WPO's pass may hold more than the statistics
         resolved = resolve_backend(backend, hidden)
         budget = head_workspace_bytes(weight.device.type, workspace_bytes, weight)
-        identity = LogitTransform(None, 1.0)
+        transform = LogitTransform(softcap, 1.0)
         chunk_size = min(
             chunk_rows(
                 weight.shape[0], log_sum_sq_bytes(weight.dtype, resolved, softcap is not None), budget
             ),
-            budget_chunk_rows(weight, weight.dtype, resolved, identity, return_entropy, budget),
+            budget_chunk_rows(weight, weight.dtype, resolved, transform, return_entropy, budget),
         )
     flat_hidden, flat_targets, spec = prepare(
         hidden,

@@ -147,7 +147,7 @@ def fused_causal_lm_forward(
         return_logits: bool | None = None,
         loss_reduction: Reduction = "mean",
         return_token_stats: bool = False,
-        head_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], object] | None = None,
+        head_fn: Callable[..., object] | None = None,
         **kwargs,
     ):
         """Causal-LM forward with the fused head (see ``fastalign.patch_model``).
@@ -303,7 +303,7 @@ def fused_causal_lm_forward(
         if head_fn is not None:
             if softcap is None:
                 head_output = head_fn(head_hidden, weight, head_bias)
-            elif "softcap" in inspect.signature(head_fn).parameters:
+            elif _takes_softcap(head_fn):
                 head_output = head_fn(head_hidden, weight, head_bias, softcap=softcap)
             else:
                 raise ValueError(
@@ -340,6 +340,12 @@ def fused_causal_lm_forward(
         return output if return_dict else output.to_tuple()
 
     return forward
+
+
+def _takes_softcap(head_fn: Callable) -> bool:
+    """Whether ``head_fn`` has a ``softcap`` parameter (or takes any keyword)."""
+    parameters = inspect.signature(head_fn).parameters.values()
+    return any(p.name == "softcap" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _scaled_logits(logits: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:

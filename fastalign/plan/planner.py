@@ -504,6 +504,11 @@ def plan_memory(
         isinstance(host_memory_bytes, bool) or not isinstance(host_memory_bytes, int) or host_memory_bytes < 1
     ):
         raise PlanError("host_memory_bytes", f"must be a positive integer or None, got {host_memory_bytes!r}")
+    if host_memory_bytes is not None and device == "cpu":
+        raise PlanError(
+            "host_memory_bytes",
+            "with device 'cpu' every term is host memory: give the machine's memory as gpu_memory_bytes",
+        )
     if method not in DISTILL_OFFLINE_METHODS:
         for name, value in (("top_k", top_k), ("tail_samples", tail_samples)):
             if value is not None:
@@ -672,8 +677,16 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
         f"(weights, grads, AdamW){f' ÷ {gpus} (FSDP2)' if gpus > 1 else ''}; working copies and "
         "activations as the policy's"
     )
+    # one base model: the critic's forward runs through the policy's (offloading) decoder layers, so
+    # with offloading its activations take the host memory the policy's do
+    critic_host = 0 if separate else policy.activations_host
     critic = Term(
-        "critic", "critic", state + policy.weight_copies + policy.activations, 0, gpus > 1, critic_how
+        "critic",
+        "critic",
+        state + policy.weight_copies + policy.activations,
+        critic_host,
+        gpus > 1,
+        critic_how,
     )
     if separate:
         w = 2 if flags["base_dtype"] == "bf16" else 4
@@ -683,13 +696,18 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
     else:
         reference = Term("reference", "reference", 0, 0, False, "the base with the adapters off")
     total = policy.total_per_gpu + critic.gpu_bytes + reference.gpu_bytes
+    host = max(policy.activations_host + critic_host, policy.model_load_host)
     plan = replace(
         policy,
         method=method,
         trainable_params=policy.trainable_params + critic_trained,
         terms=[*policy.terms, critic, reference],
         total_per_gpu=total,
-        fits=total <= flags["gpu_memory_bytes"] and policy.host_fits,
+        activations_host=policy.activations_host + critic_host,
+        host_per_process=host,
+        host_total=host * gpus,
+        host_fits=_host_fits(host * gpus, flags["host_memory_bytes"]),
+        fits=total <= flags["gpu_memory_bytes"] and _host_fits(host * gpus, flags["host_memory_bytes"]),
         critic=critic.gpu_bytes,
         reference=reference.gpu_bytes,
     )
@@ -1086,7 +1104,8 @@ def longest_sequence(
     **flags,
 ) -> int:
     """The longest ``seq_len``, a multiple of ``multiple`` (1: exact), whose plan fits in
-    ``gpu_memory_bytes`` with the other ``plan_memory`` flags; 0 when not even ``multiple`` tokens fit.
+    ``gpu_memory_bytes`` (and in ``host_memory_bytes`` where given) with the other ``plan_memory`` flags;
+    0 when not even ``multiple`` tokens fit.
 
     Bisection: the plan grows with the sequence (activations, loss head; offloading's "auto"
     keep_on_device trades device for host memory, but never past what fits)."""

@@ -86,8 +86,10 @@ def trl_trainer(models, tmp_path, reward_funcs=None, **options):
     return trainer
 
 
+@pytest.mark.parametrize("pair", ["models", "softcap_models"])  # a tiny Llama; a Gemma-2 capped at 0.2
 @pytest.mark.parametrize("epsilon_high", [None, 0.28])
-def test_loss_gradients_and_metrics_equal_trl(models, tmp_path, epsilon_high):
+def test_loss_gradients_and_metrics_equal_trl(request, tmp_path, epsilon_high, pair):
+    models = request.getfixturevalue(pair)
     data = batch(tiny_tokenizer().vocab_size)
     trainer = trl_trainer(models, tmp_path, beta=0.0, epsilon=0.2, epsilon_high=epsilon_high)
     model = trainer.model.train()
@@ -104,7 +106,7 @@ def test_loss_gradients_and_metrics_equal_trl(models, tmp_path, epsilon_high):
     input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], 1)
     attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], 1)
 
-    def head(hidden, weight, bias):
+    def head(hidden, weight, bias, softcap=None):
         return loss_fn(
             hidden[:, PROMPT - 1 : -1],
             weight,
@@ -113,6 +115,7 @@ def test_loss_gradients_and_metrics_equal_trl(models, tmp_path, epsilon_high):
             data["advantages"],
             old_logps=old_logps,
             bias=bias,
+            softcap=softcap,
         )
 
     result = ours(input_ids=input_ids, attention_mask=attention_mask, head_fn=head).head_output

@@ -14,7 +14,7 @@ from fastalign.builtin import tiny_kto_rows, tiny_preference_rows
 from tests.helpers import require
 from tests.parity.steps import fastalign_step, trl_step
 from tests.parity.test_dpo_trl import HEAD, REWARDS, assert_equal
-from tests.parity.test_grpo_trl import assert_loss_and_gradients_equal_trl, batch
+from tests.parity.test_grpo_trl import assert_loss_and_gradients_equal_trl, batch, entropy_margin
 from tests.parity.test_kto_trl import METRICS as KTO_METRICS
 
 pytestmark = pytest.mark.slow
@@ -64,9 +64,18 @@ def test_kto_one_step_equals_trl(softcap_models, tmp_path):
         assert ours[key] == pytest.approx(theirs[key], rel=2e-4, abs=2e-6), (key, ours[key], theirs[key])
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize(
+    ("level", "quantile"),
+    [("token", 1.0), ("sequence", 1.0), ("token", 0.6)],
+    ids=["token", "sequence", "entropy-masked"],
+)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_grpo_loss_and_gradients_equal_trl(softcap_models, tmp_path, level, beta):
+def test_grpo_loss_and_gradients_equal_trl(softcap_models, tmp_path, level, quantile, beta):
+    """Token and sequence level, and the entropy-masked loss (its forward-only pass caps too)."""
     data = batch(AutoModelForCausalLM.from_pretrained(softcap_models[0]).config.vocab_size)
-    options = dict(loss_type="dapo", importance_sampling_level=level, beta=beta)
+    if quantile < 1:  # no token's entropy within rounding of the threshold (at 0.6: 1.4e-5 away)
+        assert entropy_margin(softcap_models[0], data, quantile) > 1e-5
+    options = dict(
+        loss_type="dapo", importance_sampling_level=level, beta=beta, top_entropy_quantile=quantile
+    )
     assert_loss_and_gradients_equal_trl(softcap_models, tmp_path, data, options)

@@ -779,6 +779,24 @@ def test_host_memory_bounds_what_offloading_may_take():
     with pytest.raises(PlanError, match="must be a positive integer or None, got 0") as error:
         plan_memory("tiny-llama", host_memory_bytes=0)
     assert error.value.option == "host_memory_bytes"
+    with pytest.raises(PlanError, match="every term is host memory") as error:
+        plan_memory("tiny-llama", device="cpu", host_memory_bytes=host)
+    assert error.value.option == "host_memory_bytes"
+
+
+def test_ppo_on_one_base_offloads_the_critics_activations_too():
+    """ppo-lora's critic runs through the policy's (offloading) layers: the host holds both forwards'
+    layer inputs, and the host check counts them; separate models offload the policy's alone."""
+    flags = dict(seq_len=65536, checkpointing=True, offload_activations=True, keep_on_device=0, suggest=False)
+    policy = plan_memory("llama-3-8b", method="lora", **flags)
+    one_base = plan_memory("llama-3-8b", method="ppo-lora", **flags)
+    separate = plan_memory("llama-3-8b", method="ppo", **flags)
+    assert one_base.activations_host == 2 * policy.activations_host == one_base.host_total
+    assert separate.activations_host == plan_memory("llama-3-8b", method="full", **flags).activations_host
+    between = (policy.host_total + one_base.host_total) // 2
+    room = between + max(between // 9, 2 * GiB)  # usable_host_bytes(room) ≈ between
+    assert plan_memory("llama-3-8b", method="lora", **flags, host_memory_bytes=room).host_fits
+    assert not plan_memory("llama-3-8b", method="ppo-lora", **flags, host_memory_bytes=room).fits
 
 
 def test_cli_host_memory_bounds_the_longest_and_the_verdict(capsys):
