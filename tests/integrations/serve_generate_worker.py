@@ -22,6 +22,7 @@ from fastalign.builtin import tiny_model
 from fastalign.integrations import generate as served
 from fastalign.integrations.generate import serve_generate
 from fastalign.train.distributed import init_distributed, shard_model
+from tests.torchrun import finish_worker
 
 
 def forwards_of_each_rank(count: int) -> list[int]:
@@ -74,5 +75,4 @@ if __name__ == "__main__":
     assert forwards_of_each_rank(len(forwards)) == [2, steps]
     if ctx.rank == 0:  # a call rank 1 does not make: it waits in the barrier meanwhile
         assert torch.equal(unsharded.generate(**inputs, **options), expected)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish_worker()

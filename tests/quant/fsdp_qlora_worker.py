@@ -24,6 +24,7 @@ import fastalign
 from fastalign.builtin import tiny_model
 from fastalign.quant import FourBitLinear, QuantOptions, quantize_model
 from fastalign.train.distributed import shard_model
+from tests.torchrun import finish_worker
 
 
 def main(out_path: str) -> None:
@@ -65,8 +66,7 @@ def main(out_path: str) -> None:
         }
         with open(out_path, "w") as f:
             json.dump(record, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 from fastalign.builtin import tiny_model
 from fastalign.sampling.generation import sample_groups
 from fastalign.train.distributed import init_distributed, shard_model
+from tests.torchrun import finish_worker
 
 if __name__ == "__main__":
     ctx = init_distributed()
@@ -39,5 +40,4 @@ if __name__ == "__main__":
     torch.distributed.all_gather(counts, torch.tensor([float(len(forwards))]))
     assert counts[0] == counts[1] == steps, counts  # a prefill + steps - 1 decode forwards on both ranks
     assert alone.shape[1] == (7 if ctx.rank == 0 else 5 + steps), alone.shape
-    torch.distributed.barrier()  # no rank closes its sockets while the other still reads (gloo aborts)
-    torch.distributed.destroy_process_group()
+    finish_worker()

@@ -3,16 +3,15 @@
 (and rank 1 none at all), against TRL's own ``get_high_entropy_mask`` with accelerate's collectives."""
 
 import os
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py, before fastalign is imported
 
 import torch
-import torch.distributed as dist
 
 from fastalign.ops.grpo import high_entropy_mask
 from fastalign.train.distributed import init_distributed
 from fastalign.train.objectives.grpo import all_gather_values
+from tests.torchrun import finish_worker
 
 
 def local_batch(rank: int, empty_rank: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +40,4 @@ if __name__ == "__main__":
             assert torch.equal(ours, theirs), (ctx.rank, quantile, ours, theirs)
             if ctx.rank == 0 and empty_rank is None and quantile == 0.2:  # the other's tokens count
                 assert not torch.equal(high_entropy_mask(entropy, mask, quantile), ours)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish_worker()

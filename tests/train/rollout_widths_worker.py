@@ -7,7 +7,6 @@ without FSDP, and both ranks ran the same number of forwards."""
 
 import datetime
 import os
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py, before fastalign is imported
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from fastalign.builtin import tiny_model
 from fastalign.train.distributed import DistributedContext, init_distributed, shard_model
 from fastalign.train.rollout import SamplingOptions, generate_completions
+from tests.torchrun import finish_worker
 
 
 def micro_batch(lengths: list[int], seed: int) -> dict:
@@ -55,10 +55,4 @@ if __name__ == "__main__":
     counts = [torch.zeros(1) for _ in range(2)]
     dist.all_gather(counts, torch.tensor([float(len(forwards))]))
     assert counts[0] == counts[1], counts
-    dist.barrier()  # no rank closes its sockets while the other still reads (gloo aborts)
-    dist.destroy_process_group()
-    # Every check has passed. Under torch 2.11 a rank's interpreter shutdown after FSDP2 sharding
-    # sometimes ends in "terminate called without an active exception" (SIGABRT, 1 run in 3 on 2 CPU
-    # cores): a thread still joinable as the process's statics are destroyed. Leave without that teardown.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    finish_worker()
