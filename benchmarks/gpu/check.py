@@ -7,8 +7,8 @@ recorded as soon as it ends (a phase that is killed loses only itself).
 
 Phases, in order (``PHASES``):
 
-- ``tests``: the CUDA test subset (kernels, ops, losses, patching, the activation-memory tests), its
-  failures listed by node id;
+- ``tests``: the CUDA test subset (kernels, ops, losses, patching, the activation-memory tests, QLoRA
+  training), its failures listed by node id;
 - ``lora_8b``: one LoRA SFT step of the Llama-3-8B shape side by side (``benchmarks/gpu/lora_step.py``):
   transformers + peft, the same with Liger-Kernel's patch, with ``fastalign.patch_model``; checkpointing
   off at 4,096 tokens and on at 16,384 (fastalign also with offloading); then TRL's ``SFTTrainer`` on a
@@ -120,7 +120,7 @@ def _stopped(tail: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # Phases
 
-TEST_PATHS = ("tests/kernels", "tests/losses", "tests/patching", "tests/train/test_memory.py")
+TEST_PATHS = ("tests/kernels", "tests/losses", "tests/patching", "tests/train/test_memory.py", "tests/quant")
 _RESULT = re.compile(
     r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+::\S+)|(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)"
 )
@@ -349,10 +349,10 @@ def phase_trl_1b(ctx: Context, cap: float) -> dict:
 
 
 PHASES = (
-    Phase("tests", 55, phase_tests, "the CUDA test subset"),
+    Phase("tests", 60, phase_tests, "the CUDA test subset"),
     Phase("lora_8b", 140, phase_lora_8b, "Llama-3-8B-shape LoRA SFT steps side by side"),
     Phase("qlora_70b", 115, phase_qlora_70b, "Llama-3-70B-shape QLoRA: long context and offloading"),
-    Phase("loss_heads", 60, phase_loss_heads, "loss heads against Liger, CCE and eager"),
+    Phase("loss_heads", 55, phase_loss_heads, "loss heads against Liger, CCE and eager"),
     Phase(
         "generation_1b", 45, phase_generation_1b, "Llama-3.2-1B-shape rollout generation: engine vs generate"
     ),
