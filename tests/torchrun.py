@@ -30,11 +30,14 @@ def finish_worker() -> None:
 
 
 def run_two_processes(worker: str | Path, *args: object, timeout: int = 600) -> None:
-    """``worker args...`` in 2 processes with the repository importable and one thread each (2 processes
-    on CI's 2 cores); fails the test with the end of their output unless both exit 0."""
+    """``worker args...`` in 2 processes on the CPU with the repository importable and one thread each (2
+    processes on CI's 2 cores); fails the test with the end of their output unless both exit 0."""
     env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
+    # the ranks run on the CPU (gloo) wherever the test does: on a one-GPU machine rank 1 would ask for
+    # cuda:1, and the suite's multi-process tests are CPU tests
+    env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory() as logs:
         # each rank's output in its own file, so a failure shows what each rank said beside the
         # launcher's traceback
