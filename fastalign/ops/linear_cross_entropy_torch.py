@@ -68,6 +68,19 @@ class LogitTransform(NamedTuple):
             grad_z.mul_(self.inv_temperature)
 
 
+def softcap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap·tanh(logits/softcap)`` in place (a final-logit softcap, Gemma-2's); None: unchanged. For
+    the heads that cap a chunk of fp32 logits before their own row math (the divergence and top-k heads,
+    WPO's statistic on a copy); ``LogitTransform`` folds the cap into the cross-entropy's."""
+    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
+
+
+def softcap_slope(capped: torch.Tensor, softcap: float) -> torch.Tensor:
+    """dz/dx = 1 − (z/s)² of the cap z = s·tanh(x/s), from the capped logits ``capped`` (a new tensor):
+    the factor that turns a gradient w.r.t. z into one w.r.t. the raw logits x."""
+    return (capped / softcap).square_().neg_().add_(1.0)
+
+
 #: Rows of ``exp_with_dot_``'s exp block (its one temporary beyond the chunk's buffer).
 ENTROPY_BLOCK_ROWS = 16
 

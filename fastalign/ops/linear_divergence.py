@@ -41,6 +41,7 @@ from fastalign.ops.chunked_head import (
 )
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 from fastalign.ops.linear_cross_entropy import REDUCTIONS, Reduction
+from fastalign.ops.linear_cross_entropy_torch import softcap_, softcap_slope
 from fastalign.ops.linear_divergence_torch import FORWARD_KL, GENERALIZED_JSD, REVERSE_KL, RowMath
 
 
@@ -107,11 +108,6 @@ def _fp32_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return logits
 
 
-def softcap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """``softcap·tanh(logits/softcap)`` in place (a final-logit softcap, Gemma-2's); None: unchanged."""
-    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
-
-
 def _divergence_rows_(student_logits, teacher_logits, labels, coef_div, coef_ce, spec: DivergenceSpec):
     if spec.backend == "torch":
         return torch_rows.divergence_rows_(
@@ -162,7 +158,7 @@ def _sweep(
         # the softcap's slope 1 − (z/s)², for the chain rule once the rows hold the gradient w.r.t. z
         slope = None
         if grads is not None and spec.student_softcap is not None:
-            slope = (student_logits / spec.student_softcap).square_().neg_().add_(1.0)
+            slope = softcap_slope(student_logits, spec.student_softcap)
         coef_div = coef_ce = None
         if grads is not None:
             coef_div = (1.0 - w) * upstream[rows]

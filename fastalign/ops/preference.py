@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from fastalign.ops.backend import Backend, resolve_backend
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
+from fastalign.ops.linear_cross_entropy_torch import softcap_
 
 #: Loss types whose pair inputs are the chosen and rejected log-ratios π − π_ref (after the prep below).
 DPO_LOSS_TYPES: tuple[str, ...] = (
@@ -188,7 +189,7 @@ def log_sum_sq_probs(
     """log Σ_v softmax(logits)_v² per row [C] (fp32) of a logits chunk [C, V] (a resolved backend), the
     logits capped first where ``softcap`` is given (Gemma-2's s·tanh(x/s), on a copy)."""
     if softcap is not None:
-        logits = logits.div(softcap).tanh_().mul_(softcap)
+        logits = softcap_(logits.clone(), softcap)
     if backend == "triton":
         from fastalign.kernels import preference as kernels
 

@@ -44,8 +44,8 @@ from fastalign.ops.chunked_head import (
 )
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes
 from fastalign.ops.linear_cross_entropy import autocast_aware
-from fastalign.ops.linear_cross_entropy_torch import exp_with_dot_
-from fastalign.ops.linear_divergence import _fp32_logits, softcap_
+from fastalign.ops.linear_cross_entropy_torch import exp_with_dot_, softcap_, softcap_slope
+from fastalign.ops.linear_divergence import _fp32_logits
 
 #: TRL's clamp of the top-k mass's log below 0 (``_add_tail_bucket``): the tail stays a real log.
 TAIL_CLAMP = -1e-7
@@ -177,7 +177,7 @@ def _sweep(hidden, weight, bias, sparse: _Sparse, spec: _Spec, upstream, needs):
         # the softcap's slope 1 − (z/s)², for the chain rule at the end
         slope = None
         if grads is not None and spec.softcap is not None:
-            slope = (logits / spec.softcap).square_().neg_().add_(1.0)
+            slope = softcap_slope(logits, spec.softcap)
         if spec.inv_temperature != 1.0:
             logits.mul_(spec.inv_temperature)
         ids = sparse.support_ids[rows]
