@@ -14,6 +14,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 _TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def finish_worker() -> None:
     """A worker's end once its checks have passed and its results are written: a barrier (no rank closes
     its gloo sockets while the other still reads), the process group destroyed, and an exit without the
@@ -22,22 +28,23 @@ def finish_worker() -> None:
     torch 2.11 and 2.13), failing a test whose every check passed."""
     import torch.distributed as dist
 
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # (``shutdown_distributed`` may have closed it already)
+        dist.barrier()
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
 def run_two_processes(worker: str | Path, *args: object, timeout: int = 600) -> None:
-    """``worker args...`` in 2 processes on the CPU with the repository importable and one thread each (2
-    processes on CI's 2 cores); fails the test with the end of their output unless both exit 0."""
+    """``worker args...`` in 2 processes (on the CPU unless there are 2 GPUs) with the repository
+    importable and one thread each (2 processes on CI's 2 cores); fails the test with the end of their
+    output unless both exit 0."""
     env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
-    # the ranks run on the CPU (gloo) wherever the test does: on a one-GPU machine rank 1 would ask for
-    # cuda:1, and the suite's multi-process tests are CPU tests
-    env["CUDA_VISIBLE_DEVICES"] = ""
+    if _cuda_devices() < 2:  # rank 1 would ask for cuda:1: the ranks run on the CPU (gloo) instead
+        env["CUDA_VISIBLE_DEVICES"] = ""
     with tempfile.TemporaryDirectory() as logs:
         # each rank's output in its own file, so a failure shows what each rank said beside the
         # launcher's traceback

@@ -25,6 +25,7 @@ _FLAGS = {
     "lora_r": "--lora-r",
     "lora_dropout": "--lora-dropout",
     "gpu_memory_bytes": "--gpu-memory",
+    "checkpointing": "--checkpointing",
     "host_memory_bytes": "--host-memory",
     "device": "--device",
     "base_dtype": "--base-dtype",

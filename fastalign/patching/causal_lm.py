@@ -175,7 +175,8 @@ def fused_causal_lm_forward(
             scaled ``lora_B`` weights appended (``_head_inputs``), so that this still holds. A family
             with a final-logit softcap (Gemma-2's ``final_logit_softcapping``) passes it as
             ``head_fn(..., softcap=s)``, for the fused ops' ``softcap=``: the model's logits are then
-            ``s·tanh((hidden·weightᵀ + bias)/s)``; a ``head_fn`` without that parameter is refused there.
+            ``s·tanh((hidden·weightᵀ + bias)/s)``; a ``head_fn`` without that parameter (or ``**kwargs``)
+            is refused there.
         """
         shifted = kwargs.pop("shift_labels", None)
         # transformers' ``can_return_tuple``: the argument, else the config's; the body always returns

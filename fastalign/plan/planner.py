@@ -504,6 +504,12 @@ def plan_memory(
         isinstance(host_memory_bytes, bool) or not isinstance(host_memory_bytes, int) or host_memory_bytes < 1
     ):
         raise PlanError("host_memory_bytes", f"must be a positive integer or None, got {host_memory_bytes!r}")
+    if checkpointing and method in _ONE_PROCESS:
+        raise PlanError(
+            "checkpointing",
+            f"{method} trains two adapters of one model, where training refuses gradient checkpointing (a "
+            "layer recomputed in backward would take whichever adapter is active then): plan without it",
+        )
     if host_memory_bytes is not None and device == "cpu":
         raise PlanError(
             "host_memory_bytes",
@@ -677,9 +683,9 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
         f"(weights, grads, AdamW){f' ÷ {gpus} (FSDP2)' if gpus > 1 else ''}; working copies and "
         "activations as the policy's"
     )
-    # one base model: the critic's forward runs through the policy's (offloading) decoder layers, so
-    # with offloading its activations take the host memory the policy's do
-    critic_host = 0 if separate else policy.activations_host
+    # the critic's activations are offloaded as the policy's are (one base model: its forward runs
+    # through the policy's hooked layers; separate models: the critic is prepared as the policy is)
+    critic_host = policy.activations_host
     critic = Term(
         "critic",
         "critic",
@@ -719,7 +725,9 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
         "a reward model in reward_funcs adds its weights on every GPU (the run's dtype, unsharded)",
     ]
     if separate:
-        one_base = plan_memory(shape, **{**flags, "method": "ppo-lora", "gpus": 1}, suggest=False)
+        one_base = plan_memory(  # one GPU, no checkpointing: how that mode trains
+            shape, **{**flags, "method": "ppo-lora", "gpus": 1, "checkpointing": False}, suggest=False
+        )
         notes.append(
             "the one-base-model mode (--method ppo-lora: policy and critic adapters, the reference the "
             f"base; one GPU) needs {format_bytes(one_base.total_per_gpu)}"
@@ -1034,8 +1042,9 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
         batch_sizes.append(batch_sizes[-1] // 2)
 
     def attempt(values: dict) -> MemoryPlan | None:
-        """The plan of ``values``; None where the method cannot run on that many GPUs."""
-        if values["method"] in _ONE_PROCESS and values["gpus"] > 1:
+        """The plan of ``values``; None where the method cannot run so (PPO on one base model: on more
+        than one GPU, or with checkpointing)."""
+        if values["method"] in _ONE_PROCESS and (values["gpus"] > 1 or values["checkpointing"]):
             return None
         return plan_memory(shape, **values, suggest=False)
 
@@ -1059,10 +1068,14 @@ def _suggest(shape: ModelShape, plan: MemoryPlan) -> tuple[list[str], int | None
         rungs += [("method", method), ("lora_dropout", 0.0)]
     result = None
     for key, value in rungs:
-        if inputs[key] == value or (
-            key == "lora_dropout" and inputs["method"] in ("full", "ppo", DISTILL_OFFLINE)
+        if (
+            inputs[key] == value
+            or (key == "lora_dropout" and inputs["method"] in ("full", "ppo", DISTILL_OFFLINE))
+            or (key == "checkpointing" and inputs["method"] in _ONE_PROCESS)
         ):
             continue
+        if key == "method" and value in _ONE_PROCESS and inputs["checkpointing"]:
+            change("checkpointing", False)  # PPO on one base model trains without it
         change(key, value)
         if result := fitting():
             break

@@ -424,18 +424,23 @@ def test_ppo_one_base_model_adds_an_adapter_and_a_value_head():
     large as the policy's) and value head at 16 B per parameter, and its forward's working copies and
     activations; the reference is the base (0 B). It needs far less than the separate models."""
     for method, base in (("ppo-lora", "lora"), ("ppo-qlora", "qlora")):
-        policy = plan_memory("llama-3-8b", method=base, checkpointing=True)
-        ppo = plan_memory("llama-3-8b", method=method, checkpointing=True)
+        policy = plan_memory("llama-3-8b", method=base)  # no checkpointing: training refuses it there
+        ppo = plan_memory("llama-3-8b", method=method)
         hidden = shape_from_config(builtin_config("llama-3-8b")).hidden_size
         trained = policy.trainable_params + hidden
         assert ppo.critic == 16 * trained + policy.weight_copies + policy.activations
         assert ppo.reference == 0 and ppo.weights == policy.weights  # one base model
         assert ppo.total_per_gpu == policy.total_per_gpu + ppo.critic
-    separate = plan_memory("llama-3-8b", method="ppo", checkpointing=True)
-    one_base = plan_memory("llama-3-8b", method="ppo-lora", checkpointing=True)
+    separate = plan_memory("llama-3-8b", method="ppo")
+    one_base = plan_memory("llama-3-8b", method="ppo-lora")
     assert one_base.total_per_gpu < separate.total_per_gpu / 2
     with pytest.raises(PlanError, match="runs on 1 GPU"):
         plan_memory("llama-3-8b", method="ppo-qlora", gpus=2)
+    with pytest.raises(PlanError, match="refuses gradient checkpointing") as error:
+        plan_memory("llama-3-8b", method="ppo-lora", checkpointing=True)
+    assert error.value.option == "checkpointing"
+    tight = plan_memory("llama-3-8b", method="ppo-lora", seq_len=16384, gpu_memory_bytes=40 * GiB)
+    assert tight.suggestions and "--checkpointing" not in tight.suggestions
 
 
 def test_the_ladder_order_and_a_plan_that_fits_already():
@@ -784,15 +789,17 @@ def test_host_memory_bounds_what_offloading_may_take():
     assert error.value.option == "host_memory_bytes"
 
 
-def test_ppo_on_one_base_offloads_the_critics_activations_too():
-    """ppo-lora's critic runs through the policy's (offloading) layers: the host holds both forwards'
-    layer inputs, and the host check counts them; separate models offload the policy's alone."""
-    flags = dict(seq_len=65536, checkpointing=True, offload_activations=True, keep_on_device=0, suggest=False)
+def test_ppo_offloads_the_critics_activations_too():
+    """The critic's activations are offloaded as the policy's (ppo-lora: its forward runs through the
+    policy's hooked layers; ppo: the critic is prepared as the policy): the host holds both, and the host
+    check counts them."""
+    flags = dict(seq_len=16384, offload_activations=True, keep_on_device=0, suggest=False)
     policy = plan_memory("llama-3-8b", method="lora", **flags)
     one_base = plan_memory("llama-3-8b", method="ppo-lora", **flags)
-    separate = plan_memory("llama-3-8b", method="ppo", **flags)
+    separate = plan_memory("llama-3-8b", method="ppo", **flags, checkpointing=True)
     assert one_base.activations_host == 2 * policy.activations_host == one_base.host_total
-    assert separate.activations_host == plan_memory("llama-3-8b", method="full", **flags).activations_host
+    full = plan_memory("llama-3-8b", method="full", **flags, checkpointing=True)
+    assert separate.activations_host == 2 * full.activations_host
     between = (policy.host_total + one_base.host_total) // 2
     room = between + max(between // 9, 2 * GiB)  # usable_host_bytes(room) ≈ between
     assert plan_memory("llama-3-8b", method="lora", **flags, host_memory_bytes=room).host_fits

@@ -26,6 +26,7 @@ from fastalign.train.distributed import init_distributed, shutdown_distributed
 from fastalign.train.export import export_model
 from fastalign.train.loading import load_model_and_tokenizer
 from fastalign.train.policy import prepare_policy
+from tests.torchrun import finish_worker
 
 
 def main(model_dir: str, out_dir: str) -> None:
@@ -49,6 +50,7 @@ def main(model_dir: str, out_dir: str) -> None:
         }
         (Path(out_dir) / "result.json").write_text(json.dumps(result))
     shutdown_distributed()
+    finish_worker()
 
 
 if __name__ == "__main__":

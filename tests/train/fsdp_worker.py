@@ -28,6 +28,7 @@ from fastalign.train.distributed import (
     shard_model,
     shutdown_distributed,
 )
+from tests.torchrun import finish_worker
 
 #: The global batch: uneven lengths, so the halves differ in padded length and in label tokens.
 TEXTS = [
@@ -58,6 +59,7 @@ def main(runs: list[tuple[str, bool]]) -> None:
     for out_path, tie_word_embeddings in runs:
         train(ctx, out_path, tie_word_embeddings)
     shutdown_distributed()
+    finish_worker()
 
 
 def train(ctx, out_path: str, tie_word_embeddings: bool) -> None:

@@ -25,6 +25,31 @@ def heads() -> list[tuple[str, ast.FunctionDef]]:
     return found
 
 
+def head_fn_values() -> list[tuple[str, ast.expr]]:
+    """Every ``head_fn=`` keyword the trainer passes, and where."""
+    found = []
+    for path in sorted(TRAIN.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "head_fn":
+                found.append((f"{path.relative_to(TRAIN.parent)}:{node.value.lineno}", node.value))
+    return found
+
+
+def test_every_head_fn_is_a_nested_head():
+    """What the next test reads is all there is: each ``head_fn=`` is a local ``head`` or the distill
+    teacher's ``self._teacher_head(...)``, whose inner function is a ``head`` too (a lambda or another
+    name would escape it: name it ``head``)."""
+    values = head_fn_values()
+    assert len(values) >= 7, values
+    for where, value in values:
+        teacher = (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Attribute)
+            and value.func.attr == "_teacher_head"
+        )
+        assert (isinstance(value, ast.Name) and value.id == "head") or teacher, where
+
+
 def test_every_head_fn_takes_the_softcap_and_uses_it():
     found = heads()
     assert len(found) >= 8, found  # dpo, kto, online, online_dpo, distill (3), teacher_logprobs
