@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from fastalign.ops import validation
 from fastalign.ops.chunked_head import (
     GradientInForward,
     InputGrads,
@@ -263,8 +264,8 @@ def linear_sparse_divergence(
         raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
-    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be positive and finite, got {softcap}")
+    if softcap is not None:
+        softcap = validation.positive_finite("softcap", softcap)
     lead = hidden.shape[:-1]
     if support_ids.shape[:-1] != lead or teacher_logprobs.shape != support_ids.shape:
         raise ValueError(
@@ -293,7 +294,7 @@ def linear_sparse_divergence(
         bool(add_tail),
         chunk_rows(vocab, logit_bytes(weight.dtype, weight.device, softcap is not None), budget),
         bool(return_entropy),
-        None if softcap is None else float(softcap),
+        softcap,
     )
     sparse = _Sparse(ids, teacher_logprobs.reshape(n, k), mask, valid)
     count = valid.sum()

@@ -573,6 +573,7 @@ def plan_memory(
     by_name = {term.name: term for term in terms}
     total = sum(term.gpu_bytes for term in terms)
     host = max(term.host_bytes for term in terms)  # loading is over before training starts
+    host_fits = _host_fits(host * gpus, host_memory_bytes)
     plan = MemoryPlan(
         model=shape.name,
         **_flags(setup),
@@ -589,10 +590,10 @@ def plan_memory(
         layer_input_bytes_per_token=setup.layer_input,
         loss_head_fused=_fused_loss_head_bytes(setup),
         loss_head_materialized=_materialized_loss_head_bytes(setup),
-        fits=total <= gpu_memory_bytes and _host_fits(host * gpus, host_memory_bytes),
+        fits=total <= gpu_memory_bytes and host_fits,
         terms=terms,
         offload_keep_on_device=setup.keep,
-        host_fits=_host_fits(host * gpus, host_memory_bytes),
+        host_fits=host_fits,
     )
     return _with_suggestions(shape, plan, _notes(plan, setup), suggest)
 
@@ -703,6 +704,7 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
         reference = Term("reference", "reference", 0, 0, False, "the base with the adapters off")
     total = policy.total_per_gpu + critic.gpu_bytes + reference.gpu_bytes
     host = max(policy.activations_host + critic_host, policy.model_load_host)
+    host_fits = _host_fits(host * gpus, flags["host_memory_bytes"])
     plan = replace(
         policy,
         method=method,
@@ -712,8 +714,8 @@ def _ppo_plan(shape: ModelShape, flags: dict, suggest: bool) -> MemoryPlan:
         activations_host=policy.activations_host + critic_host,
         host_per_process=host,
         host_total=host * gpus,
-        host_fits=_host_fits(host * gpus, flags["host_memory_bytes"]),
-        fits=total <= flags["gpu_memory_bytes"] and _host_fits(host * gpus, flags["host_memory_bytes"]),
+        host_fits=host_fits,
+        fits=total <= flags["gpu_memory_bytes"] and host_fits,
         critic=critic.gpu_bytes,
         reference=reference.gpu_bytes,
     )
