@@ -12,7 +12,10 @@ topics, ``pydoc_data``), ``group`` sampled completions of each (temperature 1, n
 - ``generate``: ``model.generate`` on the prompts repeated ``group`` times (fastalign's rollout before the
   engine, and TRL's GRPOTrainer without vLLM);
 - ``fastalign``: the engine (``fastalign.sampling.generation.sample_groups``): each prompt prefilled once,
-  ended rows dropped, inverse-CDF draws;
+  ended rows dropped, inverse-CDF draws; on a GPU its decode steps replayed as CUDA graphs (the row's
+  ``decode``: ``graphs``, or ``eager`` where the model or a failed capture keeps them eager);
+- ``fastalign-eager`` (GPU only: on a CPU the engine always steps eagerly, the ``fastalign`` row): the
+  engine without the graphs, what they gain;
 - ``continuous``: transformers' continuous batching (``model.generate_batch``, paged attention; TRL's
   ``use_transformers_paged``), each completion a request (on a CPU one call, at the shortest length
   only, without a warm-up: a first call took 2.6 to 25 minutes on a shared 2-core CPU).
@@ -49,9 +52,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import arguments, keep_rows_on_termination, record, select_providers  # noqa: E402
+from fastalign.sampling import static_decode  # noqa: E402
 
 KERNEL = "e2e_generation"
-PROVIDERS = ("generate", "fastalign", "continuous")
+PROVIDERS = ("generate", "fastalign", "fastalign-eager", "continuous")
 PRESETS = {
     "cpu": {"model": "smollm2", "prompts": 4, "group": 8, "lengths": [64, 256], "repeats": 2,
             "dtype": "float32", "continuous_lengths": [64]},
@@ -143,8 +147,9 @@ def sample(
             **options,
         )
         return out[:, ids.shape[1] :].tolist()
-    if provider == "fastalign":
-        return sample_groups(model, ids, mask, group, options)[:, ids.shape[1] :].tolist()
+    if provider in ("fastalign", "fastalign-eager"):
+        static = None if provider == "fastalign" else False
+        return sample_groups(model, ids, mask, group, options, static=static)[:, ids.shape[1] :].tolist()
     from transformers import GenerationConfig
 
     prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True) for _ in range(group)]
@@ -177,6 +182,16 @@ class TokenCounter:
     def take(self) -> int:
         count, self.count = self.count, 0
         return count
+
+
+def _decode_mode(before: dict) -> str:
+    """How the engine's last call decoded: ``graphs`` if it captured CUDA graphs since ``before`` (the
+    capture counts then), else ``eager`` (``eager, capture failed`` if a capture failed)."""
+    from fastalign.sampling.static_decode import CAPTURES
+
+    if CAPTURES["failed"] > before.get("failed", 0):
+        return "eager, capture failed"
+    return "graphs" if CAPTURES["captured"] > before.get("captured", 0) else "eager"
 
 
 def _shape(preset: dict, length: int, prompt_tokens: int) -> str:
@@ -213,15 +228,21 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
             # provider by provider (its warm-up, then its repeats), each row recorded as soon as it is
             # measured: a run stopped early (the GPU check's cap) keeps the rows it finished
             for provider in providers:
-                got: dict[str, list] = {"seconds": [], "cpu": [], "tokens": [], "work": []}
+                got: dict = {"seconds": [], "cpu": [], "tokens": [], "work": []}
                 for repeat in range(preset["repeats"] + 1):  # the first repeat warms up
                     if provider == "continuous" and not _continuous_runs(preset, length, repeat):
                         continue
+                    if provider == "fastalign-eager" and device.type != "cuda":
+                        skipped[f"{provider}/{length}"] = (
+                            "on a CPU the engine steps eagerly: the fastalign row"
+                        )
+                        break
                     torch.manual_seed(repeat)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     wall, cpu = time.perf_counter(), time.process_time()
                     counter.take()
+                    captures = dict(static_decode.CAPTURES)
                     try:
                         completions = sample(provider, model, ids, mask, preset["group"], options, cache)
                     except Exception as failure:  # a provider that fails is a skipped row, not a partial one
@@ -235,6 +256,7 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                         got["cpu"].append(time.process_time() - cpu)
                         got["tokens"].append(completion_tokens(completions, eos))
                         got["work"].append(counter.take())
+                        got["decode"] = _decode_mode(captures)
                 if not got["seconds"]:
                     continue
                 seconds, tokens = statistics.median(got["seconds"]), statistics.median(got["tokens"])
@@ -247,6 +269,8 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                     "tokens_per_cpu_s": round(tokens / statistics.median(got["cpu"]), 1),
                     "model_tokens": statistics.median(got["work"]),
                 }  # fmt: skip
+                if provider.startswith("fastalign"):
+                    row["decode"] = got["decode"]
                 if provider == "generate":
                     base = row
                 if base:

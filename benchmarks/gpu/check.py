@@ -120,7 +120,10 @@ def _stopped(tail: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # Phases
 
-TEST_PATHS = ("tests/kernels", "tests/losses", "tests/patching", "tests/train/test_memory.py", "tests/quant")
+TEST_PATHS = (
+    "tests/train/test_static_decode.py", "tests/kernels", "tests/losses", "tests/patching",
+    "tests/train/test_memory.py", "tests/quant",
+)  # fmt: skip
 _RESULT = re.compile(
     r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+::\S+)|(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)"
 )

@@ -26,9 +26,25 @@ class ReservedLayer(DynamicLayer):
         self._values[..., :length, :] = self.values
         self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
 
+    #: Where a fixed-shape step writes (a device tensor, ``make_static``); None: after the filled part.
+    position: torch.Tensor | None = None
+
+    def make_static(self, position: torch.Tensor) -> None:
+        """Fixed-shape steps from now on (``fastalign.sampling.static_decode``): ``update`` writes at
+        ``position`` and returns the whole reserved buffer, which the step's mask limits to the filled part.
+        The unfilled tail is zeroed: a masked score's weight is 0, but 0 times a NaN left in memory is NaN."""
+        length = self.keys.shape[-2]
+        self._keys[..., length:, :].zero_()
+        self._values[..., length:, :].zero_()
+        self.position = position
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not hasattr(self, "_keys"):
             return super().update(key_states, value_states, *args, **kwargs)
+        if self.position is not None:
+            self._keys.index_copy_(-2, self.position, key_states)
+            self._values.index_copy_(-2, self.position, value_states)
+            return self._keys, self._values
         start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
         self._keys[..., start:end, :] = key_states
         self._values[..., start:end, :] = value_states

@@ -49,6 +49,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from fastalign.models.structure import base_model
 from fastalign.sampling.decode_cache import ReservedLayer, SharedPrefixLayer
 from fastalign.sampling.prefix_attention import can_share, shared_prefix_decoding
+from fastalign.sampling.static_decode import StaticSteps, static_refusal
 
 try:  # transformers >= 5.23: the layers of a model's layers without attention
     from transformers.cache_utils import DummyLayer
@@ -262,6 +263,7 @@ def sample_groups(
     kwargs: dict[str, Any],
     synced: bool = False,
     seeds: list[int] | None = None,
+    static: bool | None = None,
 ) -> torch.Tensor:
     """``group`` completions of each left-padded prompt (``prompt_ids``/``prompt_mask``: [B, P], on the
     model's device): the [B·group, P + C] ids ``generate`` returns for the prompts repeated ``group``
@@ -271,7 +273,11 @@ def sample_groups(
 
     Sampling draws one uniform number per row and step, for every row (ended or not), from the global
     random state, or with ``seeds`` (one per prompt) from a generator of each prompt's own: then a
-    prompt's completions do not depend on which other prompts share the call."""
+    prompt's completions do not depend on which other prompts share the call.
+
+    ``static``: decode at a fixed shape (``fastalign.sampling.static_decode``; CUDA graphs on a GPU), which
+    the model must allow, its prompts' KV then repeated for their rows, never shared; None decides: on CUDA
+    where the model allows it; False: the eager steps."""
     config, _ = merged_generation_config(model, kwargs)
     device = prompt_ids.device
     eos = torch.tensor(token_id_list(config.eos_token_id), dtype=torch.long, device=device)
@@ -282,7 +288,8 @@ def sample_groups(
     config.max_length = width + config.max_new_tokens
     if config.min_new_tokens is not None:
         config.min_length = width + config.min_new_tokens
-    shared = shares_prefix(model, prompt_ids, group, config.max_new_tokens)
+    static = _decodes_static(model, synced, static, device)
+    shared = not static and shares_prefix(model, prompt_ids, group, config.max_new_tokens)
     cache = _decode_cache(model, shared)
     output = model(
         input_ids=prompt_ids,
@@ -296,10 +303,12 @@ def sample_groups(
     cache = output.past_key_values
     _for_the_group(cache, group, prompt_mask, config.max_new_tokens)
     with shared_prefix_decoding(model, cache) if shared else contextlib.nullcontext():
-        return _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced, seeds, eos, pad)
+        return _decode(
+            model, cache, config, logits, prompt_ids, prompt_mask, group, synced, seeds, eos, pad, static
+        )
 
 
-def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced, seeds, eos, pad):
+def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced, seeds, eos, pad, static):
     """``sample_groups``' decode loop, from the prompts' last logits and their cache made ready for it."""
     device, width = prompt_ids.device, prompt_ids.shape[1]
 
@@ -310,6 +319,10 @@ def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced
 
     prompts = ids = prompt_ids.repeat_interleave(group, 0)  # ids grows (and loses ended rows); prompts stays
     mask = prompt_mask.repeat_interleave(group, 0)
+    if static:
+        stepper = StaticSteps(model, cache, mask, config.max_new_tokens, graphs=device.type == "cuda")
+    else:
+        stepper = EagerSteps(model, cache, synced)
     total = ids.shape[0]
     rows = torch.arange(total, device=device)  # each batch row's index among all rows
     ended = torch.zeros(total, dtype=torch.bool, device=device)  # of the batch's rows
@@ -332,24 +345,57 @@ def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced
         running = bool((~ended).any())
         if not _any_running(running, synced, device) or steps == config.max_new_tokens:
             break
-        if ended.sum() >= max(1.0, COMPACT_SHARE * len(ended)) and (synced or not ended.all()):
-            keep = (~ended).nonzero().squeeze(1)
-            keep = keep if keep.numel() else torch.zeros(1, dtype=torch.long, device=device)
-            cache.batch_select_indices(keep)
+        keep = stepper.keep(ended)
+        if keep is not None:
+            stepper.select(keep)
             ids, mask, rows, ended, tokens = ids[keep], mask[keep], rows[keep], ended[keep], tokens[keep]
             process = processors(mask)
         ids = torch.cat([ids, tokens[:, None]], dim=1)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        output = model(
+        logits = stepper.step(tokens, mask)
+    return torch.cat([prompts, completions[:, :produced]], dim=1)
+
+
+def _decodes_static(model: torch.nn.Module, synced: bool, asked: bool | None, device: torch.device) -> bool:
+    """Whether the decode steps run at a fixed shape (``StaticSteps``): where ``asked`` (which the model
+    must allow) or, left to decide, on CUDA where the model allows them."""
+    if asked is False:
+        return False
+    refusal = static_refusal(model, _decode_cache(model, shared=False), synced)
+    if asked and refusal:
+        raise ValueError(f"fixed-shape decoding is not possible: {refusal}")
+    return refusal is None and (bool(asked) or device.type == "cuda")
+
+
+class EagerSteps:
+    """Decode steps at the batch's current shape: the cache and the mask grow a position a step, and once
+    an eighth of the rows have ended (``COMPACT_SHARE``) the batch is compacted to the rest. Under
+    ``synced`` a rank whose rows have all ended keeps one row stepping."""
+
+    def __init__(self, model: torch.nn.Module, cache, synced: bool):
+        self.model, self.cache, self.synced = model, cache, synced
+
+    def keep(self, ended: torch.Tensor) -> torch.Tensor | None:
+        """The rows to keep (None: no compaction now)."""
+        if ended.sum() < max(1.0, COMPACT_SHARE * len(ended)) or not (self.synced or not ended.all()):
+            return None
+        keep = (~ended).nonzero().squeeze(1)
+        return keep if keep.numel() else torch.zeros(1, dtype=torch.long, device=ended.device)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next logits [R, V] (float32) after ``tokens`` [R], ``mask`` the rows' mask including them."""
+        output = self.model(
             input_ids=tokens[:, None],
             attention_mask=mask,
             position_ids=mask.long().sum(-1, keepdim=True) - 1,
-            past_key_values=cache,
+            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        logits = output.logits[:, -1].float()
-    return torch.cat([prompts, completions[:, :produced]], dim=1)
+        return output.logits[:, -1].float()
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

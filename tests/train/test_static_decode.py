@@ -1,0 +1,202 @@
+"""The rollout engine's fixed-shape decode steps (``fastalign.sampling.static_decode``), which a GPU
+replays as CUDA graphs: on a CPU they run eagerly, and must give ``generate``'s greedy tokens on every
+family that allows them, through compactions, under LoRA and fastalign's patch, and sample its
+distribution; what cannot run them is named. The CUDA tests (the GPU check runs this file) capture the
+graphs and check the same tokens, and the fall-back when a capture fails. Runs on every supported
+transformers: the steps hand the model a 4-D mask, which transformers passes through as it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastalign.builtin import tiny_model
+from fastalign.builtin.models import TINY_MODEL_TYPES
+from fastalign.sampling import static_decode
+from fastalign.sampling.decode_cache import ReservedLayer
+from fastalign.sampling.generation import _decode_cache, sample_groups
+from fastalign.sampling.static_decode import StaticSteps, static_refusal
+from tests.train.test_generation import (
+    PAD,
+    an_eos_that_ends_some_rows,
+    compactions,
+    distribution,
+    fits,
+    generate,
+    left_padded,
+)
+
+CUDA = torch.cuda.is_available()
+
+
+def refusal_of(model) -> str | None:
+    """What ``static_refusal`` says of ``model`` (its decode cache as the engine makes it)."""
+    return static_refusal(model, _decode_cache(model, shared=False), synced=False)
+
+
+def compact_at_every_end(monkeypatch) -> None:
+    """Compact the fixed-shape batch whenever a row has ended (not only at half): every step may change
+    its shape, the hardest case for its buffers."""
+
+    def keep(self, ended):
+        if not bool(ended.any()) or bool(ended.all()):
+            return None
+        return (~ended).nonzero().squeeze(1)
+
+    monkeypatch.setattr(StaticSteps, "keep", keep)
+
+
+@pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
+def test_greedy_tokens_equal_generates_on_every_family(model_type, monkeypatch):
+    model = tiny_model(model_type, seed=1).eval()
+    refusal = refusal_of(model)
+    if refusal is not None:
+        assert model_type in ("gemma2", "gemma3_text"), refusal  # sliding-window layers
+        pytest.skip(f"{model_type}: {refusal}")
+    ids, mask = left_padded([5, 9, 3, 7])
+    eos = an_eos_that_ends_some_rows(model, ids, mask, steps=12)
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD)
+    compact_at_every_end(monkeypatch)
+    seen = compactions(monkeypatch)
+    with torch.no_grad():
+        expected = generate(model, ids, mask, 2, **options)
+        ours = sample_groups(model, ids, mask, 2, options, static=True)
+    assert torch.equal(ours, expected)
+    assert seen, "rows ended but the batch was never compacted"
+
+
+def test_memory_left_in_the_reserved_buffers_is_never_read(monkeypatch):
+    """A buffer's unfilled tail is masked out, but 0 × NaN is NaN: the steps must zero it."""
+    reserve = ReservedLayer.reserve
+
+    def reserve_over_nans(self, tokens):
+        reserve(self, tokens)
+        length = self.keys.shape[-2]
+        self._keys[..., length:, :] = float("nan")
+        self._values[..., length:, :] = float("nan")
+
+    monkeypatch.setattr(ReservedLayer, "reserve", reserve_over_nans)
+    model = tiny_model("llama", seed=1).eval()
+    ids, mask = left_padded([5, 2])
+    options = dict(do_sample=False, max_new_tokens=6, eos_token_id=2, pad_token_id=PAD)
+    with torch.no_grad():
+        ours = sample_groups(model, ids, mask, 2, options, static=True)
+    assert torch.equal(ours, generate(model, ids, mask, 2, **options))
+
+
+def test_the_batch_is_compacted_once_half_its_rows_have_ended():
+    steps = StaticSteps.__new__(StaticSteps)
+    ended = torch.tensor([True, True, True, False, False, False, False, False])
+    assert steps.keep(ended) is None  # 5 of 8 still running
+    ended[3] = True
+    assert steps.keep(ended).tolist() == [4, 5, 6, 7]
+    assert steps.keep(torch.ones(8, dtype=torch.bool)) is None  # all ended: the loop stops
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["patched", "patched+lora"])
+def test_lora_and_patched_models_decode_as_generate(lora, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    from fastalign import patch_model
+
+    model = tiny_model("llama", seed=3)
+    patch_model(model)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model.eval()
+    ids, mask = left_padded([6, 4], seed=4)
+    options = dict(do_sample=False, max_new_tokens=8, eos_token_id=2, pad_token_id=PAD)
+    compact_at_every_end(monkeypatch)
+    with torch.no_grad():
+        ours = sample_groups(model, ids, mask, 2, options, static=True)
+        assert torch.equal(ours, generate(model, ids, mask, 2, **options))
+
+
+def test_sampled_tokens_follow_generates_distribution():
+    model = tiny_model("llama", seed=4).eval()
+    ids, mask = left_padded([5], seed=5)
+    options = dict(
+        do_sample=True, max_new_tokens=2, temperature=0.7, top_k=40, eos_token_id=2, pad_token_id=PAD
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ours = sample_groups(model, ids, mask, 3000, options, static=True)[:, -2:]
+    first = distribution(model, ids, options)
+    assert fits(torch.bincount(ours[:, 0], minlength=first.numel()).float(), first)
+    top = int(torch.bincount(ours[:, 0]).argmax())
+    second = distribution(model, torch.cat([ids, torch.tensor([[top]])], 1), options)
+    after = ours[ours[:, 0] == top, 1]
+    assert after.numel() > 100
+    assert fits(torch.bincount(after, minlength=second.numel()).float(), second)
+
+
+def test_what_cannot_decode_at_a_fixed_shape_is_named():
+    from fastalign.quant.four_bit_linear import FourBitLinear
+
+    model = tiny_model("llama", seed=1).eval()
+    assert refusal_of(model) is None
+    assert "sliding window" in refusal_of(tiny_model("gemma3_text", seed=1).eval())
+    eager = tiny_model("llama", seed=1).eval()
+    eager.config._attn_implementation = "eager"
+    assert "sdpa" in refusal_of(eager)
+    cache = _decode_cache(model, shared=True)
+    assert "shared prefix" in static_refusal(model, cache, synced=False)
+    assert "sliding window" in refusal_of(tiny_model("mistral", seed=1, sliding_window=4).eval())
+    assert "ranks" in static_refusal(model, _decode_cache(model, shared=False), synced=True)
+    assert "training mode" in refusal_of(model.train())
+    model.eval()
+    up = model.model.layers[0].mlp.up_proj
+    up.__class__ = FourBitLinear  # what the check looks at: the layer's type
+    assert "quantized" in refusal_of(model)
+    ids, mask = left_padded([3])
+    with pytest.raises(ValueError, match=r"fixed-shape decoding is not possible: .*quantized"):
+        sample_groups(
+            model, ids, mask, 2, dict(do_sample=False, max_new_tokens=2, eos_token_id=2), static=True
+        )
+
+
+def test_the_eager_steps_decode_on_a_cpu_unless_asked(monkeypatch):
+    """Left to decide, a CPU decodes eagerly: fixed-shape steps attend over the whole buffer and a CPU has
+    no launches to save."""
+    made = []
+    monkeypatch.setattr(StaticSteps, "__init__", lambda self, *a, **k: made.append(1) or 1 / 0)
+    model = tiny_model("llama", seed=1).eval()
+    ids, mask = left_padded([4, 2])
+    options = dict(do_sample=False, max_new_tokens=4, eos_token_id=2, pad_token_id=PAD)
+    with torch.no_grad():
+        assert torch.equal(
+            sample_groups(model, ids, mask, 2, options), generate(model, ids, mask, 2, **options)
+        )
+    assert not made
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3"])
+def test_cuda_graphs_decode_as_generate(model_type):
+    model = tiny_model(model_type, seed=1).cuda().eval()
+    ids, mask = (t.cuda() for t in left_padded([5, 9, 3, 7]))
+    eos = an_eos_that_ends_some_rows(model, ids, mask, steps=16)
+    options = dict(do_sample=False, max_new_tokens=16, eos_token_id=eos, pad_token_id=PAD)
+    before = static_decode.CAPTURES["captured"]
+    with torch.no_grad():
+        expected = generate(model, ids, mask, 4, **options)
+        ours = sample_groups(model, ids, mask, 4, options)  # left to decide: graphs on CUDA
+    assert static_decode.CAPTURES["captured"] > before
+    assert torch.equal(ours, expected)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_a_capture_that_fails_decodes_eagerly_saying_so(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", broken)
+    monkeypatch.setitem(static_decode.CAPTURES, "failed", 0)
+    model = tiny_model("llama", seed=1).cuda().eval()
+    ids, mask = (t.cuda() for t in left_padded([5, 3]))
+    options = dict(do_sample=False, max_new_tokens=6, eos_token_id=2, pad_token_id=PAD)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        ours = sample_groups(model, ids, mask, 2, options)
+    assert torch.equal(ours, generate(model, ids, mask, 2, **options))
+    assert static_decode.CAPTURES["failed"] == 1
+    assert "without CUDA graphs" in caplog.text
