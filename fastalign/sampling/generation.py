@@ -12,7 +12,11 @@ cost grows with its rows, both are paid in full; on a GPU the padding rows cost 
   (``fastalign.sampling.prefix_attention``); otherwise it is repeated G times
   (``Cache.batch_repeat_interleave``), each row appending to its own copy.
 - **Finished rows leave the batch**: once an eighth of the rows in the batch have ended (an EOS), the
-  batch, its cache (``Cache.batch_select_indices``) and its ids are compacted to the rows still running.
+  batch, its cache (``Cache.batch_select_indices``) and its ids are compacted to the rows still running
+  (the CUDA graphs below: once half have, each new batch size a capture).
+- **On CUDA the decode steps are CUDA graphs**: they run at a fixed shape and are replayed
+  (``fastalign.sampling.static_decode``), where the model allows it; the eager steps (``EagerSteps``)
+  otherwise, and on a CPU, which has no kernel launches to save.
 - **Sampling draws by inverse CDF** (one uniform number per row, a binary search of the probabilities
   cumulated in float64) instead of ``torch.multinomial``, whose exponential draw over the whole vocabulary
   cost a tenth of a SmolLM2 decode step on a CPU. The distribution is the same; the draws are not
