@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import arguments, keep_rows_on_termination, record, select_providers  # noqa: E402
-from fastalign.sampling import static_decode  # noqa: E402
+from fastalign.sampling import decode_steps  # noqa: E402
 
 KERNEL = "e2e_generation"
 PROVIDERS = ("generate", "fastalign", "fastalign-eager", "continuous")
@@ -187,7 +187,7 @@ class TokenCounter:
 def _decode_mode(before: dict) -> str:
     """How the engine's last call decoded: ``graphs`` if it captured CUDA graphs since ``before`` (the
     capture counts then), else ``eager`` (``eager, capture failed`` if a capture failed)."""
-    from fastalign.sampling.static_decode import CAPTURES
+    from fastalign.sampling.decode_steps import CAPTURES
 
     if CAPTURES["failed"] > before.get("failed", 0):
         return "eager, capture failed"
@@ -242,7 +242,7 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                         torch.cuda.synchronize()
                     wall, cpu = time.perf_counter(), time.process_time()
                     counter.take()
-                    captures = dict(static_decode.CAPTURES)
+                    captures = dict(decode_steps.CAPTURES)
                     try:
                         completions = sample(provider, model, ids, mask, preset["group"], options, cache)
                     except Exception as failure:  # a provider that fails is a skipped row, not a partial one

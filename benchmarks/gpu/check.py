@@ -121,7 +121,7 @@ def _stopped(tail: str) -> str:
 # Phases
 
 TEST_PATHS = (
-    "tests/train/test_static_decode.py", "tests/kernels", "tests/losses", "tests/patching",
+    "tests/train/test_decode_steps.py", "tests/kernels", "tests/losses", "tests/patching",
     "tests/train/test_memory.py", "tests/quant",
 )  # fmt: skip
 _RESULT = re.compile(

@@ -29,14 +29,26 @@ class ReservedLayer(DynamicLayer):
     #: Where a fixed-shape step writes (a device tensor, ``make_static``); None: after the filled part.
     position: torch.Tensor | None = None
 
-    def make_static(self, position: torch.Tensor) -> None:
-        """Fixed-shape steps from now on (``fastalign.sampling.static_decode``): ``update`` writes at
+    def make_static(self, position: torch.Tensor, length: int) -> None:
+        """Fixed-shape steps from now on (``fastalign.sampling.decode_steps``): ``update`` writes at
         ``position`` and returns the whole reserved buffer, which the step's mask limits to the filled part.
-        The unfilled tail is zeroed: a masked score's weight is 0, but 0 times a NaN left in memory is NaN."""
-        length = self.keys.shape[-2]
+        The unfilled tail is zeroed: a masked score's weight is 0, but 0 times a NaN left in memory is NaN.
+        ``length`` (the positions filled, host side) is what ``get_seq_length`` answers, and a read of it
+        is noted (``length_read``): a captured step would replay the length it read."""
         self._keys[..., length:, :].zero_()
         self._values[..., length:, :].zero_()
-        self.position = position
+        self.position, self.length, self.length_read = position, length, False
+
+    def make_dynamic(self, length: int) -> None:
+        """Back to appending after the first ``length`` positions (from fixed-shape steps)."""
+        self.position = None
+        self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
+
+    def get_seq_length(self) -> int:
+        if self.position is None:
+            return super().get_seq_length()
+        self.length_read = True
+        return self.length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not hasattr(self, "_keys"):

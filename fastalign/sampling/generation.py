@@ -15,8 +15,8 @@ cost grows with its rows, both are paid in full; on a GPU the padding rows cost 
   batch, its cache (``Cache.batch_select_indices``) and its ids are compacted to the rows still running
   (the CUDA graphs below: once half have, each new batch size a capture).
 - **On CUDA the decode steps are CUDA graphs**: they run at a fixed shape and are replayed
-  (``fastalign.sampling.static_decode``), where the model allows it; the eager steps (``EagerSteps``)
-  otherwise, and on a CPU, which has no kernel launches to save.
+  (``fastalign.sampling.decode_steps``), where the model allows it and the prompts' KV is not held once;
+  the eager steps (``EagerSteps``) otherwise, and on a CPU, which has no kernel launches to save.
 - **Sampling draws by inverse CDF** (one uniform number per row, a binary search of the probabilities
   cumulated in float64) instead of ``torch.multinomial``, whose exponential draw over the whole vocabulary
   cost a tenth of a SmolLM2 decode step on a CPU. The distribution is the same; the draws are not
@@ -52,8 +52,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from fastalign.models.structure import base_model
 from fastalign.sampling.decode_cache import ReservedLayer, SharedPrefixLayer
+from fastalign.sampling.decode_steps import EagerSteps, StaticSteps, static_refusal
 from fastalign.sampling.prefix_attention import can_share, shared_prefix_decoding
-from fastalign.sampling.static_decode import StaticSteps, static_refusal
 
 try:  # transformers >= 5.23: the layers of a model's layers without attention
     from transformers.cache_utils import DummyLayer
@@ -105,9 +105,6 @@ _BATCHED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer) + ((DummyLayer,) if 
 #: where a decode step's cost is its kernel launches until the KV reads outgrow them, the few extra
 #: small operations per layer are not measured yet, so short prompts keep the repeated cache.
 SHARE_FROM = 1
-#: Rows that have ended, as a share of the batch, above which the batch is compacted (each compaction
-#: copies the KV cache of the rows that remain; each decode step runs every row in the batch).
-COMPACT_SHARE = 1 / 8
 #: Tokens per block of ``_draw``'s two-level inverse CDF.
 DRAW_BLOCK = 256
 
@@ -279,9 +276,10 @@ def sample_groups(
     random state, or with ``seeds`` (one per prompt) from a generator of each prompt's own: then a
     prompt's completions do not depend on which other prompts share the call.
 
-    ``static``: decode at a fixed shape (``fastalign.sampling.static_decode``; CUDA graphs on a GPU), which
-    the model must allow, its prompts' KV then repeated for their rows, never shared; None decides: on CUDA
-    where the model allows it; False: the eager steps."""
+    ``static``: decode at a fixed shape (``fastalign.sampling.decode_steps``; CUDA graphs on a GPU), which
+    the model must allow, its prompts' KV then repeated for their rows; None decides: on CUDA where the
+    model allows it and the prompts' KV is not held once for their rows (which saves more memory than the
+    graphs save time at that length); False: the eager steps."""
     config, _ = merged_generation_config(model, kwargs)
     device = prompt_ids.device
     eos = torch.tensor(token_id_list(config.eos_token_id), dtype=torch.long, device=device)
@@ -292,8 +290,8 @@ def sample_groups(
     config.max_length = width + config.max_new_tokens
     if config.min_new_tokens is not None:
         config.min_length = width + config.min_new_tokens
-    static = _decodes_static(model, synced, static, device)
-    shared = not static and shares_prefix(model, prompt_ids, group, config.max_new_tokens)
+    shared = static is not True and shares_prefix(model, prompt_ids, group, config.max_new_tokens)
+    static = not shared and _decodes_static(model, synced, static, device)
     cache = _decode_cache(model, shared)
     output = model(
         input_ids=prompt_ids,
@@ -366,40 +364,11 @@ def _decodes_static(model: torch.nn.Module, synced: bool, asked: bool | None, de
     if asked is False:
         return False
     refusal = static_refusal(model, _decode_cache(model, shared=False), synced)
+    if refusal is None and rope_switch_length(model) is not None:
+        refusal = "its rotary embedding compares the sequence's length on the host"
     if asked and refusal:
         raise ValueError(f"fixed-shape decoding is not possible: {refusal}")
     return refusal is None and (bool(asked) or device.type == "cuda")
-
-
-class EagerSteps:
-    """Decode steps at the batch's current shape: the cache and the mask grow a position a step, and once
-    an eighth of the rows have ended (``COMPACT_SHARE``) the batch is compacted to the rest. Under
-    ``synced`` a rank whose rows have all ended keeps one row stepping."""
-
-    def __init__(self, model: torch.nn.Module, cache, synced: bool):
-        self.model, self.cache, self.synced = model, cache, synced
-
-    def keep(self, ended: torch.Tensor) -> torch.Tensor | None:
-        """The rows to keep (None: no compaction now)."""
-        if ended.sum() < max(1.0, COMPACT_SHARE * len(ended)) or not (self.synced or not ended.all()):
-            return None
-        keep = (~ended).nonzero().squeeze(1)
-        return keep if keep.numel() else torch.zeros(1, dtype=torch.long, device=ended.device)
-
-    def select(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep)
-
-    def step(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The next logits [R, V] (float32) after ``tokens`` [R], ``mask`` the rows' mask including them."""
-        output = self.model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=mask.long().sum(-1, keepdim=True) - 1,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return output.logits[:, -1].float()
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

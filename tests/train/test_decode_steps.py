@@ -1,4 +1,4 @@
-"""The rollout engine's fixed-shape decode steps (``fastalign.sampling.static_decode``), which a GPU
+"""The rollout engine's fixed-shape decode steps (``fastalign.sampling.decode_steps``), which a GPU
 replays as CUDA graphs: on a CPU they run eagerly, and must give ``generate``'s greedy tokens on every
 family that allows them, through compactions, under LoRA and fastalign's patch, and sample its
 distribution; what cannot run them is named. The CUDA tests (the GPU check runs this file) capture the
@@ -12,10 +12,10 @@ import torch
 
 from fastalign.builtin import tiny_model
 from fastalign.builtin.models import TINY_MODEL_TYPES
-from fastalign.sampling import static_decode
+from fastalign.sampling import decode_steps
 from fastalign.sampling.decode_cache import ReservedLayer
+from fastalign.sampling.decode_steps import StaticSteps, static_refusal
 from fastalign.sampling.generation import _decode_cache, sample_groups
-from fastalign.sampling.static_decode import StaticSteps, static_refusal
 from tests.train.test_generation import (
     PAD,
     an_eos_that_ends_some_rows,
@@ -86,6 +86,7 @@ def test_memory_left_in_the_reserved_buffers_is_never_read(monkeypatch):
 
 def test_the_batch_is_compacted_once_half_its_rows_have_ended():
     steps = StaticSteps.__new__(StaticSteps)
+    steps.eager = None
     ended = torch.tensor([True, True, True, False, False, False, False, False])
     assert steps.keep(ended) is None  # 5 of 8 still running
     ended[3] = True
@@ -145,6 +146,21 @@ def test_what_cannot_decode_at_a_fixed_shape_is_named():
     assert "ranks" in static_refusal(model, _decode_cache(model, shared=False), synced=True)
     assert "training mode" in refusal_of(model.train())
     model.eval()
+    model.config.num_local_experts = 4
+    assert "mixture of experts" in refusal_of(model)
+    model.config.num_local_experts = None
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+    assert "spread over devices" in refusal_of(model)
+    del model.hf_device_map
+    dynamic = tiny_model("llama", seed=1, rope_scaling={"rope_type": "dynamic", "factor": 2.0}).eval()
+    with pytest.raises(ValueError, match="rotary embedding"):
+        sample_groups(
+            dynamic,
+            *left_padded([3]),
+            2,
+            dict(do_sample=False, max_new_tokens=2, eos_token_id=2),
+            static=True,
+        )
     up = model.model.layers[0].mlp.up_proj
     up.__class__ = FourBitLinear  # what the check looks at: the layer's type
     assert "quantized" in refusal_of(model)
@@ -153,6 +169,48 @@ def test_what_cannot_decode_at_a_fixed_shape_is_named():
         sample_groups(
             model, ids, mask, 2, dict(do_sample=False, max_new_tokens=2, eos_token_id=2), static=True
         )
+
+
+def test_steps_that_go_eager_midway_decode_as_generate(monkeypatch):
+    """What a step that cannot be captured leads to: the eager steps from there on, over the cache as the
+    fixed-shape ones filled it, after a compaction too."""
+    step = StaticSteps.step
+    width = {}
+
+    def going_eager(self, tokens, mask):
+        width.setdefault(id(self), self.filled)
+        if self.eager is None and self.filled == width[id(self)] + 3:
+            self._go_eager("a test")
+        return step(self, tokens, mask)
+
+    monkeypatch.setattr(StaticSteps, "step", going_eager)
+    compact_at_every_end(monkeypatch)
+    model = tiny_model("qwen3", seed=1).eval()
+    ids, mask = left_padded([5, 9, 3, 7])
+    eos = an_eos_that_ends_some_rows(model, ids, mask, steps=12)
+    options = dict(do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD)
+    with torch.no_grad():
+        ours = sample_groups(model, ids, mask, 2, options, static=True)
+    assert torch.equal(ours, generate(model, ids, mask, 2, **options))
+    assert model in decode_steps._UNCAPTURABLE
+
+
+def test_the_length_a_step_reads_is_noted():
+    """A fixed-shape layer answers ``get_seq_length`` with the host-side length and notes the read (a
+    captured step would replay it); back to appending, it counts its keys again."""
+    layer = ReservedLayer()
+    layer.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    layer.reserve(4)
+    layer.make_static(torch.tensor([3]), 3)
+    assert not layer.length_read
+    layer.length = 5
+    assert layer.get_seq_length() == 5 and layer.length_read
+    keys, _ = layer.update(torch.full((1, 1, 1, 2), 2.0), torch.full((1, 1, 1, 2), 2.0))
+    assert keys.shape[-2] == 7 and keys[0, 0, 3].tolist() == [2.0, 2.0] and keys[0, 0, 4:].abs().sum() == 0
+    layer.make_dynamic(4)
+    assert layer.get_seq_length() == 4
+    keys, _ = layer.update(torch.full((1, 1, 1, 2), 3.0), torch.full((1, 1, 1, 2), 3.0))
+    assert keys[0, 0, :, 0].tolist() == [1.0, 1.0, 1.0, 2.0, 3.0]
 
 
 def test_the_eager_steps_decode_on_a_cpu_unless_asked(monkeypatch):
@@ -177,26 +235,62 @@ def test_cuda_graphs_decode_as_generate(model_type):
     ids, mask = (t.cuda() for t in left_padded([5, 9, 3, 7]))
     eos = an_eos_that_ends_some_rows(model, ids, mask, steps=16)
     options = dict(do_sample=False, max_new_tokens=16, eos_token_id=eos, pad_token_id=PAD)
-    before = static_decode.CAPTURES["captured"]
+    before = decode_steps.CAPTURES["captured"]
     with torch.no_grad():
         expected = generate(model, ids, mask, 4, **options)
         ours = sample_groups(model, ids, mask, 4, options)  # left to decide: graphs on CUDA
-    assert static_decode.CAPTURES["captured"] > before
+    assert decode_steps.CAPTURES["captured"] > before
     assert torch.equal(ours, expected)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_a_capture_that_fails_decodes_eagerly_saying_so(monkeypatch, caplog):
-    def broken(*args, **kwargs):
-        raise RuntimeError("operation not permitted when stream is capturing")
+def broken_at(call: int, error: Exception, monkeypatch) -> None:
+    """The ``call``-th run of a fixed-shape step (1: its first) raises ``error``."""
+    forward, calls = StaticSteps._forward, []
 
-    monkeypatch.setattr(torch.cuda, "graph", broken)
-    monkeypatch.setitem(static_decode.CAPTURES, "failed", 0)
+    def failing(self):
+        calls.append(1)
+        if len(calls) == call:
+            raise error
+        return forward(self)
+
+    monkeypatch.setattr(StaticSteps, "_forward", failing)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("call", [2, 3], ids=["waits-on-the-device", "capture-fails"])
+def test_a_step_that_cannot_be_captured_decodes_eagerly_saying_so(call, monkeypatch, caplog):
+    """The second run checks for host waits, the third is the capture: either failing leaves the current
+    stream the default one, the allocator usable, and the eager steps giving generate's tokens."""
+    broken_at(call, RuntimeError("called a synchronizing CUDA operation"), monkeypatch)
     model = tiny_model("llama", seed=1).cuda().eval()
     ids, mask = (t.cuda() for t in left_padded([5, 3]))
     options = dict(do_sample=False, max_new_tokens=6, eos_token_id=2, pad_token_id=PAD)
+    before = dict(decode_steps.CAPTURES)
     with torch.no_grad(), caplog.at_level("WARNING"):
         ours = sample_groups(model, ids, mask, 2, options)
     assert torch.equal(ours, generate(model, ids, mask, 2, **options))
-    assert static_decode.CAPTURES["failed"] == 1
+    assert decode_steps.CAPTURES["uncaptured"] == before.get("uncaptured", 0) + 1
+    assert decode_steps.CAPTURES["captured"] == before.get("captured", 0)
     assert "without CUDA graphs" in caplog.text
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.empty(1 << 20, device="cuda").fill_(1)  # the allocator still serves this stream
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_a_step_that_reads_the_caches_length_is_not_captured(monkeypatch):
+    model = tiny_model("llama", seed=1).cuda().eval()
+    forward = type(model.model).forward
+
+    def reading(self, *args, past_key_values=None, **kwargs):
+        past_key_values.get_seq_length()
+        return forward(self, *args, past_key_values=past_key_values, **kwargs)
+
+    monkeypatch.setattr(type(model.model), "forward", reading)
+    ids, mask = (t.cuda() for t in left_padded([5, 3]))
+    options = dict(do_sample=False, max_new_tokens=6, eos_token_id=2, pad_token_id=PAD)
+    before = decode_steps.CAPTURES["captured"]
+    with torch.no_grad():
+        assert torch.equal(
+            sample_groups(model, ids, mask, 2, options), generate(model, ids, mask, 2, **options)
+        )
+    assert decode_steps.CAPTURES["captured"] == before

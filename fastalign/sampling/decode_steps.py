@@ -1,0 +1,266 @@
+"""The rollout engine's decode steps: eager ones at the batch's current shape (``EagerSteps``), and on a GPU
+fixed-shape ones replayed as CUDA graphs (``StaticSteps``). ``fastalign.sampling.generation``'s loop draws
+the tokens; a steps object runs the model on them (``step``) and says when to compact the batch (``keep``,
+``select``).
+
+Why graphs: a decode step of a model of a few billion parameters on a GPU reads its weights in about a
+millisecond, but launches a few hundred kernels from Python to do it (each layer's norms, projections,
+rotary embedding, attention, activation), so the step costs its launches, not its reads. A CUDA graph
+records those launches once and replays them with one call. A graph replays fixed addresses and shapes,
+which the eager steps do not have: their KV cache and attention mask grow by a position every step, and
+compactions shrink the batch.
+
+How (``StaticSteps``): after the prefill every full-attention layer already holds its keys and values in
+a buffer of the final length (``ReservedLayer.reserve``); ``ReservedLayer.make_static`` zeroes its tail
+and makes ``update`` write a step's keys and values at a position held in a device tensor (``index_copy_``)
+and return the whole buffer. The step attends over all of it under a 4-D boolean mask [R, 1, 1, L] whose
+column is switched on as each position fills (transformers passes a 4-D mask through as it is). The
+inputs (token ids, positions, the mask, the write position) are tensors updated in place between steps, so
+one captured graph serves every step of a batch size. Rows that end keep stepping (their tokens are
+discarded) until the running ones fit in half the batch; then every buffer is compacted and the next size
+is captured (at most log2 of the rows, a call). The logits processors and the draw run outside the graph:
+they read the growing ids.
+
+Before a capture the step runs twice: once as it is (the step's own logits and writes, and whatever a first
+call initializes: cuBLAS handles, Triton autotuning), then with CUDA's synchronizing calls made errors
+(``torch.cuda.set_sync_debug_mode``): a step that waits on the host (a ``.item()``, a ``nonzero``, a rotary
+embedding that compares a device length, a mixture of experts' routing) cannot be captured, and a step that
+reads the cache's length on the host (``get_seq_length``) would replay the length it read at the capture.
+Either keeps the eager steps from there on, as does a capture that fails (said once in the log; the
+capture's allocator state is ended by hand, since ``capture_end`` does not end it when it fails). Under
+autocast the graph reads the weights autocast cast and cached in the first run: the cache lives until the
+outermost autocast ends, after the call.
+
+Where: on CUDA, for a model attending with sdpa through transformers' attention functions whose cache
+layers are all full attention, in eval mode, not quantized, on one device, not sharded (``static_refusal``).
+On a CPU the fixed-shape steps are slower than the eager ones (they attend over the whole buffer, and a CPU
+has no launches to save: on SmolLM2-135M, 32 rows × 32 tokens, one thread, transformers' compiled
+static-cache ``generate`` took 9.47 s a call against 8.8 s eager, after a 39 s compile), so they run there
+only in tests, which check the same tokens as ``generate`` on every family.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import weakref
+
+import torch
+
+from fastalign.models.structure import base_model
+from fastalign.sampling.decode_cache import ReservedLayer
+from fastalign.sampling.prefix_attention import can_share
+
+logger = logging.getLogger(__name__)
+
+#: Rows that have ended, as a share of the batch, above which the eager steps compact it (each compaction
+#: copies the KV cache of the rows that remain; each decode step runs every row in the batch).
+COMPACT_SHARE = 1 / 8
+#: Marks of a quantized layer's class name (bitsandbytes' Linear4bit and Linear8bitLt, fastalign's
+#: FourBitLinear): their kernels are not known to be capturable.
+_QUANTIZED = ("4bit", "8bit", "FourBit")
+#: Config fields of a mixture of experts, whose routing reads the device on the host.
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+#: Graph captures, and steps kept eager (``uncaptured``: a step that synchronizes or reads the cache's
+#: length; ``failed``: a capture that failed), counted over the process (the GPU check reports them).
+CAPTURES: collections.Counter = collections.Counter()
+#: Models whose step cannot be captured (they decode eagerly from then on, without trying again).
+_UNCAPTURABLE: weakref.WeakSet = weakref.WeakSet()
+#: Graphs whose capture failed, kept alive: the allocator may still point at them.
+_FAILED_GRAPHS: list = []
+
+
+def static_refusal(model: torch.nn.Module, cache, synced: bool) -> str | None:
+    """Why the decode steps of ``model`` over ``cache`` (the engine's, before its prefill or after) cannot
+    run at a fixed shape (None: they can)."""
+    if synced:
+        return "its ranks step together (a sharded model)"
+    kinds = {type(layer) for layer in cache.layers}
+    kinds |= {cache.layer_class_to_replicate} if getattr(cache, "layer_class_to_replicate", None) else set()
+    if kinds != {ReservedLayer}:
+        return "its cache has layers other than full attention (a sliding window, a shared prefix, ...)"
+    if not can_share(model):
+        return "it does not attend with sdpa through transformers' attention functions"
+    if model.training:
+        return "it is in training mode"
+    base = base_model(model)
+    if getattr(base, "hf_quantizer", None) is not None or any(
+        any(mark in type(module).__name__ for mark in _QUANTIZED) for module in model.modules()
+    ):
+        return "its weights are quantized"
+    config = model.config.get_text_config(decoder=True)
+    if any(getattr(config, name, None) for name in _EXPERTS):
+        return "it is a mixture of experts (its routing waits on the device)"
+    if len({str(device) for device in (getattr(base, "hf_device_map", None) or {}).values()}) > 1:
+        return "its layers are spread over devices"
+    return None
+
+
+class EagerSteps:
+    """Decode steps at the batch's current shape: the cache and the mask grow a position a step, and once
+    an eighth of the rows have ended (``COMPACT_SHARE``) the batch is compacted to the rest. Under
+    ``synced`` a rank whose rows have all ended keeps one row stepping."""
+
+    def __init__(self, model: torch.nn.Module, cache, synced: bool):
+        self.model, self.cache, self.synced = model, cache, synced
+
+    def keep(self, ended: torch.Tensor) -> torch.Tensor | None:
+        """The rows to keep (None: no compaction now)."""
+        if ended.sum() < max(1.0, COMPACT_SHARE * len(ended)) or not (self.synced or not ended.all()):
+            return None
+        keep = (~ended).nonzero().squeeze(1)
+        return keep if keep.numel() else torch.zeros(1, dtype=torch.long, device=ended.device)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next logits [R, V] (float32) after ``tokens`` [R], ``mask`` the rows' mask including them."""
+        output = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=mask.long().sum(-1, keepdim=True) - 1,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return output.logits[:, -1].float()
+
+
+class StaticSteps:
+    """Decode steps over ``cache`` (reserved for ``tokens`` more positions after the [R, P] prompts of
+    ``mask``) at a fixed shape: replayed as a CUDA graph with ``graphs``, run eagerly without (tests)."""
+
+    def __init__(self, model: torch.nn.Module, cache, mask: torch.Tensor, tokens: int, graphs: bool):
+        rows, width = mask.shape
+        device = mask.device
+        self.model, self.cache = model, cache
+        self.graphs = graphs and model not in _UNCAPTURABLE
+        self.eager: EagerSteps | None = None  # the steps from the moment a step could not be captured
+        self.filled = width  # positions of the buffers written so far (host side)
+        self.position = torch.full((1,), width, dtype=torch.long, device=device)  # where a step writes
+        self.mask = torch.zeros(rows, 1, 1, width + tokens, dtype=torch.bool, device=device)
+        self.mask[:, 0, 0, :width] = mask.bool()
+        self.positions = mask.long().sum(-1, keepdim=True) - 1  # each row's last position; a step adds 1
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        for layer in cache.layers:
+            layer.make_static(self.position, width)
+        self.graph = self.logits = None
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    def keep(self, ended: torch.Tensor) -> torch.Tensor | None:
+        """The rows to keep once the running ones fit in half the batch (None: keep stepping all)."""
+        if self.eager is not None:
+            return self.eager.keep(ended)
+        running = int((~ended).sum())
+        if running == 0 or running > len(ended) // 2:
+            return None
+        return (~ended).nonzero().squeeze(1)
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Only the rows ``keep`` from now on (a batch size of its own: captured anew)."""
+        self.cache.batch_select_indices(keep)
+        if self.eager is None:
+            self.mask, self.positions, self.ids = self.mask[keep], self.positions[keep], self.ids[keep]
+            self.graph = self.logits = None
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next logits [R, V] (float32) of the rows after feeding them ``tokens`` [R] (``mask``, the
+        rows' growing mask, is read only by the eager steps: these keep their own)."""
+        if self.eager is not None:
+            return self.eager.step(tokens, mask)
+        self.ids.copy_(tokens[:, None])
+        self.positions.add_(1)
+        self.mask[:, 0, 0, self.filled] = True
+        self.position.fill_(self.filled)
+        for layer in self.cache.layers:
+            layer.length = self.filled
+        self.filled += 1
+        if not self.graphs:
+            return self._forward().float()
+        if self.graph is None:
+            return self._capture()
+        with torch.cuda.device(self.position.device):
+            self.graph.replay()
+        return self.logits.to(torch.float32, copy=True)
+
+    @torch.no_grad()
+    def _forward(self) -> torch.Tensor:
+        output = self.model(
+            input_ids=self.ids,
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return output.logits[:, -1]
+
+    def _capture(self) -> torch.Tensor:
+        """This step's logits, from its first run; then, where the step neither waits on the host nor reads
+        the cache's length there, its capture (outputs ``self.logits``; a replay repeats its writes to
+        the same positions). Otherwise the eager steps from here on."""
+        device = self.position.device
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # restores the current stream on leaving, whatever happened
+                logits = self._forward().float()
+                why = self._uncapturable()
+                if why is None:
+                    why = self._record()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            logits.record_stream(torch.cuda.current_stream(device))  # made on the side stream, used here
+        if why is None:
+            CAPTURES["captured"] += 1
+        else:
+            self._go_eager(why)
+        return logits
+
+    def _uncapturable(self) -> str | None:
+        """Why the step cannot be captured, from a second run with synchronizing calls made errors."""
+        for layer in self.cache.layers:
+            layer.length_read = False
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self._forward()
+        except RuntimeError as failure:
+            return f"a step waits on the device ({str(failure).splitlines()[0]})"
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        if any(layer.length_read for layer in self.cache.layers):
+            return "a step reads the cache's length on the host"
+        return None
+
+    def _record(self) -> str | None:
+        """Capture the step on the current (side) stream; why it failed (None: ``self.graph`` holds it)."""
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        failure = None
+        try:
+            self.logits = self._forward()
+        except Exception as error:  # a kernel that cannot be captured
+            failure = error
+        try:
+            graph.capture_end()
+        except Exception as error:
+            failure = failure or error
+            # capture_end raises before it ends the allocator's capture: end it, keep the graph alive
+            torch._C._cuda_endAllocateToPool(self.position.device.index, self.pool)
+            _FAILED_GRAPHS.append(graph)
+        if failure is not None:
+            CAPTURES["failed"] += 1
+            return f"the capture failed ({str(failure).splitlines()[0]})"
+        self.graph = graph
+        return None
+
+    def _go_eager(self, why: str) -> None:
+        """The eager steps from the next step on, over the cache as filled so far."""
+        CAPTURES["uncaptured"] += 1
+        _UNCAPTURABLE.add(self.model)
+        logger.warning("fastalign: rollout decoding runs without CUDA graphs for this model: %s", why)
+        for layer in self.cache.layers:
+            layer.make_dynamic(self.filled)
+        self.graph = self.logits = None
+        self.eager = EagerSteps(self.model, self.cache, synced=False)
