@@ -13,7 +13,8 @@ topics, ``pydoc_data``), ``group`` sampled completions of each (temperature 1, n
   engine, and TRL's GRPOTrainer without vLLM);
 - ``fastalign``: the engine (``fastalign.sampling.generation.sample_groups``): each prompt prefilled once,
   ended rows dropped, inverse-CDF draws; on a GPU its decode steps replayed as CUDA graphs (the row's
-  ``decode``: ``graphs``, or ``eager`` where the model or a failed capture keeps them eager);
+  ``decode``: ``graphs``, or ``eager`` where the model keeps them eager, with the reason where a step
+  could not be captured or replayed);
 - ``fastalign-eager`` (GPU only: on a CPU the engine always steps eagerly, the ``fastalign`` row): the
   engine without the graphs, what they gain;
 - ``continuous``: transformers' continuous batching (``model.generate_batch``, paged attention; TRL's
@@ -186,12 +187,14 @@ class TokenCounter:
 
 def _decode_mode(before: dict) -> str:
     """How the engine's last call decoded: ``graphs`` if it captured CUDA graphs since ``before`` (the
-    capture counts then), else ``eager`` (``eager, capture failed`` if a capture failed)."""
-    from fastalign.sampling.decode_steps import CAPTURES
-
-    if CAPTURES["failed"] > before.get("failed", 0):
-        return "eager, capture failed"
-    return "graphs" if CAPTURES["captured"] > before.get("captured", 0) else "eager"
+    capture counts then) and kept them, ``eager: ...`` with the reason if it left them, else ``eager``."""
+    new = {key: count - before.get(key, 0) for key, count in decode_steps.CAPTURES.items()}
+    if new.get("uncaptured"):
+        why = (
+            "a replay differed" if new.get("differed") else "a capture failed" if new.get("failed") else None
+        )
+        return f"eager: {why or 'the step cannot be captured'}"
+    return "graphs" if new.get("captured") else "eager"
 
 
 def _shape(preset: dict, length: int, prompt_tokens: int) -> str:

@@ -26,8 +26,11 @@ call initializes: cuBLAS handles, Triton autotuning), then with CUDA's synchroni
 (``torch.cuda.set_sync_debug_mode``): a step that waits on the host (a ``.item()``, a ``nonzero``, a rotary
 embedding that compares a device length, a mixture of experts' routing) cannot be captured, and a step that
 reads the cache's length on the host (``get_seq_length``) would replay the length it read at the capture.
-Either keeps the eager steps from there on, as does a capture that fails (said once in the log; the
-capture's allocator state is ended by hand, since ``capture_end`` does not end it when it fails). Under
+Either keeps the eager steps from there on, as does a capture that fails (said in the log; the
+capture's allocator state is ended by hand, since ``capture_end`` does not end it when it fails). A
+graph's first replay is then checked against the same step run eagerly (``REPLAY_TOLERANCE``), which
+catches whatever else the capture froze that changes between steps; a replay that differs also leaves
+the eager steps. Under
 autocast the graph reads the weights autocast cast and cached in the first run: the cache lives until the
 outermost autocast ends, after the call.
 
@@ -61,8 +64,13 @@ COMPACT_SHARE = 1 / 8
 _QUANTIZED = ("4bit", "8bit", "FourBit")
 #: Config fields of a mixture of experts, whose routing reads the device on the host.
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-#: Graph captures, and steps kept eager (``uncaptured``: a step that synchronizes or reads the cache's
-#: length; ``failed``: a capture that failed), counted over the process (the GPU check reports them).
+#: A graph's first replay is checked against the same step run eagerly: logits that differ by more than
+#: this share of their largest magnitude mean the graph replays something it should not (a value read on
+#: the host at its capture), and the eager steps go on.
+REPLAY_TOLERANCE = 1e-3
+#: Graph captures, and steps kept eager (``uncaptured``: a step that synchronizes, reads the cache's
+#: length, or whose capture failed (also ``failed``) or whose replay differed (also ``differed``)),
+#: counted over the process (the GPU check reports them).
 CAPTURES: collections.Counter = collections.Counter()
 #: Models whose step cannot be captured (they decode eagerly from then on, without trying again).
 _UNCAPTURABLE: weakref.WeakSet = weakref.WeakSet()
@@ -146,6 +154,7 @@ class StaticSteps:
         for layer in cache.layers:
             layer.make_static(self.position, width)
         self.graph = self.logits = None
+        self.checked = False  # whether a replay of the current graph was checked against an eager run
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def keep(self, ended: torch.Tensor) -> torch.Tensor | None:
@@ -163,6 +172,7 @@ class StaticSteps:
         if self.eager is None:
             self.mask, self.positions, self.ids = self.mask[keep], self.positions[keep], self.ids[keep]
             self.graph = self.logits = None
+            self.checked = False
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The next logits [R, V] (float32) of the rows after feeding them ``tokens`` [R] (``mask``, the
@@ -182,7 +192,17 @@ class StaticSteps:
             return self._capture()
         with torch.cuda.device(self.position.device):
             self.graph.replay()
-        return self.logits.to(torch.float32, copy=True)
+        logits = self.logits.to(torch.float32, copy=True)
+        if self.checked:
+            return logits
+        self.checked = True
+        eager = self._forward().float()  # the same step again (rewriting the same keys and values)
+        if not torch.allclose(
+            logits, eager, rtol=REPLAY_TOLERANCE, atol=REPLAY_TOLERANCE * float(eager.abs().max())
+        ):
+            CAPTURES["differed"] += 1
+            self._go_eager("a replay's logits differed from the step run eagerly")
+        return eager
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:

@@ -294,3 +294,26 @@ def test_a_step_that_reads_the_caches_length_is_not_captured(monkeypatch):
             sample_groups(model, ids, mask, 2, options), generate(model, ids, mask, 2, **options)
         )
     assert decode_steps.CAPTURES["captured"] == before
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_a_replay_that_differs_from_the_eager_step_leaves_the_graphs(monkeypatch, caplog):
+    """A graph that froze something at its capture (here: its output read from elsewhere) is caught at its
+    first replay, and the eager steps go on with generate's tokens."""
+    record = StaticSteps._record
+
+    def frozen(self):
+        failure = record(self)
+        self.logits = torch.zeros_like(self.logits)  # not what the graph writes
+        return failure
+
+    monkeypatch.setattr(StaticSteps, "_record", frozen)
+    model = tiny_model("llama", seed=1).cuda().eval()
+    ids, mask = (t.cuda() for t in left_padded([5, 3]))
+    options = dict(do_sample=False, max_new_tokens=6, eos_token_id=2, pad_token_id=PAD)
+    before = dict(decode_steps.CAPTURES)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        ours = sample_groups(model, ids, mask, 2, options)
+    assert torch.equal(ours, generate(model, ids, mask, 2, **options))
+    assert decode_steps.CAPTURES["differed"] == before.get("differed", 0) + 1
+    assert "differed" in caplog.text
