@@ -88,6 +88,17 @@ def test_the_report_judges_the_goals_from_the_latest_run_of_each_phase():
         "- 70B QLoRA > 89,389 tokens on 80 GB: **met** — 90,112 tokens, peak 77.5 GiB (planner 79.0)" in text
     )
     assert "### long_70b" in text and "| 90,112 | True |" in text
+    assert "- rollout generation ≥ 3× `generate`'s tokens/s on the 1B shape: not measured on GPU" in text
+
+    rows = [{"provider": "generate", "tokens_per_s": 1000.0},
+            {"provider": "fastalign", "tokens_per_s": 3500.0, "decode": "graphs"},
+            {"provider": "fastalign-eager", "tokens_per_s": 1400.0}]  # fmt: skip
+    generation = {"kernel": "e2e_generation", "preset": "gpu", "env": long_run["env"], "rows": rows}
+    text = "".join(gpu_report.sections([failed, rerun, lora, long_run, generation]))
+    assert (
+        "- rollout generation ≥ 3× `generate`'s tokens/s on the 1B shape: **met** — 3.50× (3,500 vs 1,000 "
+        "tokens/s, decode graphs; without graphs 1.40×)" in text
+    )
 
 
 @pytest.mark.slow

@@ -86,8 +86,9 @@ def _qlora_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def goals(phases: dict[str, tuple[dict, dict]]) -> list[str]:
-    """The open issues' GPU goals with the measured figure, met / missed / not measured."""
+def goals(phases: dict[str, tuple[dict, dict]], generation: list[dict] = ()) -> list[str]:
+    """The open issues' GPU goals with the measured figure, met / missed / not measured (``generation``:
+    the rows of the device's latest rollout-generation run, ``bench_generation.py --preset gpu``)."""
     lora = phases.get("lora_8b", ({}, {}))[0].get("rows", [])
     qlora = phases.get("qlora_70b", ({}, {}))[0].get("rows", [])
     ok = [row for row in qlora if "error" not in row]
@@ -143,7 +144,23 @@ def goals(phases: dict[str, tuple[dict, dict]]) -> list[str]:
     else:
         lines.append("- TRL + fastalign ahead of TRL + Liger: not measured on GPU"
                      + (f" (TRL alone: {trl['tokens_per_s']:,.0f} tokens/s)" if trl else ""))  # fmt: skip
+    lines.append(_generation_goal(generation))
     return lines
+
+
+def _generation_goal(rows: list[dict]) -> str:
+    """Issue 37's: the rollout engine ≥ 3× ``generate``'s tokens/s on the Llama-3.2-1B shape."""
+    goal = "- rollout generation ≥ 3× `generate`'s tokens/s on the 1B shape"
+    base = next((row for row in rows if row["provider"] == "generate"), None)
+    ours = next((row for row in rows if row["provider"] == "fastalign"), None)
+    if base is None or ours is None:
+        return f"{goal}: not measured on GPU"
+    ratio = ours["tokens_per_s"] / base["tokens_per_s"]
+    eager = next((row for row in rows if row["provider"] == "fastalign-eager"), None)
+    without = f"; without graphs {eager['tokens_per_s'] / base['tokens_per_s']:.2f}×" if eager else ""
+    return (f"{goal}: {'**met**' if ratio >= 3 else '**missed**'} — {ratio:.2f}× "
+            f"({ours['tokens_per_s']:,.0f} vs {base['tokens_per_s']:,.0f} tokens/s, decode "
+            f"{ours.get('decode', 'eager')}{without})")  # fmt: skip
 
 
 def _long_goal(what: str, anchor: int, rows: list[dict], otherwise: str) -> str:
@@ -161,8 +178,8 @@ def _long_goal(what: str, anchor: int, rows: list[dict], otherwise: str) -> str:
     return f"{goal}: not measured on GPU ({measured}{otherwise})"
 
 
-def render(runs: list[dict]) -> str:
-    """The section of every GPU check run of one device."""
+def render(runs: list[dict], generation: list[dict] = ()) -> str:
+    """The section of every GPU check run of one device (``generation``: see ``goals``)."""
     phases = _phases(runs)
     env = max(runs, key=lambda run: run["env"]["date"])["env"]
     lines = [
@@ -176,7 +193,7 @@ def render(runs: list[dict]) -> str:
         "",
         "### Goals of the open issues",
         "",
-        *goals(phases),
+        *goals(phases, generation),
     ]
     for name, (outcome, run) in phases.items():
         renv = run["env"]
@@ -224,4 +241,19 @@ def sections(all_runs: list[dict]) -> list[str]:
     """One section per device that ran the check."""
     checks = [run for run in all_runs if run["kernel"] == KERNEL and run["preset"] == "gpu"]
     devices = sorted({run["env"]["device"] for run in checks})
-    return [render([run for run in checks if run["env"]["device"] == device]) for device in devices]
+    return [
+        render(
+            [run for run in checks if run["env"]["device"] == device], _latest_generation(all_runs, device)
+        )
+        for device in devices
+    ]
+
+
+def _latest_generation(all_runs: list[dict], device: str) -> list[dict]:
+    """The rows of the device's latest rollout-generation run that has any."""
+    found = [
+        run for run in all_runs
+        if run["kernel"] == "e2e_generation" and run["preset"] == "gpu" and run["env"]["device"] == device
+        and run.get("rows")
+    ]  # fmt: skip
+    return max(found, key=lambda run: run["env"]["date"])["rows"] if found else []
