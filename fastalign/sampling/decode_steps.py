@@ -104,6 +104,12 @@ def static_refusal(model: torch.nn.Module, cache, synced: bool) -> str | None:
     return None
 
 
+def may_capture(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s decode steps may still be captured in this process: not once a step of it could
+    not be (the eager steps then serve it; fixed-shape steps without a graph only attend over more)."""
+    return model not in _UNCAPTURABLE
+
+
 class EagerSteps:
     """Decode steps at the batch's current shape: the cache and the mask grow a position a step, and once
     an eighth of the rows have ended (``COMPACT_SHARE``) the batch is compacted to the rest. Under
@@ -143,7 +149,7 @@ class StaticSteps:
         rows, width = mask.shape
         device = mask.device
         self.model, self.cache = model, cache
-        self.graphs = graphs and model not in _UNCAPTURABLE
+        self.graphs = graphs and may_capture(model)
         self.eager: EagerSteps | None = None  # the steps from the moment a step could not be captured
         self.filled = width  # positions of the buffers written so far (host side)
         self.position = torch.full((1,), width, dtype=torch.long, device=device)  # where a step writes

@@ -52,7 +52,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from fastalign.models.structure import base_model
 from fastalign.sampling.decode_cache import ReservedLayer, SharedPrefixLayer
-from fastalign.sampling.decode_steps import EagerSteps, StaticSteps, static_refusal
+from fastalign.sampling.decode_steps import EagerSteps, StaticSteps, may_capture, static_refusal
 from fastalign.sampling.prefix_attention import can_share, shared_prefix_decoding
 
 try:  # transformers >= 5.23: the layers of a model's layers without attention
@@ -360,7 +360,8 @@ def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced
 
 def _decodes_static(model: torch.nn.Module, synced: bool, asked: bool | None, device: torch.device) -> bool:
     """Whether the decode steps run at a fixed shape (``StaticSteps``): where ``asked`` (which the model
-    must allow) or, left to decide, on CUDA where the model allows them."""
+    must allow) or, left to decide, on CUDA where the model allows them and its steps were never found
+    uncapturable."""
     if asked is False:
         return False
     refusal = static_refusal(model, _decode_cache(model, shared=False), synced)
@@ -368,7 +369,7 @@ def _decodes_static(model: torch.nn.Module, synced: bool, asked: bool | None, de
         refusal = "its rotary embedding compares the sequence's length on the host"
     if asked and refusal:
         raise ValueError(f"fixed-shape decoding is not possible: {refusal}")
-    return refusal is None and (bool(asked) or device.type == "cuda")
+    return refusal is None and (bool(asked) or (device.type == "cuda" and may_capture(model)))
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
