@@ -27,7 +27,9 @@ call initializes: cuBLAS handles, Triton autotuning), then with CUDA's synchroni
 embedding that compares a device length, a mixture of experts' routing) cannot be captured, and a step that
 reads the cache's length on the host (``get_seq_length``) would replay the length it read at the capture.
 Either keeps the eager steps from there on, as does a capture that fails (said in the log; the
-capture's allocator state is ended by hand, since ``capture_end`` does not end it when it fails). A
+capture's allocator state is ended by hand, since ``capture_end`` does not end it when CUDA refuses to
+end the capture). Each capture takes a memory pool of its own: a pool whose graphs were all released
+cannot take another capture (torch asserts), and a compaction releases the batch's graph. A
 graph's first replay is then checked against the same step run eagerly (``REPLAY_TOLERANCE``), which
 catches whatever else the capture froze that changes between steps; a replay that differs also leaves
 the eager steps. Under
@@ -74,7 +76,7 @@ REPLAY_TOLERANCE = 1e-3
 CAPTURES: collections.Counter = collections.Counter()
 #: Models whose step cannot be captured (they decode eagerly from then on, without trying again).
 _UNCAPTURABLE: weakref.WeakSet = weakref.WeakSet()
-#: Graphs whose capture failed, kept alive: the allocator may still point at them.
+#: Graphs whose capture failed, kept alive: the pinned-memory allocator may still point at them.
 _FAILED_GRAPHS: list = []
 
 
@@ -161,7 +163,8 @@ class StaticSteps:
             layer.make_static(self.position, width)
         self.graph = self.logits = None
         self.checked = False  # whether a replay of the current graph was checked against an eager run
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # one side stream for every capture: the allocator reuses a freed block on its own stream only
+        self.stream = torch.cuda.Stream(device) if self.graphs else None
 
     def keep(self, ended: torch.Tensor) -> torch.Tensor | None:
         """The rows to keep once the running ones fit in half the batch (None: keep stepping all)."""
@@ -228,14 +231,13 @@ class StaticSteps:
         the same positions). Otherwise the eager steps from here on."""
         device = self.position.device
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # restores the current stream on leaving, whatever happened
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self.stream):  # restores the current stream on leaving, whatever happened
                 logits = self._forward().float()
                 why = self._uncapturable()
                 if why is None:
                     why = self._record()
-            torch.cuda.current_stream(device).wait_stream(stream)
+            torch.cuda.current_stream(device).wait_stream(self.stream)
             logits.record_stream(torch.cuda.current_stream(device))  # made on the side stream, used here
         if why is None:
             CAPTURES["captured"] += 1
@@ -244,13 +246,16 @@ class StaticSteps:
         return logits
 
     def _uncapturable(self) -> str | None:
-        """Why the step cannot be captured, from a second run with synchronizing calls made errors."""
+        """Why the step cannot be captured, from a second run with synchronizing calls made errors (for
+        every thread of the process during that run: CUDA's sync debug mode is global)."""
         for layer in self.cache.layers:
             layer.length_read = False
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
             self._forward()
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as failure:
             return f"a step waits on the device ({str(failure).splitlines()[0]})"
         finally:
@@ -260,21 +265,25 @@ class StaticSteps:
         return None
 
     def _record(self) -> str | None:
-        """Capture the step on the current (side) stream; why it failed (None: ``self.graph`` holds it)."""
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        """Capture the step on the current (side) stream into a memory pool of its own (a pool whose graphs
+        were all released cannot take another capture); why it failed (None: ``self.graph`` holds it)."""
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         failure = None
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        except Exception as error:
+            CAPTURES["failed"] += 1
+            return f"the capture did not begin ({str(error).splitlines()[0]})"
         try:
             self.logits = self._forward()
         except Exception as error:  # a kernel that cannot be captured
             failure = error
-        try:
-            graph.capture_end()
-        except Exception as error:
-            failure = failure or error
-            # capture_end raises before it ends the allocator's capture: end it, keep the graph alive
-            torch._C._cuda_endAllocateToPool(self.position.device.index, self.pool)
-            _FAILED_GRAPHS.append(graph)
+        finally:  # even on an interrupt: the stream must leave capture mode
+            try:
+                graph.capture_end()
+            except Exception as error:
+                failure = failure or error
+                _end_failed_capture(graph, self.position.device.index, pool)
         if failure is not None:
             CAPTURES["failed"] += 1
             return f"the capture failed ({str(failure).splitlines()[0]})"
@@ -290,3 +299,16 @@ class StaticSteps:
             layer.make_dynamic(self.filled)
         self.graph = self.logits = None
         self.eager = EagerSteps(self.model, self.cache, synced=False)
+
+
+def _end_failed_capture(graph, device: int, pool) -> None:
+    """What a failed ``capture_end`` leaves undone: where CUDA refused to end the capture, it raises before
+    ending the allocator's capture into the pool, and the graph never releases the pool. Both are done
+    here (each may have been done already, then it says so and nothing changes). The graph is kept alive:
+    the pinned-memory allocator's capture, which has no binding to end it, may still point at it."""
+    _FAILED_GRAPHS.append(graph)
+    for end in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
+        try:
+            end(device, pool)
+        except RuntimeError:
+            pass

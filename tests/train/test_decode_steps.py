@@ -230,30 +230,42 @@ def test_the_eager_steps_decode_on_a_cpu_unless_asked(monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3"])
-def test_cuda_graphs_decode_as_generate(model_type):
+def test_cuda_graphs_decode_as_generate(model_type, monkeypatch):
+    """Compacting at every ended row: each compaction a capture of its own (a released graph's pool
+    cannot take another, so each capture takes a new one)."""
+    compact_at_every_end(monkeypatch)
     model = tiny_model(model_type, seed=1).cuda().eval()
     ids, mask = (t.cuda() for t in left_padded([5, 9, 3, 7]))
     eos = an_eos_that_ends_some_rows(model, ids, mask, steps=16)
     options = dict(do_sample=False, max_new_tokens=16, eos_token_id=eos, pad_token_id=PAD)
-    before = decode_steps.CAPTURES["captured"]
+    before = dict(decode_steps.CAPTURES)
     with torch.no_grad():
         expected = generate(model, ids, mask, 4, **options)
         ours = sample_groups(model, ids, mask, 4, options)  # left to decide: graphs on CUDA
-    assert decode_steps.CAPTURES["captured"] > before
+    assert decode_steps.CAPTURES["captured"] >= before.get("captured", 0) + 2  # recaptured after compacting
+    assert decode_steps.CAPTURES["uncaptured"] == before.get("uncaptured", 0)
     assert torch.equal(ours, expected)
 
 
-def broken_at(call: int, error: Exception, monkeypatch) -> None:
-    """The ``call``-th run of a fixed-shape step (1: its first) raises ``error``."""
+def broken_at(call: int, action, monkeypatch) -> None:
+    """The ``call``-th run of a fixed-shape step (1: its first) does ``action`` first."""
     forward, calls = StaticSteps._forward, []
 
-    def failing(self):
+    def broken(self):
         calls.append(1)
         if len(calls) == call:
-            raise error
+            action()
         return forward(self)
 
-    monkeypatch.setattr(StaticSteps, "_forward", failing)
+    monkeypatch.setattr(StaticSteps, "_forward", broken)
+
+
+def synchronize():
+    torch.ones(1, device="cuda").item()  # a host wait: an error in the check, invalidates a capture
+
+
+def fail():
+    raise RuntimeError("a failure inside the step")
 
 
 def decoded_on_cuda(model, caplog) -> dict[str, int]:
@@ -269,11 +281,15 @@ def decoded_on_cuda(model, caplog) -> dict[str, int]:
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("call", [2, 3], ids=["waits-on-the-device", "capture-fails"])
-def test_a_step_that_cannot_be_captured_decodes_eagerly_saying_so(call, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "call, action",
+    [(2, synchronize), (3, synchronize), (3, fail)],
+    ids=["waits-on-the-device", "capture-invalidated", "capture-raises"],
+)
+def test_a_step_that_cannot_be_captured_decodes_eagerly_saying_so(call, action, monkeypatch, caplog):
     """The second run checks for host waits, the third is the capture: either failing leaves the current
     stream the default one, the allocator usable, and the eager steps giving generate's tokens."""
-    broken_at(call, RuntimeError("called a synchronizing CUDA operation"), monkeypatch)
+    broken_at(call, action, monkeypatch)
     model = tiny_model("llama", seed=1).cuda().eval()
     added = decoded_on_cuda(model, caplog)
     assert added.get("uncaptured") == 1 and not added.get("captured")
@@ -281,6 +297,8 @@ def test_a_step_that_cannot_be_captured_decodes_eagerly_saying_so(call, monkeypa
     assert "without CUDA graphs" in caplog.text
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     torch.empty(1 << 20, device="cuda").fill_(1)  # the allocator still serves this stream
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
