@@ -214,7 +214,11 @@ def _continuous_runs(preset: dict, length: int, repeat: int) -> bool:
 def run(preset_name: str, providers: list[str], out: Path) -> Path:
     preset = PRESETS[preset_name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
     model, tokenizer = load(preset, device)
+    print(
+        f"loaded {preset['model']} in {time.perf_counter() - start:.1f} s", flush=True
+    )  # a capped run's last line
     texts = questions(preset["prompts"], preset.get("context_words", 0))
     ids, mask = (t.to(device) for t in encode(tokenizer, texts))
     eos = tokenizer.eos_token_id
@@ -254,6 +258,10 @@ def run(preset_name: str, providers: list[str], out: Path) -> Path:
                         break
                     if device.type == "cuda":
                         torch.cuda.synchronize()
+                    print(
+                        f"{provider}, {length} tokens, call {repeat}: {time.perf_counter() - wall:.1f} s",
+                        flush=True,
+                    )
                     if repeat:
                         got["seconds"].append(time.perf_counter() - wall)
                         got["cpu"].append(time.process_time() - cpu)
