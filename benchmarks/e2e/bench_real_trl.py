@@ -446,7 +446,9 @@ def run(preset_name: str, args: argparse.Namespace) -> Path:
     # Waiting for a quiet machine and timing again is for the CPU table's rows only (``cpu``)
     attempts = args.attempts if preset_name == "cpu" and device.type == "cpu" else 1
     if "model" in preset:
+        start = time.perf_counter()
         model_dir = str(random_model_dir(preset["model"], Path(tempfile.mkdtemp(prefix="bench_model_"))))
+        print(f"saved random {preset['model']} in {time.perf_counter() - start:.1f} s", flush=True)
     else:
         model_dir = str(smollm2_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -475,6 +477,7 @@ def run(preset_name: str, args: argparse.Namespace) -> Path:
                 name = f"{provider}-{objective}-{setting}"
                 spec = shared | {"provider": provider, "setting": setting, "output_dir": str(tmp / name),
                                  "result": str(tmp / f"{name}.json")}  # fmt: skip
+                print(f"{name}: running", flush=True)  # a capped run's last line says where it stopped
                 try:
                     rows.append(measure_row(spec, preset, attempts, args.timeout))
                 except (RuntimeError, subprocess.TimeoutExpired) as error:
