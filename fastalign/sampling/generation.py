@@ -362,7 +362,7 @@ def _decodes_static(model: torch.nn.Module, synced: bool, asked: bool | None, de
     """Whether the decode steps run at a fixed shape (``StaticSteps``): where ``asked`` (which the model
     must allow) or, left to decide, on CUDA where the model allows them and its steps were never found
     uncapturable."""
-    if asked is False:
+    if asked is False or (asked is None and device.type != "cuda"):
         return False
     refusal = static_refusal(model, _decode_cache(model, shared=False), synced)
     if refusal is None and rope_switch_length(model) is not None:
