@@ -432,6 +432,31 @@ def random_model_dir(shape: str, directory: Path) -> Path:
     return directory
 
 
+def _shared(preset: dict, tokenizer, objective: str, model_dir: str, tmp: Path) -> dict:
+    """An objective's run options every provider shares, its rows written to ``tmp``."""
+    data = make_rows(
+        tokenizer, objective, preset["batch"], preset["prompt_tokens"], preset["completion_tokens"]
+    )
+    path = tmp / f"{objective}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in data))
+    # num_generations where the preset sets it; shared_options defaults it to the batch
+    keys = ("batch", "steps", "learning_rate", "max_length", "num_generations")
+    shared = {key: preset[key] for key in keys if key in preset}
+    return shared | {
+        "objective": objective, "model_dir": model_dir, "data": str(path), "seed": 0,
+        "completion_tokens": preset["completion_tokens"],
+        "tokens_per_step": step_tokens(tokenizer, objective, data, preset["completion_tokens"]),
+    }  # fmt: skip
+
+
+def _runs(objectives: list[str], settings: list[str], providers: list[str]) -> list[tuple[str, str, str]]:
+    """(objective, setting, provider) in the order they run: every objective's TRL and ``fastalign train``
+    pair first, then TRL with fastalign inside, so that a run stopped early (the GPU check's cap) has
+    whole pairs."""
+    runs = list(itertools.product(objectives, settings, providers))
+    return sorted(runs, key=lambda run: run[2] == "trl-fastalign")
+
+
 def run(preset_name: str, args: argparse.Namespace) -> Path:
     from transformers import AutoTokenizer
 
@@ -459,33 +484,25 @@ def run(preset_name: str, args: argparse.Namespace) -> Path:
         common.keep_rows_on_termination(skipped),
     ):
         tmp = Path(tmp_dir)
-        for objective in args.objectives or preset["objectives"]:
-            data = make_rows(
-                tokenizer, objective, preset["batch"], preset["prompt_tokens"], preset["completion_tokens"]
-            )
-            path = tmp / f"{objective}.jsonl"
-            path.write_text("".join(json.dumps(row) + "\n" for row in data))
-            # num_generations where the preset sets it; shared_options defaults it to the batch
-            keys = ("batch", "steps", "learning_rate", "max_length", "num_generations")
-            shared = {key: preset[key] for key in keys if key in preset}
-            shared |= {
-                "objective": objective, "model_dir": model_dir, "data": str(path), "seed": 0,
-                "completion_tokens": preset["completion_tokens"],
-                "tokens_per_step": step_tokens(tokenizer, objective, data, preset["completion_tokens"]),
+        objectives = args.objectives or preset["objectives"]
+        shared_of = {
+            objective: _shared(preset, tokenizer, objective, model_dir, tmp) for objective in objectives
+        }
+        for objective, setting, provider in _runs(objectives, args.settings or preset["settings"], providers):
+            name = f"{provider}-{objective}-{setting}"
+            spec = shared_of[objective] | {
+                "provider": provider, "setting": setting,
+                "output_dir": str(tmp / name), "result": str(tmp / f"{name}.json"),
             }  # fmt: skip
-            for setting, provider in itertools.product(args.settings or preset["settings"], providers):
-                name = f"{provider}-{objective}-{setting}"
-                spec = shared | {"provider": provider, "setting": setting, "output_dir": str(tmp / name),
-                                 "result": str(tmp / f"{name}.json")}  # fmt: skip
-                print(f"{name}: running", flush=True)  # a capped run's last line says where it stopped
-                try:
-                    rows.append(measure_row(spec, preset, attempts, args.timeout))
-                except (RuntimeError, subprocess.TimeoutExpired) as error:
-                    skipped[name] = str(error)[:300]
-                    print(f"{name}: skipped ({skipped[name]})", flush=True)
-                    continue
-                shown = {key: value for key, value in rows[-1].items() if key not in ("losses", "shape")}
-                print(json.dumps(shown), flush=True)
+            print(f"{name}: running", flush=True)  # a capped run's last line says where it stopped
+            try:
+                rows.append(measure_row(spec, preset, attempts, args.timeout))
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                skipped[name] = str(error)[:300]
+                print(f"{name}: skipped ({skipped[name]})", flush=True)
+                continue
+            shown = {key: value for key, value in rows[-1].items() if key not in ("losses", "shape")}
+            print(json.dumps(shown), flush=True)
     return common.record(
         suite="e2e", kernel=KERNEL, preset=preset_name,
         floor=(
