@@ -36,6 +36,7 @@ def releases(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(host_memory, "release_freed_host_memory", counted)
     monkeypatch.setattr(host_memory, "SLACK", -(1 << 40))
+    monkeypatch.setattr(host_memory, "SLACK_SHARE", -1.0)
     return calls
 
 
@@ -74,16 +75,21 @@ def test_each_layer_releases_after_forward_and_backward_and_trains_the_same(rele
 
 
 def test_a_trim_waits_for_the_slack_and_a_dip_does_not_move_the_floor(monkeypatch):
+    """The slack is an eighth of the memory in use, at least ``SLACK``."""
     calls = []
     monkeypatch.setattr(host_memory, "release_freed_host_memory", lambda: calls.append(1))
     monkeypatch.setattr(host_memory, "_floor", 1000)
-    for unused, trims in [
-        (1000 + host_memory.SLACK, 0),
-        (10, 0),
-        (1000 + host_memory.SLACK, 0),
-        (1001 + host_memory.SLACK, 1),
+    slack, large = host_memory.SLACK, 16 * host_memory.SLACK  # an eighth of large: 2 × SLACK
+    for unused, in_use, trims in [
+        (1000 + slack, 0, 0),
+        (10, 0, 0),
+        (1000 + slack, 0, 0),
+        (1001 + slack, large, 0),
+        (1000 + 2 * slack, large, 0),
+        (1001 + 2 * slack, large, 1),
+        (1001 + slack, 0, 2),
     ]:
-        monkeypatch.setattr(host_memory, "_resident_not_in_use", lambda unused=unused: unused)
+        monkeypatch.setattr(host_memory, "_heap", lambda unused=unused, in_use=in_use: (unused, in_use))
         host_memory._release_if_grown()
         assert len(calls) == trims
     assert host_memory._floor == 1000
@@ -92,7 +98,7 @@ def test_a_trim_waits_for_the_slack_and_a_dip_does_not_move_the_floor(monkeypatc
 @glibc
 def test_a_trim_sets_the_floor_to_what_is_left():
     host_memory.release_freed_host_memory()
-    assert abs(host_memory._floor - host_memory._resident_not_in_use()) < host_memory.SLACK
+    assert abs(host_memory._floor - host_memory._heap()[0]) < host_memory.SLACK
 
 
 @glibc
