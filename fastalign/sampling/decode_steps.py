@@ -163,6 +163,7 @@ class StaticSteps:
             layer.make_static(self.position, width)
         self.graph = self.logits = None
         self.checked = False  # whether a replay of the current graph was checked against an eager run
+        self.retry_later = False  # a capture ran out of memory: the model's next call tries again
         # one side stream for every capture: the allocator reuses a freed block on its own stream only
         self.stream = torch.cuda.Stream(device) if self.graphs else None
 
@@ -268,32 +269,43 @@ class StaticSteps:
         """Capture the step on the current (side) stream into a memory pool of its own (a pool whose graphs
         were all released cannot take another capture); why it failed (None: ``self.graph`` holds it)."""
         graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        device = self.position.device.index
         failure = None
         try:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         except Exception as error:
-            CAPTURES["failed"] += 1
-            return f"the capture did not begin ({str(error).splitlines()[0]})"
+            _end_failed_capture(graph, device, pool)
+            return self._failed("the capture did not begin", error)
         try:
             self.logits = self._forward()
-        except Exception as error:  # a kernel that cannot be captured
+        except Exception as error:  # a kernel that cannot be captured, or out of memory
             failure = error
         finally:  # even on an interrupt: the stream must leave capture mode
             try:
                 graph.capture_end()
             except Exception as error:
                 failure = failure or error
-                _end_failed_capture(graph, self.position.device.index, pool)
+                _end_failed_capture(graph, device, pool)
         if failure is not None:
-            CAPTURES["failed"] += 1
-            return f"the capture failed ({str(failure).splitlines()[0]})"
+            return self._failed("the capture failed", failure)
         self.graph = graph
         return None
 
+    def _failed(self, what: str, failure: Exception) -> str:
+        """Why a capture failed, counted. Out of memory (a capture takes fresh memory: torch does not
+        release its cached blocks to retry while a capture is underway) is this call's, not the model's:
+        the next call tries again."""
+        CAPTURES["failed"] += 1
+        if isinstance(failure, torch.OutOfMemoryError):
+            self.retry_later = True
+        return f"{what} ({str(failure).splitlines()[0]})"
+
     def _go_eager(self, why: str) -> None:
-        """The eager steps from the next step on, over the cache as filled so far."""
+        """The eager steps from the next step on, over the cache as filled so far (and for the model's
+        later calls too, unless the capture ran out of memory)."""
         CAPTURES["uncaptured"] += 1
-        _UNCAPTURABLE.add(self.model)
+        if not self.retry_later:
+            _UNCAPTURABLE.add(self.model)
         logger.warning("fastalign: rollout decoding runs without CUDA graphs for this model: %s", why)
         for layer in self.cache.layers:
             layer.make_dynamic(self.filled)
@@ -302,10 +314,11 @@ class StaticSteps:
 
 
 def _end_failed_capture(graph, device: int, pool) -> None:
-    """What a failed ``capture_end`` leaves undone: where CUDA refused to end the capture, it raises before
-    ending the allocator's capture into the pool, and the graph never releases the pool. Both are done
-    here (each may have been done already, then it says so and nothing changes). The graph is kept alive:
-    the pinned-memory allocator's capture, which has no binding to end it, may still point at it."""
+    """What a failed ``capture_begin`` or ``capture_end`` leaves undone: the first registers the pool with
+    the allocators before CUDA begins the capture, the second raises before ending the allocator's
+    capture where CUDA refused to end it, and the graph never releases the pool. Both are done here (each
+    may have been done already or never begun: then it says so and nothing changes). The graph is kept
+    alive: the pinned-memory allocator's capture, which has no binding to end it, may still point at it."""
     _FAILED_GRAPHS.append(graph)
     for end in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
         try:

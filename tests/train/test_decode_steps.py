@@ -7,6 +7,9 @@ transformers: the steps hand the model a 4-D mask, which transformers passes thr
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import pytest
 import torch
 
@@ -226,6 +229,122 @@ def test_the_eager_steps_decode_on_a_cpu_unless_asked(monkeypatch):
             sample_groups(model, ids, mask, 2, options), generate(model, ids, mask, 2, **options)
         )
     assert not made
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch) -> collections.Counter:
+    """CUDA graphs on a CPU, for the control flow around them (captures, replays and their checks,
+    fall-backs, clean-ups): ``torch.cuda``'s streams, sync debug mode, graphs and pool calls stood in for;
+    the fixed-shape steps made to use graphs; a capture runs the step, and a replay runs it again into the
+    captured output (so it cannot show what a real graph would freeze: the CUDA tests do). Returns the
+    calls seen."""
+    seen: collections.Counter = collections.Counter()
+    forward, init = StaticSteps._forward, StaticSteps.__init__
+
+    class Graph:
+        capturing = None
+
+        def capture_begin(self, pool=None, capture_error_mode=None):
+            seen["begin"] += 1
+            Graph.capturing = self
+
+        def capture_end(self):
+            seen["end"] += 1
+            Graph.capturing = None
+
+        def replay(self):
+            seen["replay"] += 1
+            self.output.copy_(forward(self.steps))
+
+    def recording(self):
+        output = forward(self)
+        if Graph.capturing is not None:
+            Graph.capturing.steps, Graph.capturing.output = self, output
+        return output
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    mode = [0]
+    monkeypatch.setattr(StaticSteps, "_forward", recording)
+    monkeypatch.setattr(StaticSteps, "__init__", lambda self, *args, graphs: init(self, *args, graphs=True))
+    for name, value in {
+        "CUDAGraph": Graph, "Stream": Stream, "current_stream": lambda device=None: Stream(),
+        "stream": lambda stream: contextlib.nullcontext(), "device": lambda device: contextlib.nullcontext(),
+        "graph_pool_handle": lambda: (0, 1), "get_sync_debug_mode": lambda: mode[0],
+        "set_sync_debug_mode": lambda value: mode.__setitem__(0, value),
+    }.items():  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        monkeypatch.setattr(
+            torch._C, name, lambda device, pool, name=name: seen.update([name]), raising=False
+        )
+    return seen
+
+
+def decoded(model, caplog, tokens: int = 12) -> dict[str, int]:
+    """Greedy decoding at a fixed shape of 4 prompts × 2 whose rows end at different steps, checked against
+    ``generate``: what it added to ``CAPTURES``."""
+    ids, mask = (t.to(model.device) for t in left_padded([5, 9, 3, 7]))
+    eos = an_eos_that_ends_some_rows(model, ids, mask, steps=tokens)
+    options = dict(do_sample=False, max_new_tokens=tokens, eos_token_id=eos, pad_token_id=PAD)
+    before = dict(decode_steps.CAPTURES)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        ours = sample_groups(model, ids, mask, 2, options, static=True)
+    assert torch.equal(ours, generate(model, ids, mask, 2, **options))
+    return {key: decode_steps.CAPTURES[key] - before.get(key, 0) for key in decode_steps.CAPTURES}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3"])
+def test_graph_steps_capture_replay_and_recapture_after_compactions(
+    model_type, stand_in_graphs, monkeypatch, caplog
+):
+    compact_at_every_end(monkeypatch)
+    seen = compactions(monkeypatch)
+    model = tiny_model(model_type, seed=1).eval()
+    added = decoded(model, caplog)
+    compacted = len(seen) // model.config.num_hidden_layers  # each a batch size of its own, captured anew
+    assert compacted and compacted <= added.get("captured", 0) <= compacted + 1, (compacted, added)
+    assert not added.get("uncaptured")
+    assert stand_in_graphs["replay"] > 0 and stand_in_graphs["begin"] == stand_in_graphs["end"]
+
+
+@pytest.mark.parametrize(
+    "failing", ["capture_begin", "capture_end", "captured_forward", "out_of_memory", "replay_differs", "sync"]
+)
+def test_graph_steps_that_fail_go_on_eagerly_and_clean_up(failing, stand_in_graphs, monkeypatch, caplog):
+    """Each way a graph can fail, midway through a step: the eager steps finish with generate's tokens,
+    the allocator's capture is ended and its pool released where the capture had begun, and the model is
+    not tried again, unless the capture ran out of memory."""
+    graph = torch.cuda.CUDAGraph
+    if failing in ("capture_begin", "capture_end"):
+        monkeypatch.setattr(graph, failing, lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("CUDA")))
+    elif failing == "sync":
+        broken_at(2, fail, monkeypatch)  # the check's run, with synchronizing calls made errors
+    elif failing in ("captured_forward", "out_of_memory"):
+        error = torch.OutOfMemoryError("out of memory") if failing == "out_of_memory" else RuntimeError("x")
+        broken_at(3, lambda: (_ for _ in ()).throw(error), monkeypatch)
+    else:
+        record = StaticSteps._record
+
+        def frozen(self):
+            failure = record(self)
+            self.logits = torch.zeros_like(self.logits)  # not what the graph writes
+            return failure
+
+        monkeypatch.setattr(StaticSteps, "_record", frozen)
+    model = tiny_model("llama", seed=1).eval()
+    added = decoded(model, caplog)
+    assert added.get("uncaptured") == 1 and "without CUDA graphs" in caplog.text
+    assert bool(added.get("differed")) == (failing == "replay_differs")
+    cleaned = failing in ("capture_begin", "capture_end")
+    assert stand_in_graphs["_cuda_releasePool"] == stand_in_graphs["_cuda_endAllocateToPool"] == int(cleaned)
+    assert decode_steps.may_capture(model) == (failing == "out_of_memory")
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
