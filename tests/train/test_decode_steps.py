@@ -330,14 +330,7 @@ def test_graph_steps_that_fail_go_on_eagerly_and_clean_up(failing, stand_in_grap
         error = torch.OutOfMemoryError("out of memory") if failing == "out_of_memory" else RuntimeError("x")
         broken_at(3, lambda: (_ for _ in ()).throw(error), monkeypatch)
     else:
-        record = StaticSteps._record
-
-        def frozen(self):
-            failure = record(self)
-            self.logits = torch.zeros_like(self.logits)  # not what the graph writes
-            return failure
-
-        monkeypatch.setattr(StaticSteps, "_record", frozen)
+        replays_elsewhere(monkeypatch)
     model = tiny_model("llama", seed=1).eval()
     added = decoded(model, caplog)
     assert added.get("uncaptured") == 1 and "without CUDA graphs" in caplog.text
@@ -377,6 +370,19 @@ def broken_at(call: int, action, monkeypatch) -> None:
         return forward(self)
 
     monkeypatch.setattr(StaticSteps, "_forward", broken)
+
+
+def replays_elsewhere(monkeypatch) -> None:
+    """Graphs whose replays write somewhere the steps do not read (what a graph that froze something at
+    its capture looks like from outside): zeros where the logits should be."""
+    record = StaticSteps._record
+
+    def frozen(self):
+        failure = record(self)
+        self.logits = torch.zeros_like(self.logits)
+        return failure
+
+    monkeypatch.setattr(StaticSteps, "_record", frozen)
 
 
 def synchronize():
@@ -439,14 +445,7 @@ def test_a_step_that_reads_the_caches_length_is_not_captured(monkeypatch, caplog
 def test_a_replay_that_differs_from_the_eager_step_leaves_the_graphs(monkeypatch, caplog):
     """A graph that froze something at its capture (here: its output read from elsewhere) is caught at its
     first replay, and the eager steps go on with generate's tokens."""
-    record = StaticSteps._record
-
-    def frozen(self):
-        failure = record(self)
-        self.logits = torch.zeros_like(self.logits)  # not what the graph writes
-        return failure
-
-    monkeypatch.setattr(StaticSteps, "_record", frozen)
+    replays_elsewhere(monkeypatch)
     added = decoded_on_cuda(tiny_model("llama", seed=1).cuda().eval(), caplog)
     assert added.get("differed") == 1
     assert "differed" in caplog.text
