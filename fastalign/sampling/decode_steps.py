@@ -26,22 +26,22 @@ call initializes: cuBLAS handles, Triton autotuning), then with CUDA's synchroni
 (``torch.cuda.set_sync_debug_mode``): a step that waits on the host (a ``.item()``, a ``nonzero``, a rotary
 embedding that compares a device length, a mixture of experts' routing) cannot be captured, and a step that
 reads the cache's length on the host (``get_seq_length``) would replay the length it read at the capture.
-Either keeps the eager steps from there on, as does a capture that fails (said in the log; the
-capture's allocator state is ended by hand, since ``capture_end`` does not end it when CUDA refuses to
-end the capture). Each capture takes a memory pool of its own: a pool whose graphs were all released
-cannot take another capture (torch asserts), and a compaction releases the batch's graph. A
-graph's first replay is then checked against the same step run eagerly (``REPLAY_TOLERANCE``), which
-catches whatever else the capture froze that changes between steps; a replay that differs also leaves
-the eager steps. Under
-autocast the graph reads the weights autocast cast and cached in the first run: the cache lives until the
-outermost autocast ends, after the call.
+Either keeps the eager steps from there on, as does a capture that fails (said in the log; the capture's
+allocator state is ended by hand, since ``capture_end`` does not end it when CUDA refuses to end the capture).
+Each capture takes a memory pool of its own: a pool whose graphs were all released cannot take another capture
+(torch asserts), and a compaction releases the batch's graph. A graph's first replay is then checked against
+the same step run eagerly (``REPLAY_TOLERANCE``), which catches whatever else the capture froze that changes
+between steps; a replay that differs also leaves the eager steps. Under autocast the graph reads the weights
+autocast cast and cached in the first run: the cache lives until the outermost autocast ends, after the call.
 
-Where: on CUDA, for a model attending with sdpa through transformers' attention functions whose cache
-layers are all full attention, in eval mode, not quantized, on one device, not sharded (``static_refusal``).
-On a CPU the fixed-shape steps are slower than the eager ones (they attend over the whole buffer, and a CPU
-has no launches to save: on SmolLM2-135M, 32 rows × 32 tokens, one thread, transformers' compiled
-static-cache ``generate`` took 9.47 s a call against 8.8 s eager, after a 39 s compile), so they run there
-only in tests, which check the same tokens as ``generate`` on every family.
+Where: on CUDA, for a model attending with sdpa through transformers' attention functions whose cache layers
+are all full attention, in eval mode, not quantized, not a mixture of experts, on one device, not sharded
+(``static_refusal``), with a rotary embedding that does not change with the length (``generation``). On a CPU
+the fixed-shape steps are slower than the eager ones (they attend over the whole buffer, and a CPU has no
+launches to save: on SmolLM2-135M, 32 rows × 32 tokens, one thread, transformers' compiled static-cache
+``generate`` took 9.47 s a call against 8.8 s eager, after a 39 s compile), so they run there only in tests,
+which check the same tokens as ``generate`` on every family, and the control flow around the graphs with
+``torch.cuda`` stood in for.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ REPLAY_TOLERANCE = 1e-3
 #: length, or whose capture failed (also ``failed``) or whose replay differed (also ``differed``)),
 #: counted over the process (the GPU check reports them).
 CAPTURES: collections.Counter = collections.Counter()
-#: Models whose step cannot be captured (they decode eagerly from then on, without trying again).
+#: Models whose step cannot be captured (they decode eagerly from then on; not after running out of memory).
 _UNCAPTURABLE: weakref.WeakSet = weakref.WeakSet()
 #: Graphs whose capture failed, kept alive: the pinned-memory allocator may still point at them.
 _FAILED_GRAPHS: list = []
