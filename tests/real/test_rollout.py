@@ -1,6 +1,7 @@
 """The rollout engine on the real model: greedy completions of long, left-padded chat prompts equal
-``generate``'s, with each prompt's KV held once for its rows (``fastalign.sampling.prefix_attention``) and
-with it repeated."""
+``generate``'s, with each prompt's KV held once for its rows (``fastalign.sampling.prefix_attention``), with
+it repeated, and at a fixed shape (``fastalign.sampling.decode_steps``, the steps a GPU replays as CUDA
+graphs, here run eagerly)."""
 
 from __future__ import annotations
 
@@ -45,10 +46,12 @@ def test_long_prompts_decode_as_generate_with_their_kv_held_once(smollm2, monkey
         )
         assert generation.shares_prefix(model, ids, 3, options["max_new_tokens"])
         ours = generation.sample_groups(model, ids, mask, 3, options)
+        fixed_shape = generation.sample_groups(model, ids, mask, 3, options, static=True)
         monkeypatch.setattr(generation, "SHARE_FROM", 10**9)
         repeated = generation.sample_groups(model, ids, mask, 3, options)
     assert len(shared) == model.config.num_hidden_layers
     assert torch.equal(ours, expected) and torch.equal(repeated, expected)
+    assert torch.equal(fixed_shape, expected)
 
 
 def test_a_served_generate_returns_generates_ids_on_the_real_model(smollm2, monkeypatch):
