@@ -112,6 +112,18 @@ def may_capture(model: torch.nn.Module) -> bool:
     return model not in _UNCAPTURABLE
 
 
+def _next_logits(
+    model, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The model's last-position logits [R, V] after the one-token ``ids`` [R, 1] (a decode step over
+    ``cache``, which it appends to)."""
+    output = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+        logits_to_keep=1,
+    )  # fmt: skip
+    return output.logits[:, -1]
+
+
 class EagerSteps:
     """Decode steps at the batch's current shape: the cache and the mask grow a position a step, and once
     an eighth of the rows have ended (``COMPACT_SHARE``) the batch is compacted to the rest. Under
@@ -132,15 +144,8 @@ class EagerSteps:
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The next logits [R, V] (float32) after ``tokens`` [R], ``mask`` the rows' mask including them."""
-        output = self.model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=mask.long().sum(-1, keepdim=True) - 1,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return output.logits[:, -1].float()
+        positions = mask.long().sum(-1, keepdim=True) - 1
+        return _next_logits(self.model, self.cache, tokens[:, None], mask, positions).float()
 
 
 class StaticSteps:
@@ -216,15 +221,7 @@ class StaticSteps:
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
-        output = self.model(
-            input_ids=self.ids,
-            attention_mask=self.mask,
-            position_ids=self.positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return output.logits[:, -1]
+        return _next_logits(self.model, self.cache, self.ids, self.mask, self.positions)
 
     def _capture(self) -> torch.Tensor:
         """This step's logits, from its first run; then, where the step neither waits on the host nor reads

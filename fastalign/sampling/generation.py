@@ -291,8 +291,8 @@ def sample_groups(
     if config.min_new_tokens is not None:
         config.min_length = width + config.min_new_tokens
     shared = static is not True and shares_prefix(model, prompt_ids, group, config.max_new_tokens)
-    static = not shared and _decodes_static(model, synced, static, device)
     cache = _decode_cache(model, shared)
+    static = not shared and _decodes_static(model, cache, synced, static, device)
     output = model(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
@@ -358,13 +358,15 @@ def _decode(model, cache, config, logits, prompt_ids, prompt_mask, group, synced
     return torch.cat([prompts, completions[:, :produced]], dim=1)
 
 
-def _decodes_static(model: torch.nn.Module, synced: bool, asked: bool | None, device: torch.device) -> bool:
-    """Whether the decode steps run at a fixed shape (``StaticSteps``): where ``asked`` (which the model
-    must allow) or, left to decide, on CUDA where the model allows them and its steps were never found
-    uncapturable."""
+def _decodes_static(
+    model: torch.nn.Module, cache, synced: bool, asked: bool | None, device: torch.device
+) -> bool:
+    """Whether the decode steps over ``cache`` (not yet prefilled) run at a fixed shape (``StaticSteps``):
+    where ``asked`` (which the model must allow) or, left to decide, on CUDA where the model allows them
+    and its steps were never found uncapturable."""
     if asked is False or (asked is None and device.type != "cuda"):
         return False
-    refusal = static_refusal(model, _decode_cache(model, shared=False), synced)
+    refusal = static_refusal(model, cache, synced)
     if refusal is None and rope_switch_length(model) is not None:
         refusal = "its rotary embedding compares the sequence's length on the host"
     if asked and refusal:
