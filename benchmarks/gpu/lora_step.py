@@ -26,15 +26,18 @@ row, not the machine.
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import sys
-import threading
 import time
-from pathlib import Path
 
-import torch
+STARTED = time.perf_counter()  # the process's imports, CUDA's start and the model's build are timed apart
+
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -83,14 +86,20 @@ def build_config(shape: str, seq: int):
     return config
 
 
-def build_model(spec: dict, device: torch.device):
+def build_model(spec: dict, device: torch.device, timings: dict):
     """The provider's model: random weights of ``spec['shape']`` (one seed for every provider), bf16 or
-    NF4 base, LoRA on every linear layer, the provider's kernels."""
+    NF4 base, LoRA on every linear layer, the provider's kernels. ``timings`` gets the seconds of the
+    libraries' imports and CUDA's start (``start_s``), the base's build (``build_s``) and the adapters and
+    patches (``adapt_s``): each provider's process pays them, so the check's phases are sized by them."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     config = build_config(spec["shape"], max(spec["settings"], key=lambda s: s["tokens"])["tokens"])
     torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.init()
+    clock = time.perf_counter()
+    timings["start_s"] = round(clock - STARTED, 1)
     if spec.get("quant"):
         from fastalign.quant import QuantOptions, random_4bit_model
 
@@ -99,19 +108,22 @@ def build_model(spec: dict, device: torch.device):
     else:
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    _synchronize(device)
+    timings["build_s"] = round(time.perf_counter() - clock, 1)
+    clock = time.perf_counter()
     provider = spec["provider"]
     if provider == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(model=model)
-    if provider.startswith("trl"):
-        return model, config  # TRL adds the adapters (and Liger's patch) itself
-    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+    if not provider.startswith("trl"):  # TRL adds the adapters (and Liger's patch) itself
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
     if provider == "fastalign":
         import fastalign
 
         tiled = bool(spec.get("tiled_mlp"))
         fastalign.patch_model(model, tiled_mlp=tiled, tiled_mlp_budget_mib=TILE_MIB if tiled else None)
+    timings["adapt_s"] = round(time.perf_counter() - clock, 1)
     return model, config
 
 
@@ -285,8 +297,9 @@ def main(spec: dict) -> None:
     start_host_watchdog(spec.get("host_limit_fraction", 0.8), out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loaded = time.perf_counter()
-    model, config = build_model(spec, device)
-    load = {"load_s": round(time.perf_counter() - loaded, 1)}
+    load: dict = {}
+    model, config = build_model(spec, device, load)
+    load["load_s"] = round(time.perf_counter() - loaded, 1)
     if device.type == "cuda":
         load["loaded_gib"] = round(torch.cuda.memory_allocated(device) / GiB, 2)
     print(json.dumps(load), flush=True)
