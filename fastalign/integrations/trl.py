@@ -25,8 +25,8 @@ earlier token for the maximum (frequent with bf16 logits) is not top-1.
 ``enable()`` and ``disable()`` take a lock. TRL's own function is kept in one place from the first swap on;
 ``disable()`` puts it back only while TRL's slot still holds fastalign's function (a third party's patch
 installed since stays, with one warning), and from then on ``FusedLogProbs``, wherever a reference to it
-was kept, passes every call to TRL's function. ``enable()`` likewise leaves a third party's function that
-took the slot after fastalign first did (one warning, returns False).
+was kept, passes every call to TRL's function. ``enable()`` likewise leaves a third party's function in the
+slot, whether it came before or after fastalign's first swap (one warning, returns False).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from packaging.version import Version
 from fastalign.ops import token_logprobs
 from fastalign.ops.head_workspace import configured_head_workspace_bytes, head_workspace_bytes
 
-#: The TRL releases whose fused-head protocol ``FusedLogProbs`` implements.
-SUPPORTED_TRL = (Version("1.16"), Version("1.17"))
+#: The TRL minor release whose fused-head protocol ``FusedLogProbs`` implements (its patch releases and
+#: pre-releases; a 1.17 pre-release is 1.17's, not 1.16's).
+SUPPORTED_TRL = (1, 16)
 #: ``ChunkedLogProbFunction.forward``'s parameters in TRL 1.16, checked by name and order.
 PROTOCOL = (
     "ctx",
@@ -146,19 +147,23 @@ class FusedLogProbs:
 
 
 def _protocol_mismatch(trl_utils) -> str | None:
-    """Why TRL's fused head is not the protocol ``FusedLogProbs`` implements, or None when it is."""
+    """Why TRL's fused head is not the protocol ``FusedLogProbs`` implements, or None when it is: the
+    version, then TRL's own function (not whatever its slot holds now) and its parameters."""
     import trl
 
     try:
         version = Version(trl.__version__)
     except Exception:  # an unparsable version ("unknown" from a source tree) is not a supported one
         return f"TRL version {trl.__version__!r} is not a release"
-    if not SUPPORTED_TRL[0] <= version < SUPPORTED_TRL[1]:
-        return f"TRL {version} is outside the supported {SUPPORTED_TRL[0]}.x"
-    function = getattr(trl_utils, "_ChunkedLogProbFunction", None)
-    if function is None:
+    if version.release[:2] != SUPPORTED_TRL:
+        return f"TRL {version} is outside the supported {'.'.join(map(str, SUPPORTED_TRL))}.x"
+    if not hasattr(trl_utils, "_ChunkedLogProbFunction"):
         return "trl.trainer.utils has no _ChunkedLogProbFunction"
-    parameters = tuple(inspect.signature(function.forward).parameters)
+    try:
+        forward = _trl_original().forward
+    except (ImportError, AttributeError) as error:
+        return f"TRL's ChunkedLogProbFunction is not there ({error})"
+    parameters = tuple(inspect.signature(forward).parameters)
     if parameters != PROTOCOL:
         return f"TRL's ChunkedLogProbFunction.forward takes {parameters}, not {PROTOCOL}"
     return None
@@ -169,28 +174,14 @@ def enable() -> bool:
 
     Idempotent and thread-safe. Returns whether fastalign now serves the head: False, with one warning
     per process, when the installed TRL is not the supported protocol (TRL's own head stays,
-    unchanged), or when another library's function has taken TRL's slot since fastalign first took it
-    (that one stays)."""
+    unchanged), or when another library's function holds TRL's slot (that one stays)."""
     global _trl_function, _serving, _warned, _warned_foreign
     from trl.trainer import utils as trl_utils
 
     with _lock:
-        current = trl_utils._ChunkedLogProbFunction
-        if current is FusedLogProbs:
+        if getattr(trl_utils, "_ChunkedLogProbFunction", None) is FusedLogProbs:
             _serving = True
             return True
-        if _trl_function is not None and current is not _trl_function:
-            # Another library's function, put in TRL's slot since fastalign took TRL's own: replacing it
-            # would drop it for good (the fallback and disable() know TRL's only)
-            if not _warned_foreign:
-                warnings.warn(
-                    f"fastalign.integrations.trl.enable(): trl.trainer.utils._ChunkedLogProbFunction is "
-                    f"{getattr(current, '__qualname__', current)!r}, put there by another library: left in "
-                    "place, and TRL's fused LM head is not fastalign's",
-                    stacklevel=2,
-                )
-                _warned_foreign = True
-            return False
         mismatch = _protocol_mismatch(trl_utils)
         if mismatch is not None:
             if not _warned:
@@ -200,8 +191,21 @@ def enable() -> bool:
                 )
                 _warned = True
             return False
+        current = trl_utils._ChunkedLogProbFunction
+        if current is not _trl_original():
+            # Another library's function in TRL's slot (put there before or since fastalign took TRL's
+            # own): replacing it would drop it for good (the fallback and disable() know TRL's only)
+            if not _warned_foreign:
+                warnings.warn(
+                    f"fastalign.integrations.trl.enable(): trl.trainer.utils._ChunkedLogProbFunction is "
+                    f"{getattr(current, '__qualname__', current)!r}, put there by another library: left in "
+                    "place, and TRL's fused LM head is not fastalign's",
+                    stacklevel=2,
+                )
+                _warned_foreign = True
+            return False
         if _trl_function is None:  # the first swap: what TRL's slot holds is TRL's function, kept for good
-            _trl_function = trl_utils._ChunkedLogProbFunction
+            _trl_function = current
         trl_utils._ChunkedLogProbFunction = FusedLogProbs
         _serving = True
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from fastalign.builtin import (
 from fastalign.integrations import trl as integration
 from fastalign.integrations.generate import serve_generate
 from fastalign.ops import head_workspace
+from tests import torchrun
 from tests.helpers import require
 
 # the module, not the op that fastalign.ops exports under the same name
@@ -33,6 +35,7 @@ require("trl")
 import datasets  # noqa: E402  (after the skip when TRL is missing)
 import trl  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+from trl import kernels as trl_kernels  # noqa: E402
 from trl.kernels import chunked_logprob  # noqa: E402
 from trl.trainer import utils as trl_utils  # noqa: E402
 
@@ -112,6 +115,7 @@ def one_step(kind: str, tmp_path, *, lora=False, patch=False, gradient_checkpoin
     )
     if kind == "rloo":
         lengths["beta"] = 0.0
+    lengths |= {key: options.pop(key) for key in list(lengths) if key in options}
     model = tiny_model("llama", seed=0)
     if patch == "trl":
         integration.patch_model(model)
@@ -192,6 +196,48 @@ def test_a_trl_step_is_the_same_with_fastalign_serving_the_fused_head(kind, setu
         "rloo": ("entropy", "reward"),
     }
     assert set(expected[kind]) <= ours[0].keys()
+
+
+@pytest.mark.slow
+def test_under_fsdp2_the_served_head_gives_trls_outputs_and_gradients():
+    """Sharded as accelerate's FSDP2 plugin shards a model for TRL (each layer, then the root), in 2
+    processes: the same outputs and gradients of every sharded parameter with fastalign's head as with
+    TRL's (``trl_fsdp_worker.py``)."""
+    torchrun.run_two_processes(Path(__file__).with_name("trl_fsdp_worker.py"), timeout=300)
+
+
+#: TRL options that change how its trainers call the fused head or use its outputs: (trainer, options,
+#: setup). ``gpu_rows``: TRL's GPU path, which passes only the labelled rows to the head function.
+OPTION_CASES = {
+    "grpo kl + entropy bonus, lora": ("grpo", {"beta": 0.04, "entropy_coef": 0.05}, {"lora": True}),
+    "grpo fp32 head, entropy mask": ("grpo", {"cast_lm_head_to_fp32": True, "top_entropy_quantile": 0.5}, {}),
+    "rloo kl, lora + checkpointing": (
+        "rloo", {"beta": 0.04}, {"lora": True, "patch": "trl", "gradient_checkpointing": True},
+    ),
+    "sft dft": ("sft", {"loss_type": "dft"}, {}),
+    "sft dft, gpu rows": ("sft", {"loss_type": "dft", "gpu_rows": True}, {}),
+    "sft packing": ("sft", {"packing": True}, {}),
+    "dpo ipo + ld_alpha": ("dpo", {"loss_type": ["ipo"], "ld_alpha": 0.5}, {}),
+    "dpo precomputed reference": ("dpo", {"precompute_ref_log_probs": True}, {}),
+    "kto precomputed reference, gpu rows": ("kto", {"precompute_ref_log_probs": True, "gpu_rows": True}, {}),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_trl_options_that_reach_the_head_give_the_same_step(case, tmp_path, calls, monkeypatch):
+    kind, options, setup = OPTION_CASES[case]
+    if setup.get("lora"):
+        require("peft")
+    options = dict(options)
+    if options.pop("gpu_rows", False):  # TRL's Triton path's calling convention, on the CPU
+        monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
+    theirs = one_step(kind, tmp_path / "trl", **setup, **options)
+    assert calls["fastalign"] == 0 and calls["trl"] > 0
+    assert integration.enable()
+    ours = one_step(kind, tmp_path / "fastalign", **setup, **options)
+    assert calls["fastalign"] > 0
+    assert_same_step(ours, theirs)
 
 
 #: Vocabulary columns whose logits tie for the largest (``trl_head_call(..., ties=True)``), one in each of
@@ -338,11 +384,11 @@ def test_a_head_workspace_the_user_set_is_honoured(how, monkeypatch):
     assert_same_head_call(ours, theirs)  # smaller chunks, the same numbers
 
 
-@pytest.mark.parametrize("mismatch", ["version", "signature"])
+@pytest.mark.parametrize("mismatch", ["version", "next pre-release", "signature"])
 def test_another_trl_protocol_keeps_trl_head_with_one_warning(mismatch, monkeypatch, calls, tmp_path):
     monkeypatch.setattr(integration, "_warned", False)
-    if mismatch == "version":
-        monkeypatch.setattr(trl, "__version__", "1.17.0")
+    if mismatch != "signature":  # a 1.17 pre-release sorts below 1.17 but is 1.17's protocol, not 1.16's
+        monkeypatch.setattr(trl, "__version__", "1.17.0" if mismatch == "version" else "1.17.0rc1")
     else:
 
         class Changed(torch.autograd.Function):
@@ -350,6 +396,7 @@ def test_another_trl_protocol_keeps_trl_head_with_one_warning(mismatch, monkeypa
             def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, logit_scale, outputs):
                 raise AssertionError("never called here")
 
+        monkeypatch.setattr(trl_kernels, "ChunkedLogProbFunction", Changed)  # TRL's own, changed
         monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Changed)
         monkeypatch.setattr(integration, "_trl_function", None)  # as in a fresh process with that TRL
     untouched = trl_utils._ChunkedLogProbFunction
@@ -360,6 +407,37 @@ def test_another_trl_protocol_keeps_trl_head_with_one_warning(mismatch, monkeypa
     if mismatch == "version":
         one_step("sft", tmp_path)
         assert calls["fastalign"] == 0 and calls["trl"] > 0
+
+
+@pytest.mark.parametrize("version", ["1.16.0", "1.16.2", "1.16.1.dev0", "1.16.0rc1", "1.16.1+local"])
+def test_every_release_of_the_supported_minor_is_served(version, monkeypatch):
+    monkeypatch.setattr(trl, "__version__", version)
+    assert integration._protocol_mismatch(trl_utils) is None
+
+
+@pytest.mark.parametrize("kind", ["subclass", "no forward"])
+def test_enable_leaves_a_function_another_library_installed_first_with_one_warning(kind, monkeypatch):
+    """A function another library put in TRL's slot before fastalign's first ``enable()`` is not replaced
+    (it used to be, silently, and then kept as "TRL's" fallback), also one without TRL's ``forward`` (that
+    one used to raise)."""
+    monkeypatch.setattr(integration, "_warned_foreign", False, raising=False)
+    monkeypatch.setattr(integration, "_trl_function", None)  # as in a fresh process
+
+    class ThirdParty(chunked_logprob.ChunkedLogProbFunction):
+        pass
+
+    class ApplyOnly:
+        @staticmethod
+        def apply(*args):
+            raise AssertionError("never called here")
+
+    foreign = ThirdParty if kind == "subclass" else ApplyOnly
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", foreign)
+    with pytest.warns(UserWarning, match="another library: left in place"):
+        assert not integration.enable()
+    assert trl_utils._ChunkedLogProbFunction is foreign and not integration._serving
+    assert integration._trl_function is None  # nothing taken: TRL's own stays the fallback
+    assert not integration.enable()  # no second warning
 
 
 def test_patching_after_trl_added_its_fused_head_is_refused():
