@@ -195,8 +195,9 @@ def phase_lora_8b(ctx: Context, cap: float) -> dict:
         ("trl", [short]),
     ]
     needs = {"liger": "liger_kernel", "trl": "trl", "trl-liger": "liger_kernel", "trl-fastalign": "trl"}
-    if ctx.smoke:  # one process per kind of provider: the model's own, fastalign's, TRL's trainer
-        runs = [run for run in runs if run[0] in ("peft", "fastalign", "trl")]
+    if ctx.smoke:  # one process per kind of provider: the model's own, fastalign's, TRL's trainer (with
+        # fastalign inside: the row the open goal reads, and TRL's own path besides)
+        runs = [run for run in runs if run[0] in ("peft", "fastalign", "trl-fastalign")]
     rows, skipped = [], {}
     for provider, settings in runs:
         module = needs.get(provider)
