@@ -58,6 +58,12 @@ class DistributedContext:
         """More than one process: collectives and sharding are needed."""
         return self.world_size > 1
 
+    @property
+    def local_world_size(self) -> int:
+        """The run's processes on this machine (torchrun's ``LOCAL_WORLD_SIZE``; 1 alone): they share its
+        host memory."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.enabled else 1
+
 
 def _default_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")

@@ -79,6 +79,7 @@ def enable_activation_offloading(
     keep_on_device: int = 0,
     tokens: int | None = None,
     residual_bytes: int | None = None,
+    host_processes: int = 1,
 ) -> ActivationOffloader:
     """Offload what the decoder layers save for backward to CPU memory; ``.remove()`` undoes it.
 
@@ -90,6 +91,8 @@ def enable_activation_offloading(
     ``residual_bytes``: bytes per element of the layer inputs in training, when that is not the model's
     dtype now (FSDP2's bf16 mixed precision over fp32 weights makes them bf16, 2): the memory planner's
     ``residual_stream_bytes``, so that a run the planner fits is not refused here. None: the model's dtype.
+    ``host_processes``: the processes on this machine that offload as much at once (torchrun's local
+    ranks): they share its memory, so the check asks room for all of them.
     """
     layers = decoder_layers(model)
     if not 0 <= keep_on_device <= len(layers):
@@ -97,13 +100,19 @@ def enable_activation_offloading(
     if tokens is not None and any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
         hidden = base_model(model).config.get_text_config().hidden_size
         per_layer = tokens * hidden * (residual_bytes or model.dtype.itemsize)
-        _check_host_memory(
-            (len(layers) - keep_on_device) * per_layer,
-            f"{len(layers) - keep_on_device} layer inputs of {tokens:,} tokens",
+        what = f"{len(layers) - keep_on_device} layer inputs of {tokens:,} tokens"
+        if host_processes > 1:
+            what += f", for each of the {host_processes} processes on this machine"
+        _check_host_memory((len(layers) - keep_on_device) * per_layer * host_processes, what)
+    stack = decoder_stack(model)
+    if getattr(stack, "_fastalign_offloader", None) is not None:
+        # a second offloader's hooks would sit inside the first's and never see a layer begin: the
+        # checkpointed layers' inputs would stay on the device, silently
+        raise RuntimeError(
+            "activation offloading is already on for this model: remove() its offloader before enabling "
+            "it again"
         )
-    return ActivationOffloader(
-        decoder_stack(model), layers, min_bytes=min_bytes, keep_on_device=keep_on_device
-    )
+    return ActivationOffloader(stack, layers, min_bytes=min_bytes, keep_on_device=keep_on_device)
 
 
 _PAGE = 4096
@@ -332,6 +341,8 @@ class ActivationOffloader:
         self._copying: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # sources of this layer's copies
         self._copied: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # and of the previous layer's
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._stack = stack
+        stack._fastalign_offloader = self  # one offloader a model (enable_activation_offloading)
         self._handles = [
             stack.register_forward_pre_hook(self._enter),
             stack.register_forward_hook(self._exit, always_call=True),
@@ -350,6 +361,8 @@ class ActivationOffloader:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if getattr(self._stack, "_fastalign_offloader", None) is self:
+            self._stack._fastalign_offloader = None
         for layer in self._layers:
             wrapper = getattr(layer, "_gradient_checkpointing_func", None)
             if isinstance(wrapper, _OffloadingCheckpoint) and wrapper.offloader is self:

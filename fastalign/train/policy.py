@@ -36,6 +36,7 @@ def prepare_policy(
     needs_fused_head: bool,
     task: ModelTask = "causal_lm",
     row_tokens: int | None = None,
+    rows_per_example: int = 1,
 ) -> torch.nn.Module:
     """Patched (every fused kernel with ``use_liger_kernel``; else only the fused loss head when the
     objective's loss needs it, i.e. all but SFT and reward), LoRA, activation checkpointing/offloading, on
@@ -49,8 +50,9 @@ def prepare_policy(
     variants that read the base weights when they are added (DoRA: the magnitude starts as each row's
     norm; ``lora_modules_to_save``: a trainable copy of each module) get a filled model: under torchrun each
     rank then holds the whole model while it loads. ``row_tokens``: the longest row one forward takes
-    (``Objective.sequence_length``; None: ``max_length``), which sizes activation offloading's host pool
-    and its automatic keep-on-device plan."""
+    (``Objective.sequence_length``; None: ``max_length``) and ``rows_per_example`` the rows it takes per
+    example of the batch (``Objective.rows_per_example``: 2 for a preference pair), which size activation
+    offloading's host pool and its automatic keep-on-device plan."""
     set_tf32(config.tf32)
     set_model_options(model, config.model_name_or_path, config, ctx.device)
     _patch(model, config, needs_fused_head, lm_head=task == "causal_lm")
@@ -62,17 +64,18 @@ def prepare_policy(
             fastalign.patching.patch_lora_layers(model)
     if config.gradient_checkpointing:
         memory.enable_activation_checkpointing(model)
-    # On a GPU, a run whose layer inputs outgrow the host stops here (a preference pair's two rows are one
-    # forward of twice the tokens: those the host pool refuses at its first allocation that does not fit).
+    # On a GPU, a run whose layer inputs outgrow the host stops here, before training
     if config.activation_offloading:
         row_tokens = config.max_length if row_tokens is None else row_tokens
-        tokens = row_tokens * config.per_device_train_batch_size if ctx.device.type == "cuda" else None
-        keep = offload_keep_on_device(model, config, ctx, row_tokens)
+        rows = config.per_device_train_batch_size * rows_per_example
+        tokens = row_tokens * rows if ctx.device.type == "cuda" else None
+        keep = offload_keep_on_device(model, config, ctx, row_tokens, rows)
         try:
             residual = _residual_bytes(model, config, ctx)
             memory.enable_activation_offloading(
-                model, tokens=tokens, keep_on_device=keep, residual_bytes=residual
-            )
+                model, tokens=tokens, keep_on_device=keep, residual_bytes=residual,
+                host_processes=ctx.local_world_size,
+            )  # fmt: skip
         except ValueError as error:  # more layers than the model has
             raise ConfigError(f"config key 'activation_offloading_keep_on_device': {error}") from None
     model = _place(model, config.model_name_or_path, config, ctx)
@@ -82,14 +85,17 @@ def prepare_policy(
 
 
 def offload_keep_on_device(
-    model: torch.nn.Module, config: TrainConfig, ctx: DistributedContext, row_tokens: int | None = None
+    model: torch.nn.Module,
+    config: TrainConfig,
+    ctx: DistributedContext,
+    row_tokens: int | None = None,
+    rows: int | None = None,
 ) -> int:
     """``activation_offloading_keep_on_device``: a number as given; "auto": on CUDA the most layers whose
     saved tensors the memory planner finds room for on this GPU (``fastalign.plan``, for forwards of
-    ``row_tokens`` (None: max_length) × per_device_train_batch_size tokens: a preference pair's two rows,
-    twice that, are left
-    to the host pool's refusal), 0 on the CPU (offloading is a no-op there) and where the planner does not
-    know the model's family. Without ``use_liger_kernel`` it plans the model's own (larger) activations.
+    ``rows`` (None: per_device_train_batch_size) rows of ``row_tokens`` (None: max_length)), 0 on the
+    CPU (offloading is a no-op there) and where the planner does not know the model's family. Without
+    ``use_liger_kernel`` it plans the model's own (larger) activations.
     Bytes the planner underestimated would be an out-of-memory error: it is within a few % of H100
     measurements, and fills only ``AUTO_KEEP_SHARE`` of the GPU (as ``fastalign plan`` shows)."""
     keep = config.activation_offloading_keep_on_device
@@ -106,7 +112,8 @@ def offload_keep_on_device(
         plan = plan_memory(
             model.config, method=method, gpus=ctx.world_size,
             seq_len=config.max_length if row_tokens is None else row_tokens,
-            batch_size=config.per_device_train_batch_size, checkpointing=config.gradient_checkpointing,
+            batch_size=rows or config.per_device_train_batch_size,
+            checkpointing=config.gradient_checkpointing,
             offload_activations=True, lora_r=config.lora_r, lora_dropout=config.lora_dropout,
             gpu_memory_bytes=device_memory, bf16=config.bf16,
             base_dtype=base_dtype, device="cuda",

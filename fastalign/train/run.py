@@ -95,6 +95,7 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
             needs_fused_head=objective.needs_fused_head,
             task=objective.task,
             row_tokens=row_tokens,
+            rows_per_example=objective.rows_per_example,
         )
         enable_neftune(model, config.neftune_noise_alpha)  # in training mode only
 

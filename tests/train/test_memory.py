@@ -407,6 +407,21 @@ def test_offloading_that_outgrows_the_host_is_refused_before_training(monkeypatc
     offloader.remove()
 
 
+def test_offloading_twice_on_one_model_is_refused_until_the_first_is_removed():
+    """A second offloader's hooks would sit inside the first's and never see a layer begin, so the
+    checkpointed layers' inputs would silently stay on the device."""
+    model = tiny_model("llama")
+    enable_activation_checkpointing(model)
+    first = offload(model)
+    with pytest.raises(RuntimeError, match="already on for this model: remove"):
+        enable_activation_offloading(model)
+    first.remove()
+    second = offload(model)
+    model(**padded_batch()).loss.backward()
+    assert second.offloaded_tensors == len(decoder_layers(model))  # one layer input each
+    second.remove()
+
+
 def test_the_host_check_counts_the_residual_stream_as_the_planner_does(monkeypatch):
     """Under FSDP2 with bf16 the layer inputs of an fp32 model are bf16: the host check counts what the
     planner counts (``residual_stream_bytes``), so a run the planner fits is not refused."""

@@ -88,3 +88,50 @@ def test_the_config_key_takes_a_number_or_auto():
     for value in ("-1", "all", "1.5"):
         with pytest.raises(ConfigError, match=r"must be a number of layers \(0 or more\) or \"auto\""):
             load_config(overrides=[on, f"{key}={value}"])
+
+
+def test_offloading_is_sized_for_the_rows_of_one_forward_and_the_processes_of_this_machine(monkeypatch):
+    """A preference pair is one forward of two rows (DPO, reward, online DPO: ``rows_per_example``), and
+    torchrun's local ranks offload into one host: the host check and the keep-on-device plan get the
+    tokens of the whole forward, and the check every local process (they used to get half the tokens,
+    and one process's share)."""
+    from fastalign.train import memory, policy
+    from fastalign.train.objectives import OBJECTIVES
+
+    assert {name: OBJECTIVES[name].rows_per_example for name in ("dpo", "orpo", "reward", "online_dpo")} == {
+        "dpo": 2, "orpo": 2, "reward": 2, "online_dpo": 2
+    }  # fmt: skip
+    assert {OBJECTIVES[name].rows_per_example for name in ("sft", "kto", "grpo", "rloo", "ppo")} == {1}
+    offloaded, planned = [], []
+    monkeypatch.setattr(memory, "enable_activation_offloading", lambda model, **kw: offloaded.append(kw))
+    monkeypatch.setattr(policy, "offload_keep_on_device", lambda *args: planned.append(args[3:]) or 0)
+    monkeypatch.setattr(policy, "_place", lambda model, *args: model)
+    monkeypatch.setattr(policy, "set_model_options", lambda *args: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    config = TrainConfig(
+        max_length=4096,
+        per_device_train_batch_size=3,
+        gradient_checkpointing=True,
+        activation_offloading=True,
+    )
+    for world_size, rows_per_example in ((1, 2), (8, 1)):
+        ctx = DistributedContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("cuda"))
+        policy.prepare_policy(
+            tiny_model("llama"), config, ctx, needs_fused_head=True, row_tokens=700,
+            rows_per_example=rows_per_example,
+        )  # fmt: skip
+    assert [(kw["tokens"], kw["host_processes"]) for kw in offloaded] == [(700 * 6, 1), (700 * 3, 4)]
+    assert planned == [(700, 6), (700, 3)]
+
+
+def test_the_host_check_asks_room_for_every_process_of_this_machine(monkeypatch):
+    from fastalign.train import memory
+    from fastalign.train.memory import HostMemoryError, enable_activation_checkpointing
+
+    model = tiny_model("llama")
+    enable_activation_checkpointing(model)
+    monkeypatch.setattr(memory, "_available_host_bytes", lambda: 3 * GiB)  # 1 GiB usable (a 2 GiB margin)
+    fits = GiB // (2 * model.config.hidden_size * 4)  # tokens whose 2 layer inputs fill 1 GiB
+    memory.enable_activation_offloading(model, tokens=fits // 2, host_processes=2).remove()
+    with pytest.raises(HostMemoryError, match="for each of the 2 processes on this machine"):
+        memory.enable_activation_offloading(model, tokens=fits, host_processes=2)

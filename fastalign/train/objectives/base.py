@@ -120,6 +120,9 @@ class Objective(ABC):
     task: ClassVar[ModelTask] = "causal_lm"
     #: Pack examples into rows of this many tokens (SFT's ``packing``); None: pad each micro-batch.
     packing_length: int | None = None
+    #: Rows one training forward takes per example of ``per_device_train_batch_size``: a preference pair's
+    #: chosen and rejected completions run as one forward of two rows. Sizes activation offloading.
+    rows_per_example: ClassVar[int] = 1
 
     def __init__(self, ctx: DistributedContext | None = None):
         self.ctx = ctx or DistributedContext(0, 1, 0, torch.device("cpu"))

@@ -111,6 +111,8 @@ class DPOOptions:
 class DPOObjective(Objective):
     """``PreferenceLoss`` on micro-batches of P pairs: rows 0..P-1 chosen, P..2P-1 rejected."""
 
+    rows_per_example = 2  # the chosen and the rejected completion of a pair, one forward
+
     default_dataset = "tiny-preference"
 
     def __init__(

@@ -115,6 +115,8 @@ class OnlineDPOObjective(PromptObjective):
     """Pairs sampled and ranked in ``prepare_step``; the DPO loss on them in ``compute_loss``. A training
     micro-batch holds P pairs as 2P prompt + completion rows, the chosen completions first."""
 
+    rows_per_example = 2  # the chosen and the rejected completion of a pair, one forward
+
     default_learning_rate = 5e-7  # TRL's OnlineDPOConfig
 
     def __init__(

@@ -47,6 +47,8 @@ class RewardOptions:
 class RewardObjective(Objective):
     """Bradley–Terry on the scores of micro-batches of P pairs: rows 0..P-1 chosen, P..2P-1 rejected."""
 
+    rows_per_example = 2  # the chosen and the rejected completion of a pair, one forward
+
     default_dataset = "tiny-preference"
     default_learning_rate = 1e-4  # TRL's RewardConfig
     needs_fused_head = False
