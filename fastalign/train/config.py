@@ -50,8 +50,8 @@ class TrainConfig:
     eval_dataset_name: str | None = None  # held-out data (a file, built-in or Hub id); None: none
     eval_split_ratio: float = 0.0  # held-out fraction of dataset_name when no eval_dataset_name
     output_dir: str = "outputs/run"  # where checkpoints, metrics and the final model go
-    max_length: int = 1024  # TRL's default; grpo, rloo and ppo have none (nor have TRL's configs):
-    # max_prompt_length and max_completion_length bound their rows
+    max_length: int | None = None  # None: TRL's for the objective (1024; online_dpo 512); grpo, rloo and
+    # ppo read none (nor do TRL's configs): max_prompt_length and max_completion_length bound their rows
     truncation: bool = False  # without it, an over-long example is an error naming its row
     truncation_mode: str = "keep_start"  # sft, dpo: which end of an over-long row truncation keeps
     # (keep_start or keep_end; TRL's SFTConfig / DPOConfig)
@@ -171,7 +171,7 @@ class TrainConfig:
     # per_device_train_batch_size counts completions
     num_generations_eval: int | None = None  # completions per evaluation prompt; None: num_generations
     max_completion_length: int = 512  # tokens sampled per completion at most
-    temperature: float = 1.0  # sampling temperature
+    temperature: float | None = None  # sampling temperature; None: TRL's (online_dpo 0.9, else 1.0)
     top_p: float = 1.0  # nucleus sampling (1: none)
     top_k: int = 0  # 0: no top-k filtering
     min_p: float | None = None  # None: no min-p filtering
@@ -335,7 +335,6 @@ _POSITIVE = (
     "per_device_train_batch_size",
     "per_device_eval_batch_size",
     "gradient_accumulation_steps",
-    "max_length",
     "logging_steps",
 )
 #: What picks within a Hub model or dataset: a name (or null, the default, where allowed), never blank.
@@ -368,6 +367,7 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     *((key, _finite, "a finite number") for key in _FLOATS),
     *((key, lambda value: value > 0, "positive") for key in _POSITIVE),
     ("learning_rate", lambda value: value is None or value > 0, "positive or null"),
+    ("max_length", lambda value: value is None or value > 0, "positive or null"),
     ("max_steps", lambda value: value > 0 or value == -1, "positive, or -1 to train num_train_epochs"),
     ("num_train_epochs", lambda value: value >= 0, "non-negative"),
     ("save_total_limit", lambda value: value is None or value >= 1, "at least 1, or null to keep all"),
@@ -429,7 +429,7 @@ _VALUE_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda value: value in (None, *SAMPLING_STRATEGIES),
         f"one of {', '.join(SAMPLING_STRATEGIES)} (not transformers' group_by_length nor batch_rebalance)",
     ),
-    ("temperature", lambda value: value > 0, "positive"),
+    ("temperature", lambda value: value is None or value > 0, "positive or null"),
     ("top_p", lambda value: 0 < value <= 1, "in (0, 1]"),
     ("epsilon", lambda value: value >= 0, "non-negative"),
     ("epsilon_high", lambda value: value is None or value >= 0, "non-negative or null"),
@@ -1086,10 +1086,16 @@ def _multiple(save_steps: float, eval_steps: float) -> bool:
 OptionsT = TypeVar("OptionsT")
 
 
+#: TRL's defaults of keys whose TrainConfig default is None because one trainer's differs (OnlineDPOConfig:
+#: max_length 512, temperature 0.9): every other objective that reads them takes these.
+SHARED_DEFAULTS = {"max_length": 1024, "temperature": 1.0}
+
+
 def options_from(config: TrainConfig, cls: type[OptionsT], **defaults: Any) -> OptionsT:
     """``cls`` (an objective's options dataclass) with each field read from the config key of its name; a
     key the config leaves None takes the objective's default from ``defaults`` (TRL's, which differ by
-    objective)."""
+    objective), else ``SHARED_DEFAULTS``'."""
+    defaults = SHARED_DEFAULTS | defaults
     values = {}
     for option in dataclasses.fields(cls):  # type: ignore[arg-type]
         value = getattr(config, option.name)

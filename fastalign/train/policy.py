@@ -17,7 +17,7 @@ from fastalign.builtin.models import ModelTask
 from fastalign.errors import one_line
 from fastalign.quant import QuantOptions
 from fastalign.train import host_memory, memory
-from fastalign.train.config import ConfigError, TrainConfig, model_option
+from fastalign.train.config import SHARED_DEFAULTS, ConfigError, TrainConfig, model_option
 from fastalign.train.distributed import DistributedContext, shard_model
 from fastalign.train.loading import (
     cast_parameters,
@@ -66,7 +66,7 @@ def prepare_policy(
         memory.enable_activation_checkpointing(model)
     # On a GPU, a run whose layer inputs outgrow the host stops here, before training
     if config.activation_offloading:
-        row_tokens = config.max_length if row_tokens is None else row_tokens
+        row_tokens = _row_tokens(config, row_tokens)
         rows = config.per_device_train_batch_size * rows_per_example
         tokens = row_tokens * rows if ctx.device.type == "cuda" else None
         keep = offload_keep_on_device(model, config, ctx, row_tokens, rows)
@@ -111,7 +111,7 @@ def offload_keep_on_device(
     try:
         plan = plan_memory(
             model.config, method=method, gpus=ctx.world_size,
-            seq_len=config.max_length if row_tokens is None else row_tokens,
+            seq_len=_row_tokens(config, row_tokens),
             batch_size=rows or config.per_device_train_batch_size,
             checkpointing=config.gradient_checkpointing,
             offload_activations=True, lora_r=config.lora_r, lora_dropout=config.lora_dropout,
@@ -123,6 +123,13 @@ def offload_keep_on_device(
     except PlanError:
         return 0
     return plan.offload_keep_on_device
+
+
+def _row_tokens(config: TrainConfig, row_tokens: int | None) -> int:
+    """The longest row of a forward: as given, else ``max_length`` (TRL's where the config leaves it null)."""
+    if row_tokens is not None:
+        return row_tokens
+    return SHARED_DEFAULTS["max_length"] if config.max_length is None else config.max_length
 
 
 def _planner_dtype(config: TrainConfig) -> str:

@@ -53,7 +53,7 @@ from fastalign.data.teacher_logprobs import (
 )
 from fastalign.data.tokenizer_options import override_tokenizer
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
-from fastalign.train.config import ConfigError, TrainConfig, refuse_unread
+from fastalign.train.config import SHARED_DEFAULTS, ConfigError, TrainConfig, refuse_unread
 from fastalign.train.distributed import DistributedContext, init_distributed, shutdown_distributed
 from fastalign.train.engine import autocast
 from fastalign.train.loading import (
@@ -155,6 +155,12 @@ class _Part:
     manifest: Manifest
 
 
+def _temperature(config: TrainConfig) -> float:
+    """The scoring temperature: the config's, or (None) distillation's default, TRL's, which ``fastalign
+    train distill`` then reads the scores at."""
+    return SHARED_DEFAULTS["temperature"] if config.temperature is None else config.temperature
+
+
 def score_teacher(config: TrainConfig, scoring: ScoringOptions = ScoringOptions()) -> ScoringReport:
     """Score ``config.dataset_name``'s completions with ``config.model_name_or_path`` (the teacher), its
     ``top_k`` log-probs into ``config.output_dir``, and ``config.eval_dataset_name``'s (when set) into its
@@ -210,7 +216,7 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         tokenizer_hash=tokenizer_hash(tokenizer),
         k=config.top_k,
         dtype=scoring.logprobs_dtype,
-        temperature=config.temperature,
+        temperature=_temperature(config),
         shard_rows=scoring.shard_rows,
         tail_samples=scoring.tail_samples,
         tail_samples_seed=scoring.draws_seed(config),
@@ -381,7 +387,7 @@ def _score_batch(model, batch: dict, config: TrainConfig, ctx: DistributedContex
             config.top_k,
             device_tokens[device_mask],
             bias=bias,
-            temperature=config.temperature,
+            temperature=_temperature(config),
             softcap=softcap,
             tail_samples=0 if uniforms is None else uniforms.shape[1],
             uniforms=None if uniforms is None else uniforms.to(ctx.device),

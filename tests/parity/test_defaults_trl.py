@@ -18,6 +18,7 @@ from tests.helpers import require
 trl = require("trl")
 from trl.experimental.cpo import CPOConfig  # noqa: E402
 from trl.experimental.distillation import DistillationConfig  # noqa: E402
+from trl.experimental.online_dpo import OnlineDPOConfig  # noqa: E402
 from trl.experimental.orpo import ORPOConfig  # noqa: E402
 
 #: Keys both sides need set to be built at all (distill: a teacher; TRL's server path, offline distill's
@@ -34,6 +35,7 @@ TRL_CONFIGS = {
     "orpo": (ORPOConfig, {}),
     "grpo": (trl.GRPOConfig, {}),
     "rloo": (trl.RLOOConfig, {}),
+    "online_dpo": (OnlineDPOConfig, {}),
     "reward": (trl.RewardConfig, {}),
     "distill": (DistillationConfig, REQUIRED["distill"]),
 }
@@ -68,7 +70,9 @@ def _refused_here(name: str) -> set[str]:
 def _fastalign_values(name: str) -> dict[str, object]:
     """The value each config key has in a fastalign run of objective ``name`` left at its defaults: the
     objective's resolved option where it reads the key, else the runner's."""
-    reward = ["fastalign.builtin:digit_ratio"] if name in ("grpo", "rloo") else []  # TRL needs one too
+    reward = (
+        ["fastalign.builtin:digit_ratio"] if name in ("grpo", "rloo", "online_dpo") else []
+    )  # TRL needs one too
     config = with_objective_defaults(name, TrainConfig(reward_funcs=reward, **REQUIRED.get(name, {})))
     objective = OBJECTIVES[name].from_config(name, config, DistributedContext(0, 1, 0, torch.device("cpu")))
     read = OBJECTIVES[name].config_keys(name)

@@ -251,7 +251,7 @@ def test_malformed_flags_fail_in_one_line(flags, message):
         ("per_device_train_batch_size", "0", "must be positive, got 0"),
         ("per_device_eval_batch_size", "-2", "must be positive, got -2"),
         ("gradient_accumulation_steps", "0", "must be positive, got 0"),
-        ("max_length", "0", "must be positive, got 0"),
+        ("max_length", "0", "must be positive or null, got 0"),
         ("logging_steps", "0", "must be positive, got 0.0"),
         ("learning_rate", "0", "must be positive or null, got 0.0"),
         ("warmup_ratio", "1.0", "must be in [0, 1), got 1.0"),

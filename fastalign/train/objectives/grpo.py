@@ -36,7 +36,12 @@ def all_gather_values(local: torch.Tensor, ctx: DistributedContext) -> torch.Ten
 
 
 #: TRL's GRPO defaults where the config leaves a key None.
-GRPO_DEFAULTS = {"beta": 0.0, "num_generations": 8, "loss_type": ["dapo"], "disable_dropout": False}
+GRPO_DEFAULTS = {
+    "beta": 0.0,
+    "num_generations": 8,
+    "loss_type": ["dapo"],
+    "disable_dropout": False,
+}
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,14 @@ from fastalign.train.objectives.online import (
 from fastalign.train.rollout import Completions, SamplingKeys, SamplingOptions, scoring_batch
 
 #: TRL's OnlineDPOConfig defaults where the config leaves a key None.
-ONLINE_DPO_DEFAULTS = {"beta": 0.1, "loss_type": ["sigmoid"], "disable_dropout": True, "max_new_tokens": 64}
+ONLINE_DPO_DEFAULTS = {
+    "temperature": 0.9,
+    "max_length": 512,
+    "beta": 0.1,
+    "loss_type": ["sigmoid"],
+    "disable_dropout": True,
+    "max_new_tokens": 64,
+}
 #: TRL's online DPO losses.
 LOSS_TYPES = ("sigmoid", "ipo")
 
