@@ -84,9 +84,9 @@ class SharedPrefixLayer(ReservedLayer):
         ``tokens`` decoded ones per row. ``prompt_mask``: the prompts' [B, P] attention mask."""
         self.prefix_keys, self.prefix_values = self.keys, self.values
         self.prefix_mask = prompt_mask.bool()[:, None, None, :]  # [B, 1, 1, P]
-        batch, heads, _, dim = self.keys.shape
-        self.keys = self.keys.new_empty(batch * group, heads, 0, dim)
-        self.values = self.values.new_empty(batch * group, heads, 0, dim)
+        batch, heads = self.keys.shape[:2]
+        self.keys = self.keys.new_empty(batch * group, heads, 0, self.keys.shape[-1])
+        self.values = self.values.new_empty(batch * group, self.values.shape[1], 0, self.values.shape[-1])
         self.reserve(tokens)  # the rows' own
         self._place(torch.arange(batch, device=self.keys.device).repeat_interleave(group))
         self.shared = True

@@ -48,9 +48,13 @@ _decoding: list = []  # the cache being decoded (at most one at a time: a stack 
 def can_share(model: torch.nn.Module) -> bool:
     """Whether the model attends with ``sdpa`` (the function's fallback and mask are sdpa's) through
     transformers' attention functions, which the engine swaps (Falcon, Bloom and MPT call their own:
-    ``_supports_attention_backend`` is False)."""
-    return bool(getattr(model, "_supports_attention_backend", False)) and (
-        getattr(model.config, "_attn_implementation", None) == "sdpa"
+    ``_supports_attention_backend`` is False), over a cache of its keys and values: multi-head latent
+    attention (DeepSeek-V2/V3, Kimi, MiniCPM3, ...: ``kv_lora_rank``) caches a compressed latent that each
+    step expands, which the shared prefix's attention cannot read as keys."""
+    return (
+        bool(getattr(model, "_supports_attention_backend", False))
+        and getattr(model.config, "_attn_implementation", None) == "sdpa"
+        and getattr(model.config.get_text_config(), "kv_lora_rank", None) is None
     )
 
 

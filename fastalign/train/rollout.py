@@ -1,5 +1,5 @@
-"""The online objectives' rollout (GRPO, RLOO, online DPO; distill's sampled completions): sample completions
-and score them with the reward functions.
+"""The online objectives' rollout (GRPO, RLOO, PPO, online DPO; distill's sampled completions): sample
+completions and score them with the reward functions.
 
 Generation runs in eval mode, without gradient, through fastalign's engine
 (``fastalign.sampling.generation``: each prompt prefilled once for its group, ended rows dropped, the

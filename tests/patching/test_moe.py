@@ -27,6 +27,7 @@ import fastalign
 from fastalign.models.structure import decoder_layers
 from fastalign.patching import patched_pieces, shift_labels, unpatch_model
 from fastalign.patching.families import PIECES, family_of
+from fastalign.sampling import generation
 from tests.helpers import relative_error, to_device
 from tests.patching import test_trainer as trainer_runs
 from tests.patching.test_patch_model import TOLERANCE as DTYPE_TOLERANCE
@@ -335,6 +336,24 @@ def test_token_logprobs_and_greedy_generation_match(models, family_id):
     prompt = {"input_ids": batch["input_ids"][:1, :6]}
     generate = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(patched.generate(**prompt, **generate), original.generate(**prompt, **generate))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("shared", [False, True], ids=["repeated", "shared"])
+@pytest.mark.parametrize("family_id", IDS)
+def test_the_rollout_engine_samples_as_generate(models, family_id, shared, monkeypatch):
+    """Greedy rollouts of 2 prompts × 2 rows give ``generate``'s tokens, with the prompts' KV held once
+    where the engine can (DeepSeek-V3's latent cache is not keys and values: it keeps the repeated
+    cache; the shared one used to crash) or repeated."""
+    monkeypatch.setattr(generation, "SHARE_FROM", 0 if shared else 10**9)
+    model = fastalign.patch_model(models(family_id)).eval()
+    ids = padded_batch()["input_ids"][:2, :8]
+    mask = torch.ones_like(ids)
+    options = dict(do_sample=False, max_new_tokens=6, eos_token_id=1, pad_token_id=0)
+    expected = model.generate(
+        input_ids=ids.repeat_interleave(2, 0), attention_mask=mask.repeat_interleave(2, 0), **options
+    )
+    assert torch.equal(generation.sample_groups(model, ids, mask, 2, options), expected)
 
 
 # ---------------------------------------------------------------------------------------------------

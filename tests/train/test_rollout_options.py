@@ -124,6 +124,9 @@ def test_each_objective_refuses_the_others_keys(name, key, value, readers):
     ("options", "key"),
     [
         ({"generation_kwargs": {"num_return_sequences": 2}}, "generation_kwargs"),
+        # a completion a stop string ends has no EOS: it used to crash at the first rollout (generate
+        # wants the tokenizer), or, given one, count as truncated
+        ({"generation_kwargs": {"stop_strings": ["."]}}, "generation_kwargs' sets stop_strings"),
         ({"use_vllm": True, "top_k": 5}, "use_vllm"),  # vLLM is refused whatever the sampling options
         (
             {"eval_split_ratio": 0.25, "per_device_eval_batch_size": 6, "num_generations_eval": 4},

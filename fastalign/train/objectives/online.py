@@ -184,6 +184,13 @@ def check_generation_keys(
             f"config key 'generation_kwargs' sets {', '.join(structural)}: the rollout decides it "
             "(the completions of each prompt)"
         )
+    if (generation_kwargs or {}).get("stop_strings"):
+        # generate needs the tokenizer for them, and a completion a string ends has no EOS: it would be
+        # scored and masked as truncated (TRL fails the same way)
+        raise ConfigError(
+            "config key 'generation_kwargs' sets stop_strings, which the rollout does not support: a "
+            "completion they end has no EOS and would count as truncated; end completions at an eos_token"
+        )
 
 
 @dataclass(frozen=True)

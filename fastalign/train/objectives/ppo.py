@@ -1,6 +1,6 @@
 """``fastalign train ppo``: PPO with a critic, TRL's former ``PPOTrainer`` (trl 0.11-0.19; TRL 1.16 has none).
 
-The rollout is GRPO's (``RolloutObjective``: prompts, seeded sampling with ``model.generate``, scoring by
+The rollout is GRPO's (``RolloutObjective``: prompts, seeded sampling with the rollout engine, scoring by
 ``reward_funcs``, evaluation, completions log), with one completion per prompt. Then, per generation batch:
 
 - the score of a completion is its (weighted) reward, less ``missing_eos_penalty`` when it has no EOS
