@@ -99,12 +99,18 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
         out = per_prompt.view(batch, kv_heads, layer.slots, per_kv, per_prompt.shape[-1]).transpose(1, 2)
         return out[prompts, slots]
 
-    prefix_scores = stacked(query) @ layer.prefix_keys.transpose(-1, -2)  # [B, Hkv, slots·per_kv, P]
+    # In fp32 whatever the model's dtype, rounded once at the end, as sdpa's kernels accumulate: products
+    # rounded to bf16 piece by piece (scores, weights, the prefix's and the row's outputs) made greedy
+    # rollouts of a bf16 model part from generate's within tens of tokens
+    dtype = query.dtype
+    query, key, value = query.float(), key.float(), value.float()
+    prefix_keys, prefix_values = layer.prefix_keys.float(), layer.prefix_values.float()
+    prefix_scores = stacked(query) @ prefix_keys.transpose(-1, -2)  # [B, Hkv, slots·per_kv, P]
     prefix_scores = prefix_scores.masked_fill(~layer.prefix_mask, float("-inf"))
     scores = torch.cat([unstacked(prefix_scores), query @ key.transpose(-1, -2)], dim=-1) * scale
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    output = unstacked(stacked(weights[..., :prefix]) @ layer.prefix_values) + weights[..., prefix:] @ value
-    return output.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
+    weights = torch.softmax(scores, dim=-1)
+    output = unstacked(stacked(weights[..., :prefix]) @ prefix_values) + weights[..., prefix:] @ value
+    return output.to(dtype).reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION, shared_prefix_attention)
