@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # what runs in it: the tests of what depends most on the library versions (activation checkpointing and
 # offloading, model patching, loading, quantized loading) and kernel tests under triton 3.6's interpreter
 LOWEST_VENV ?= .venv-lowest
-LOWEST_TESTS ?= tests/train/test_memory.py tests/reliability/test_safe_checkpoints.py tests/train/test_host_memory.py tests/train/test_generation.py tests/train/test_decode_steps.py tests/integrations/test_generate.py tests/patching \
+LOWEST_TESTS ?= tests/train/test_memory.py tests/train/test_offload_keep.py tests/plan tests/kernels/test_head_workspace.py tests/reliability/test_safe_checkpoints.py tests/train/test_host_memory.py tests/train/test_generation.py tests/train/test_decode_steps.py tests/integrations/test_generate.py tests/patching \
 	tests/test_model_options.py tests/real/test_loading.py tests/train/test_hub_ids.py tests/quant/test_qlora.py \
 	tests/kernels/test_interpreter_versions.py tests/kernels/test_rms_norm.py tests/kernels/test_rope.py \
 	tests/kernels/test_swiglu.py tests/kernels/test_linear_cross_entropy.py \
