@@ -12,13 +12,20 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastalign.ops import head_workspace, linear_cross_entropy, linear_divergence, token_logprobs
+from fastalign.ops import (
+    head_workspace,
+    linear_cross_entropy,
+    linear_divergence,
+    token_logprobs,
+    token_objective,
+)
 from fastalign.ops.head_workspace import chunk_rows, head_workspace_bytes, set_head_workspace
 from fastalign.ops.linear_cross_entropy import budget_chunk_rows
 from fastalign.ops.linear_cross_entropy_chunks import logit_bytes
 from fastalign.ops.linear_cross_entropy_torch import LogitTransform
 from fastalign.ops.linear_pair_objective import linear_pair_objective
 from fastalign.ops.preference import token_log_sum_sq_probs
+from fastalign.ops.sparse_divergence import linear_sparse_divergence, linear_topk_logprobs
 from fastalign.plan import plan_memory
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference
@@ -108,6 +115,22 @@ def _heads(backend, budget):
         loss = linear_cross_entropy(h, w, t, reduction="none", softcap=5.0, temperature=0.7, **kw)
         loss.sum().backward()
 
+    def stored_teacher(h, w, t, beta=0.5):  # offline distillation: 4 stored teacher log-probs a token
+        generator = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, w.shape[0], (h.shape[0], 4), generator=generator).to(h.device)
+        logprobs = torch.log_softmax(torch.randn(h.shape[0], 4, generator=generator), -1).to(h.device)
+        linear_sparse_divergence(h, w, ids, logprobs, beta=beta, workspace_bytes=budget).backward()
+
+    def teacher_topk(h, w, t):  # scoring the teacher: no gradient
+        with torch.no_grad():
+            linear_topk_logprobs(h, w, 4, vocab_slice=w.shape[0], workspace_bytes=budget)
+
+    def objective(h, w, t):  # GRPO's per-token objective, its gradient formed in the forward pass
+        def f(rows, logprobs):
+            return logprobs.sum(), torch.ones_like(logprobs), torch.zeros(1, device=logprobs.device)
+
+        token_objective(h, w, t, f, **kw).loss.backward()
+
     return {
         "cross_entropy": lambda h, w, t: linear_cross_entropy(h, w, t, **kw).backward(),
         "softcap_per_token": per_token_softcap,
@@ -116,6 +139,10 @@ def _heads(backend, budget):
         "forward_kl_ce": lambda h, w, t: distill(h, w, t, beta=0.0, hard=0.5),
         "log_sum_sq": lambda h, w, t: token_log_sum_sq_probs(h, w, t, **kw),
         "pairs_wpo": pairs,
+        "sparse_forward_kl": lambda h, w, t: stored_teacher(h, w, t, beta=0.0),
+        "sparse_jsd": stored_teacher,
+        "teacher_topk": teacher_topk,
+        "token_objective": objective,
     }
 
 
