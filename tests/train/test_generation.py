@@ -16,7 +16,7 @@ import torch
 
 from fastalign.builtin import tiny_model
 from fastalign.builtin.models import TINY_MODEL_TYPES
-from fastalign.sampling import generation
+from fastalign.sampling import decode_steps, generation
 from fastalign.sampling.decode_cache import ReservedLayer, SharedPrefixLayer
 from fastalign.sampling.generation import engine_refusal, sample_groups
 from fastalign.train.distributed import DistributedContext
@@ -229,8 +229,10 @@ def test_a_cache_the_engine_cannot_repeat_is_sampled_by_generate():
     assert refusal is not None and "cannot repeat" in refusal
 
 
+@pytest.mark.parametrize("four_bit", [False, True], ids=["dense-base", "nf4-base"])
 @pytest.mark.parametrize("shared", [False, True], ids=["repeated", "shared"])
-def test_lora_and_patched_models_decode_as_generate(shared, monkeypatch):
+def test_lora_and_patched_models_decode_as_generate(shared, four_bit, monkeypatch):
+    """LoRA over a patched model, its base dense or NF4 (QLoRA's rollouts), as ``generate``."""
     from peft import LoraConfig, get_peft_model
 
     sharing(monkeypatch, shared)
@@ -238,6 +240,11 @@ def test_lora_and_patched_models_decode_as_generate(shared, monkeypatch):
     from fastalign import patch_model
 
     model = tiny_model("llama", seed=3)
+    if four_bit:
+        from fastalign.quant import QuantOptions
+        from fastalign.quant.four_bit_linear import quantize_model
+
+        quantize_model(model, QuantOptions())
     patch_model(model)
     model = get_peft_model(
         model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
@@ -303,6 +310,38 @@ def test_sampled_tokens_follow_generates_distribution():
     after = ours[ours[:, 0] == top, 1]
     assert after.numel() > 100
     assert fits(torch.bincount(after, minlength=second.numel()).float(), second)
+
+
+def test_seeded_shared_prompt_draws_follow_the_distribution_as_rows_end(monkeypatch):
+    """GRPO's way of sampling: 2 prompts, each its own seeded generator, their KV held once, min_p and a
+    repetition penalty, and rows ending at the first token (its most likely one is the EOS, and the batch
+    is compacted as soon as one row ends): each prompt's first tokens, and its second tokens after its
+    most drawn non-EOS first one, follow the exact distributions."""
+    sharing(monkeypatch, True)
+    monkeypatch.setattr(decode_steps, "COMPACT_SHARE", 0.0)
+    model = tiny_model("llama", seed=4).eval()
+    ids, mask = left_padded([5, 5], seed=7)
+    options = dict(
+        do_sample=True, max_new_tokens=2, temperature=0.5, top_k=40, min_p=0.05, repetition_penalty=1.3,
+        pad_token_id=PAD,
+    )  # fmt: skip
+    options["eos_token_id"] = int(distribution(model, ids[:1], options | {"eos_token_id": 2}).argmax())
+    seen = compactions(monkeypatch)
+    draws = 4000
+    with torch.no_grad():
+        out = sample_groups(model, ids, mask, draws, options, seeds=[11, 12])[:, -2:]
+    assert seen, "no row ended at its first token"
+    for prompt in range(2):
+        sampled, row = out[prompt * draws : (prompt + 1) * draws], ids[prompt : prompt + 1]
+        first = distribution(model, row, options)
+        assert fits(torch.bincount(sampled[:, 0], minlength=first.numel()).float(), first)
+        counts = torch.bincount(sampled[:, 0], minlength=first.numel())
+        counts[options["eos_token_id"]] = 0
+        top = int(counts.argmax())
+        second = distribution(model, torch.cat([row, torch.tensor([[top]])], 1), options)
+        after = sampled[sampled[:, 0] == top, 1]
+        assert after.numel() > 100
+        assert fits(torch.bincount(after, minlength=second.numel()).float(), second)
 
 
 def test_the_generation_config_merges_as_generates_does(monkeypatch):
