@@ -81,8 +81,12 @@ class SharedPrefixLayer(ReservedLayer):
 
     def share(self, group: int, prompt_mask: torch.Tensor, tokens: int) -> None:
         """Keep the prefilled prompts' keys and values once for ``group`` rows each, with room for
-        ``tokens`` decoded ones per row. ``prompt_mask``: the prompts' [B, P] attention mask."""
-        self.prefix_keys, self.prefix_values = self.keys, self.values
+        ``tokens`` decoded ones per row. ``prompt_mask``: the prompts' [B, P] attention mask. Half-precision
+        prefixes are kept in fp32, which the shared attention sums in (as sdpa's kernels accumulate):
+        twice their bytes, still ``group / 2`` times less than repeating them, and no copy per step."""
+        half = self.keys.dtype in (torch.bfloat16, torch.float16)
+        self.prefix_keys = self.keys.float() if half else self.keys
+        self.prefix_values = self.values.float() if half else self.values
         self.prefix_mask = prompt_mask.bool()[:, None, None, :]  # [B, 1, 1, P]
         batch, heads = self.keys.shape[:2]
         self.keys = self.keys.new_empty(batch * group, heads, 0, self.keys.shape[-1])
@@ -111,5 +115,5 @@ class SharedPrefixLayer(ReservedLayer):
             self._place(self.prompt_of_row[indices])
 
     def full(self, own: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """The repeated cache's tensor: each row's prompt's prefix, then its own."""
-        return torch.cat([prefix[self.prompt_of_row], own], dim=-2)
+        """The repeated cache's tensor: each row's prompt's prefix, then its own (in its dtype)."""
+        return torch.cat([prefix[self.prompt_of_row].to(own.dtype), own], dim=-2)

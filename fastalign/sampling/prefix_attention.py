@@ -99,17 +99,19 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
         out = per_prompt.view(batch, kv_heads, layer.slots, per_kv, per_prompt.shape[-1]).transpose(1, 2)
         return out[prompts, slots]
 
-    # In fp32 whatever the model's dtype, rounded once at the end, as sdpa's kernels accumulate: products
-    # rounded to bf16 piece by piece (scores, weights, the prefix's and the row's outputs) made greedy
-    # rollouts of a bf16 model part from generate's within tens of tokens
+    # In fp32 whatever the model's dtype (the prefix is kept in fp32: SharedPrefixLayer.share) and outside
+    # autocast, rounded once at the end, as sdpa's kernels accumulate: products rounded to bf16 piece by
+    # piece (scores, weights, the prefix's and the row's outputs) made greedy rollouts of a bf16 model
+    # part from generate's within tens of tokens
     dtype = query.dtype
-    query, key, value = query.float(), key.float(), value.float()
-    prefix_keys, prefix_values = layer.prefix_keys.float(), layer.prefix_values.float()
-    prefix_scores = stacked(query) @ prefix_keys.transpose(-1, -2)  # [B, Hkv, slots·per_kv, P]
-    prefix_scores = prefix_scores.masked_fill(~layer.prefix_mask, float("-inf"))
-    scores = torch.cat([unstacked(prefix_scores), query @ key.transpose(-1, -2)], dim=-1) * scale
-    weights = torch.softmax(scores, dim=-1)
-    output = unstacked(stacked(weights[..., :prefix]) @ prefix_values) + weights[..., prefix:] @ value
+    with torch.autocast(query.device.type, enabled=False):
+        query, key, value = query.float(), key.float(), value.float()
+        prefix_scores = stacked(query) @ layer.prefix_keys.transpose(-1, -2)  # [B, Hkv, slots·per_kv, P]
+        prefix_scores = prefix_scores.masked_fill(~layer.prefix_mask, float("-inf"))
+        scores = torch.cat([unstacked(prefix_scores), query @ key.transpose(-1, -2)], dim=-1) * scale
+        weights = torch.softmax(scores, dim=-1)
+        prefix_output = unstacked(stacked(weights[..., :prefix]) @ layer.prefix_values)
+        output = prefix_output + weights[..., prefix:] @ value
     return output.to(dtype).reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 

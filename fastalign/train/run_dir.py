@@ -22,7 +22,7 @@ from fastalign.train.checkpoint import (
     read_trainer_state,
     resolve_resume_path,
 )
-from fastalign.train.config import ConfigError, TrainConfig, save_config
+from fastalign.train.config import SHARED_DEFAULTS, ConfigError, TrainConfig, save_config
 from fastalign.train.engine import Engine
 
 #: Keys a resumed run may change: they decide what is logged, evaluated and saved, and where, and how
@@ -179,6 +179,8 @@ def _changed_keys(saved: dict, current: dict) -> list[tuple[str, object, object]
     changed = []
     for key, value in current.items():
         if key in RESUME_SAFE_KEYS or (key in LENGTH_KEYS and schedule_fixed):
+            continue
+        if value is None and key in SHARED_DEFAULTS:  # the objective does not read it (else it is filled)
             continue
         saved_value = saved.get(key, defaults.get(key))  # a key newer than the checkpoint: its default,
         if key not in saved and value is not None:  # or, one an objective fills, what runs did before it

@@ -110,6 +110,25 @@ def test_a_bf16_prompt_held_once_is_attended_in_fp32(model_type, monkeypatch):
             )
 
 
+def test_under_autocast_the_prompt_held_once_is_still_attended_in_fp32(monkeypatch):
+    """A bf16 run over fp32 weights rolls out inside the engine's autocast, which would cast the shared
+    attention's fp32 products back to bf16: its scores reach the softmax in fp32 all the same, and the
+    prefix is kept in fp32 once (no copy a step)."""
+    from fastalign.sampling import prefix_attention
+
+    sharing(monkeypatch, True)
+    seen, softmax = [], torch.softmax
+    monkeypatch.setattr(
+        prefix_attention.torch, "softmax", lambda x, *a, **k: seen.append(x.dtype) or softmax(x, *a, **k)
+    )
+    model = tiny_model("llama", seed=1).eval()
+    ids, mask = left_padded([20, 24], seed=0)
+    options = dict(do_sample=False, max_new_tokens=4, eos_token_id=511, pad_token_id=PAD)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        sample_groups(model, ids, mask, 2, options)
+    assert seen and set(seen) == {torch.float32}
+
+
 def test_generates_logits_processors_apply(monkeypatch):
     """Repetition penalty (with left padding), no-repeat n-grams and a minimum length: the processors
     generate builds, on the installed transformers."""

@@ -101,7 +101,16 @@ def test_offloading_is_sized_for_the_rows_of_one_forward_and_the_processes_of_th
     assert {name: OBJECTIVES[name].rows_per_example for name in ("dpo", "orpo", "reward", "online_dpo")} == {
         "dpo": 2, "orpo": 2, "reward": 2, "online_dpo": 2
     }  # fmt: skip
-    assert {OBJECTIVES[name].rows_per_example for name in ("sft", "kto", "grpo", "rloo", "ppo")} == {1}
+    assert {OBJECTIVES[name].rows_per_example for name in ("sft", "kto", "grpo", "rloo")} == {1}
+    ppo = {  # the adapter critic's values run through the policy's stack too
+        use_peft: OBJECTIVES["ppo"]
+        .from_config(
+            "ppo", TrainConfig(use_peft=use_peft, reward_funcs=["fastalign.builtin:digit_ratio"]), _ctx("cpu")
+        )
+        .rows_per_example
+        for use_peft in (False, True)
+    }
+    assert ppo == {False: 1, True: 2}
     offloaded, planned = [], []
     monkeypatch.setattr(memory, "enable_activation_offloading", lambda model, **kw: offloaded.append(kw))
     monkeypatch.setattr(policy, "offload_keep_on_device", lambda *args: planned.append(args[3:]) or 0)

@@ -11,7 +11,7 @@ import torch
 
 from fastalign.builtin import tiny_model, tiny_prompt_rows, tiny_tokenizer
 from fastalign.data.preference import PromptExample
-from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.config import SHARED_DEFAULTS, ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives import make_objective
 from fastalign.train.rollout import SamplingOptions, generate_completions
@@ -158,7 +158,8 @@ def test_max_length_is_refused(name):
         r"none: max_prompt_length and max_completion_length bound its rows\): remove it$",
     ):
         make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_length=64), CPU)
-    make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_length=TrainConfig().max_length), CPU)
+    make_objective(name, TrainConfig(reward_funcs=[DIGITS]), CPU)
+    make_objective(name, TrainConfig(reward_funcs=[DIGITS], max_length=1024), CPU)  # an old config's default
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "ppo"])
@@ -194,7 +195,7 @@ def test_the_policy_is_prepared_for_rows_of_the_longest_prompt_and_a_whole_compl
         run_module.run_training(config, name)
     objective = make_objective(name, config, CPU)
     longest = max(len(example.prompt_ids) for example in objective.tokenize(rows, tiny_tokenizer()))
-    assert seen["row_tokens"] == longest + 11 != config.max_length
+    assert seen["row_tokens"] == longest + 11 != SHARED_DEFAULTS["max_length"]
 
 
 def run(tmp_path: Path, name: str, **options) -> list[dict]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fastalign.train.config import ConfigError, TrainConfig
+from fastalign.train.config import SHARED_DEFAULTS, ConfigError, TrainConfig
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.objectives.base import Objective
 from fastalign.train.objectives.distill import DistillObjective
@@ -64,7 +64,8 @@ def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
     """``config`` with the keys it leaves null that the runner reads set to objective ``name``'s TRL
     default (``learning_rate``: SFTConfig's 2e-5, the preference and RL trainers' 1e-6;
     ``train_sampling_strategy``: KTOConfig's sequential, the others' random, none where TRL's sampler
-    reads ``shuffle_dataset`` instead)."""
+    reads ``shuffle_dataset`` instead; ``max_length`` and ``temperature``, where the objective reads them:
+    ``SHARED_DEFAULTS``, OnlineDPOConfig's 512 and 0.9)."""
     if name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
     objective = OBJECTIVES[name]
@@ -74,6 +75,11 @@ def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
         if config.learning_rate is None
         else config.learning_rate,
         train_sampling_strategy=config.train_sampling_strategy or objective.default_sampling_strategy,
+        **{
+            key: objective.shared_defaults.get(key, default)
+            for key, default in SHARED_DEFAULTS.items()
+            if getattr(config, key) is None and key in objective.config_keys(name)
+        },
     )
 
 
@@ -90,7 +96,9 @@ def _refuse_unread_keys(name: str, config: TrainConfig) -> None:
     defaults = TrainConfig()
     read = OBJECTIVES[name].config_keys(name)
     for key in (f.name for f in dataclasses.fields(TrainConfig)):
-        if key in read or key in _RUNNER_KEYS or getattr(config, key) == getattr(defaults, key):
+        value = getattr(config, key)
+        # (a config written before max_length and temperature defaulted to null spells out their defaults)
+        if key in read or key in _RUNNER_KEYS or value in (getattr(defaults, key), SHARED_DEFAULTS.get(key)):
             continue
         readers = [other for other, cls in OBJECTIVES.items() if key in cls.config_keys(other)]
         if readers:

@@ -109,6 +109,9 @@ class Objective(ABC):
     default_dataset: ClassVar[str]
     #: TRL's ``learning_rate`` for this trainer (its config's default), used when the config leaves it null.
     default_learning_rate: ClassVar[float] = 1e-6
+    #: This trainer's TRL defaults of ``SHARED_DEFAULTS``' keys where they differ (online DPO's), used when
+    #: the config leaves them null.
+    shared_defaults: ClassVar[dict[str, Any]] = {}
     #: TRL's ``train_sampling_strategy`` for this trainer, used when the config leaves it null; None: TRL's
     #: sampler does not read the key (GRPO's, RLOO's and distillation's read ``shuffle_dataset``).
     default_sampling_strategy: ClassVar[str | None] = "random"

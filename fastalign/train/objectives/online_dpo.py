@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -125,6 +125,9 @@ class OnlineDPOObjective(PromptObjective):
     rows_per_example = 2  # the chosen and the rejected completion of a pair, one forward
 
     default_learning_rate = 5e-7  # TRL's OnlineDPOConfig
+    shared_defaults: ClassVar[dict[str, Any]] = {
+        key: ONLINE_DPO_DEFAULTS[key] for key in ("max_length", "temperature")
+    }
 
     def __init__(
         self, options: OnlineDPOOptions, ctx: DistributedContext | None = None, *, dtype: str | None = None

@@ -185,6 +185,12 @@ class PPOObjective(RolloutObjective):
     def config_keys(cls, name: str) -> frozenset[str]:
         return frozenset(PPOOptions.__dataclass_fields__) - set(PPOOptions.DERIVED)
 
+    @property
+    def rows_per_example(self) -> int:  # type: ignore[override]
+        """Under ``use_peft`` the critic is an adapter of the policy's model: its values' forward runs
+        through the same (offloaded) decoder stack before the step's one backward, two forwards' worth."""
+        return 2 if self.config.use_peft else 1
+
     def setup(self, model: torch.nn.Module, train: list, evaluation: list, parts: RunParts) -> Prepared:
         if parts.use_peft:  # before the rollout's setup: its dropout switch reaches the critic's adapter too
             self.critic = AdapterCritic(model, self.config.seed)
