@@ -80,7 +80,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "not fit in it, less a tenth (at least 2 GiB) kept for the rest, does not fit (default: not checked)",
     )
     parser.add_argument("--seq-len", default="4096", help="tokens per sequence (default: 4096)")
-    parser.add_argument("--batch-size", default="1", help="sequences per GPU and micro-batch (default: 1)")
+    parser.add_argument(
+        "--batch-size",
+        default="1",
+        help="sequences per GPU and micro-batch, as one forward takes them: a preference pair (DPO, reward, "
+        "online DPO) is two (default: 1)",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
     parser.add_argument("--offload-activations", action="store_true", help="offload activations to CPU")
     parser.add_argument("--lora-r", help="LoRA rank, methods with an adapter only (default: 16)")
