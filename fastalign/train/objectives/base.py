@@ -172,8 +172,8 @@ class Objective(ABC):
 
     def sequence_length(self, config: TrainConfig, train: list) -> int:
         """The length of a training row, for the throughput estimate (MFU's attention term), once the
-        training examples ``train`` are tokenized: ``max_length`` (as the objective resolved it)."""
-        return getattr(getattr(self, "options", None), "max_length", None) or config.max_length
+        training examples ``train`` are tokenized: ``max_length`` (``with_objective_defaults`` filled it)."""
+        return config.max_length
 
     # --- a step ------------------------------------------------------------------------------------
     def prepare_step(
