@@ -10,7 +10,11 @@ The model is SmolLM2-135M-Instruct (30 layers, 49k vocabulary, tied embeddings),
 the tests (``tests/real/model.py``: built once into ``.cache/`` from the PyPI GGUF). Objectives: SFT, DPO
 (full, and LoRA r 16 α 32 dropout 0.05 on all linear layers), KTO and GRPO; each with TRL's trainer
 (``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``) and with ``fastalign train`` (its
-``run_training``), each run in a fresh process so that its peak resident set is its own.
+``run_training``), each run in a fresh process so that its peak resident set is its own. Providers:
+``trl``, ``fastalign`` and ``trl-fastalign`` (TRL's trainer with fastalign inside, as docs/trl.md tells
+its users: the patched model, TRL's fused head served, and for GRPO its ``generate`` served by the rollout
+engine, whose draws differ from ``generate``'s); ``trl-fastalign-head``, asked for by name, the same
+without the served ``generate``: TRL's own completions, so its losses equal TRL alone's.
 
 Both sides train on the same rows: one batch of ``batch`` rows, seen every step (so that both start from
 the same batch whatever order each samples in: the first-step losses of identical math are identical),
@@ -66,7 +70,9 @@ SETTINGS = {
     "checkpointing": ("float32", False, True),
     "defaults": ("each tool's default", None, None),
 }
-PROVIDERS = ("trl", "trl-fastalign", "fastalign")
+PROVIDERS = ("trl", "trl-fastalign", "fastalign", "trl-fastalign-head")
+#: What runs when no provider is named (``trl-fastalign-head`` only differs from ``trl-fastalign`` in GRPO)
+DEFAULT_PROVIDERS = PROVIDERS[:3]
 LORA = {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
 
 PRESETS = {
@@ -305,8 +311,8 @@ def run_trl(spec: dict, phases: Phases) -> dict:
     )  # fmt: skip
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines()]
     model = spec["model_dir"]
-    if spec["provider"] == "trl-fastalign":
-        model = _fastalign_in_trl(model)
+    if spec["provider"].startswith("trl-fastalign"):
+        model = _fastalign_in_trl(model, serve_sampling=spec["provider"] == "trl-fastalign")
     trainer = getattr(trl, f"{name}Trainer")(
         model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
         processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]), callbacks=[Record()], **extra,
@@ -317,11 +323,11 @@ def run_trl(spec: dict, phases: Phases) -> dict:
     return phases.result([row["loss"] for row in trainer.state.log_history if "loss" in row])
 
 
-def _fastalign_in_trl(model_dir: str):
+def _fastalign_in_trl(model_dir: str, serve_sampling: bool = True):
     """TRL's trainer with fastalign dropped in, as docs/trl.md tells its users: the model loaded as TRL
     loads it (fp32 here), ``fastalign.patch_model`` (on CPU the pieces that lose there stay the model's
-    own), TRL's fused LM head served by ``fastalign.integrations.trl.enable()``, and (GRPO's sampling)
-    its ``generate`` by the rollout engine (``fastalign.integrations.generate.serve_generate``)."""
+    own), TRL's fused LM head served by ``fastalign.integrations.trl.enable()``, and, ``serve_sampling``,
+    its ``generate`` (GRPO's sampling) by the rollout engine (``fastalign.integrations.generate``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -330,7 +336,8 @@ def _fastalign_in_trl(model_dir: str):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     fastalign_trl.patch_model(model)
-    serve_generate(model)
+    if serve_sampling:
+        serve_generate(model)
     if not fastalign_trl.enable():
         raise RuntimeError("fastalign does not serve this TRL's fused head")
     return model
@@ -454,7 +461,7 @@ def _runs(objectives: list[str], settings: list[str], providers: list[str]) -> l
     pair first, then TRL with fastalign inside, so that a run stopped early (the GPU check's cap) has
     whole pairs."""
     runs = list(itertools.product(objectives, settings, providers))
-    return sorted(runs, key=lambda run: run[2] == "trl-fastalign")
+    return sorted(runs, key=lambda run: run[2].startswith("trl-fastalign"))
 
 
 def run(preset_name: str, args: argparse.Namespace) -> Path:
@@ -464,7 +471,7 @@ def run(preset_name: str, args: argparse.Namespace) -> Path:
     from tests.real.model import smollm2_dir
 
     preset = PRESETS[preset_name] | ({"steps": args.steps} if args.steps else {})
-    providers = common.select_providers(KERNEL, PROVIDERS, args.providers)
+    providers = common.select_providers(KERNEL, PROVIDERS, args.providers, DEFAULT_PROVIDERS)
     device = _device()
     if preset_name.startswith("gpu") and device.type != "cuda":
         raise SystemExit("--preset gpu needs CUDA")
