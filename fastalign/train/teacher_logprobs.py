@@ -53,7 +53,7 @@ from fastalign.data.teacher_logprobs import (
 )
 from fastalign.data.tokenizer_options import override_tokenizer
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
-from fastalign.train.config import SHARED_DEFAULTS, ConfigError, TrainConfig, refuse_unread
+from fastalign.train.config import ConfigError, TrainConfig, refuse_unread
 from fastalign.train.distributed import DistributedContext, init_distributed, shutdown_distributed
 from fastalign.train.engine import autocast
 from fastalign.train.loading import (
@@ -63,6 +63,7 @@ from fastalign.train.loading import (
     materialize_model,
     resolve_model,
 )
+from fastalign.train.objectives import with_objective_defaults
 from fastalign.train.objectives.distill import CompletionCollator, DistillExample, DistillObjective
 from fastalign.train.policy import model_dtype, quant_options, set_model_options
 
@@ -155,18 +156,14 @@ class _Part:
     manifest: Manifest
 
 
-def _temperature(config: TrainConfig) -> float:
-    """The scoring temperature: the config's, or (None) distillation's default, TRL's, which ``fastalign
-    train distill`` then reads the scores at."""
-    return SHARED_DEFAULTS["temperature"] if config.temperature is None else config.temperature
-
-
 def score_teacher(config: TrainConfig, scoring: ScoringOptions = ScoringOptions()) -> ScoringReport:
     """Score ``config.dataset_name``'s completions with ``config.model_name_or_path`` (the teacher), its
     ``top_k`` log-probs into ``config.output_dir``, and ``config.eval_dataset_name``'s (when set) into its
     ``EVAL_DIR`` sub-directory; returns what was done (this rank's part). A key other than
     ``SCORING_KEYS`` set away from its default is a ``ConfigError`` naming it."""
     refuse_unread(config, SCORING_KEYS)
+    # the temperature and max_length distillation reads the scores at, where the config leaves them null
+    config = with_objective_defaults("distill", config)
     if config.top_k < 1:
         raise ConfigError("config key 'top_k' must be positive: how many of the teacher's log-probs to store")
     ctx = init_distributed()
@@ -216,7 +213,7 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
         tokenizer_hash=tokenizer_hash(tokenizer),
         k=config.top_k,
         dtype=scoring.logprobs_dtype,
-        temperature=_temperature(config),
+        temperature=config.temperature,
         shard_rows=scoring.shard_rows,
         tail_samples=scoring.tail_samples,
         tail_samples_seed=scoring.draws_seed(config),
@@ -387,7 +384,7 @@ def _score_batch(model, batch: dict, config: TrainConfig, ctx: DistributedContex
             config.top_k,
             device_tokens[device_mask],
             bias=bias,
-            temperature=_temperature(config),
+            temperature=config.temperature,
             softcap=softcap,
             tail_samples=0 if uniforms is None else uniforms.shape[1],
             uniforms=None if uniforms is None else uniforms.to(ctx.device),

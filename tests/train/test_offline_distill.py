@@ -37,6 +37,7 @@ from fastalign.quant import QuantOptions
 from fastalign.train.config import ConfigError, TrainConfig, load_config
 from fastalign.train.distributed import DistributedContext
 from fastalign.train.loading import load_model_and_tokenizer
+from fastalign.train.objectives import with_objective_defaults
 from fastalign.train.objectives.distill import (
     CompletionCollator,
     DistillObjective,
@@ -685,7 +686,7 @@ def test_scoring_pass_holds_no_full_logits(monkeypatch):
     weight = teacher.get_output_embeddings().weight
     vocab = weight.shape[0]
     uniforms = torch.rand(tokens, m, generator=torch.Generator().manual_seed(0))
-    config = TrainConfig(top_k=k, max_length=64)
+    config = with_objective_defaults("distill", TrainConfig(top_k=k, max_length=64))  # as score_teacher's
     cpu = DistributedContext(0, 1, 0, torch.device("cpu"))
     with TensorShapes(weight) as seen:
         scores = _score_batch(teacher, batch, config, cpu, uniforms)
