@@ -25,7 +25,7 @@ def one_line_usage_errors(parser: argparse.ArgumentParser, command: str | None) 
 def objective_groups(name: str) -> list[tuple[str, list]]:
     """(title, ``KeyDoc``s) of the keys objective ``name`` reads: the general ones by their section of
     ``TrainConfig``, then the objective's own; keys only other objectives read are left out."""
-    from fastalign.train.config_docs import key_docs
+    from fastalign.train.config.docs import key_docs
     from fastalign.train.objectives import OBJECTIVES, own_keys
 
     anyones = frozenset().union(*(own_keys(other) for other in OBJECTIVES))

@@ -10,7 +10,7 @@ import pytest
 from fastalign.cli.main import main
 from fastalign.cli.usage import objective_groups, objective_markdown
 from fastalign.train.config import TrainConfig
-from fastalign.train.config_docs import key_docs
+from fastalign.train.config.docs import key_docs
 from fastalign.train.objectives import OBJECTIVES
 
 

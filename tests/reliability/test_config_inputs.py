@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from fastalign.builtin import tiny_model, tiny_tokenizer
 from fastalign.cli.main import main
-from fastalign.train import config as config_module
 from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config
+from fastalign.train.config import checks as config_checks
 from fastalign.train.rewards import resolve_reward_funcs
 from fastalign.train.run import run_training
 from tests.reliability.conftest import assert_one_line_error, snapshot
@@ -237,7 +237,7 @@ def test_every_numeric_field_has_a_range_check():
     """A guard, not a case: a new int/float field must come with its row in ``_VALUE_CHECKS``."""
     hints = typing.get_type_hints(TrainConfig)
     numeric = {f.name for f in dataclasses.fields(TrainConfig) if _number_kinds(hints[f.name])}
-    ranged = {key for key, _, wanted in config_module._VALUE_CHECKS if wanted != "a finite number"}
+    ranged = {key for key, _, wanted in config_checks._VALUE_CHECKS if wanted != "a finite number"}
     assert numeric - ranged == set()
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from fastalign.train import config as config_module
 from fastalign.train.config import ConfigError, TrainConfig, check_config, load_config, save_config
+from fastalign.train.config import checks as config_checks
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_tiny.yaml"
 
@@ -17,7 +18,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_tiny.yaml"
 @pytest.fixture(autouse=True)
 def integrations_installed(monkeypatch):
     """report_to's packages count as installed here (each test that says otherwise patches it again)."""
-    monkeypatch.setattr(config_module, "_installed", lambda package: True)
+    monkeypatch.setattr(config_checks, "_installed", lambda package: True)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -355,7 +356,7 @@ def test_report_to_takes_transformers_forms(tmp_path, yaml_text, flag, expected)
 @pytest.mark.parametrize("name", ["tensorboard", "wandb"])
 def test_report_to_a_package_not_installed_is_one_line_at_load(monkeypatch, name):
     """Before: a traceback from the callback's import once the run had started (its config written)."""
-    monkeypatch.setattr(config_module, "_installed", lambda package: package != name)
+    monkeypatch.setattr(config_checks, "_installed", lambda package: package != name)
     assert config_error(None, ["--report_to", name]) == (
         f"config key 'report_to' (on the command line) ({name!r}) needs the {name} package: "
         f"pip install {name}"
@@ -452,7 +453,7 @@ def test_the_example_config_loads():
 
 def test_the_help_of_a_key_with_fixed_values_lists_them_all():
     """``train --help`` said "one of OPTIMIZERS": the name of a constant, not the values."""
-    from fastalign.train.config_docs import key_docs
+    from fastalign.train.config.docs import key_docs
 
     docs = key_docs()
     for key, values in (

@@ -1,7 +1,8 @@
-"""What each ``TrainConfig`` key is, read from the comments beside its field in ``fastalign.train.config``:
-the comments stay the one place a key is described, and ``fastalign train <objective> --help`` and the
-docs pages (``fastalign.cli.usage``) show them. A field's doc is its trailing comment and the comment
-lines right below it; a comment block after a blank line opens a section, titled by its first words."""
+"""What each ``TrainConfig`` key is, read from the comments beside its field in
+``fastalign.train.config.fields``: the comments stay the one place a key is described, and ``fastalign
+train <objective> --help`` and the docs pages (``fastalign.cli.usage``) show them. A field's doc is its
+trailing comment and the comment lines right below it; a comment block after a blank line opens a
+section, titled by its first words."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import inspect
 import re
 from dataclasses import dataclass
 
-from fastalign.train.config import TrainConfig
+from fastalign.train.config.fields import TrainConfig
 
 _FIELD = re.compile(r"^    (\w+): ")
 
