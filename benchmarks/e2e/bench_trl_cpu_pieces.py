@@ -97,7 +97,11 @@ def pieces(model, batch: int, tokens: int, reps: int) -> dict:
     cases = {
         "rms_norm": (norm, modules.rms_norm_forward(False, "torch"), hidden_args),
         "mlp": (mlp, modules.gated_mlp_forward("split", False, False, "torch"), hidden_args),
-        "rope": (attention, modules.attention_forward_with_fused_rope(attention, "torch"), attention_args),
+        "rope": (
+            attention,
+            modules.attention_forward_with_fused_rope(type(attention), "torch"),
+            attention_args,
+        ),
     }
     for piece, (module, function, make_args) in cases.items():
         ours = patched(module, function)

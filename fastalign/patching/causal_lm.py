@@ -21,6 +21,7 @@ from fastalign.models.structure import IGNORE_INDEX
 from fastalign.ops import linear_cross_entropy, token_logprobs
 from fastalign.ops.backend import Backend
 from fastalign.ops.linear_cross_entropy import LinearCrossEntropyStats, Reduction
+from fastalign.patching.bound import rebuildable
 from fastalign.patching.modules import plain_linear
 
 
@@ -110,6 +111,7 @@ def _head_inputs(head: nn.Module, hidden: torch.Tensor):
     return torch.cat(features, dim=-1), torch.cat(weights, dim=1), bias
 
 
+@rebuildable
 def fused_causal_lm_forward(
     backend: Backend,
     return_logits_default: bool,

@@ -32,6 +32,22 @@ MLPLayout = Literal["gate_up_down", "fused_gate_up"]
 PIECES = ("rms_norm", "mlp", "experts", "rope", "loss")
 
 
+def times_logit_scale(config: PretrainedConfig) -> float:
+    """Cohere's head: the logits times ``logit_scale``. (The logit scales are module-level functions: a
+    patched head's recipe names them, so that a pickled patched model rebuilds it.)"""
+    return config.logit_scale
+
+
+def over_logits_scaling(config: PretrainedConfig) -> float:
+    """Granite's head: the logits divided by ``logits_scaling``."""
+    return 1.0 / config.logits_scaling
+
+
+def times_logits_scaling(config: PretrainedConfig) -> float:
+    """HyperCLOVA X's head: the logits times ``logits_scaling``."""
+    return config.logits_scaling
+
+
 @dataclass(frozen=True)
 class Family:
     """One family's adapter. New fields must have defaults (other family tables build on this one)."""
@@ -93,17 +109,17 @@ FAMILIES: dict[str, Family] = {
     "apertus": Family(norm="llama", mlp=None, unpatched="MLP (xIELU, not gated)"),
     "arcee": Family(norm="llama", mlp=None, unpatched="MLP (relu², not gated)"),
     "cohere": Family(
-        norm=None, rope=False, logit_scale=lambda c: c.logit_scale, unpatched=_LAYER_NORM_INTERLEAVED_ROPE
+        norm=None, rope=False, logit_scale=times_logit_scale, unpatched=_LAYER_NORM_INTERLEAVED_ROPE
     ),
     "cohere2": Family(
-        norm=None, rope=False, logit_scale=lambda c: c.logit_scale, unpatched=_LAYER_NORM_INTERLEAVED_ROPE
+        norm=None, rope=False, logit_scale=times_logit_scale, unpatched=_LAYER_NORM_INTERLEAVED_ROPE
     ),
     "cwm": _LLAMA,
     "ernie4_5": Family(norm="llama", rope=False, unpatched=_INTERLEAVED_ROPE),
     "exaone4": Family(norm="llama", rope_layer=lambda m: m.sliding_window is None or m.is_sliding),
     "glm": Family(norm="llama", mlp="fused_gate_up", rope=False, unpatched=_INTERLEAVED_ROPE),
     "glm4": Family(norm="llama", mlp="fused_gate_up", rope=False, unpatched=_INTERLEAVED_ROPE),
-    "granite": Family(norm="llama", logit_scale=lambda c: 1.0 / c.logits_scaling),
+    "granite": Family(norm="llama", logit_scale=over_logits_scaling),
     "helium": Family(norm=None, rope=False, unpatched=f"{_FP32_PRODUCT_NORM}; {_INTERLEAVED_ROPE}"),
     "hunyuan_v1_dense": _LLAMA,
     "ministral": _LLAMA,

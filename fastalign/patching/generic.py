@@ -44,6 +44,7 @@ from fastalign.errors import one_line
 from fastalign.models.structure import base_model
 from fastalign.ops.backend import Backend
 from fastalign.patching.causal_lm import fused_causal_lm_forward
+from fastalign.patching.families import over_logits_scaling, times_logit_scale, times_logits_scaling
 from fastalign.patching.modules import (
     attention_forward_with_fused_rope,
     gated_mlp_forward,
@@ -203,7 +204,7 @@ def _probe_mlp(
 
 
 def _probe_rope(module: nn.Module, args: tuple, kwargs: dict, backend: Backend) -> Found:
-    function = attention_forward_with_fused_rope(module, backend)  # the class's code: any instance's
+    function = attention_forward_with_fused_rope(type(module), backend)  # the class's code
     if _error(_fp32_copy(module), function, args, kwargs) > MODULE_TOLERANCE:
         return "the fused rotate-half RoPE changes its output"
     return "rotate-half RoPE", function
@@ -222,10 +223,10 @@ def _logit_scales(config: PretrainedConfig) -> list[tuple[str, Callable[[Pretrai
     ``logits_scaling`` divisor, HyperCLOVA X's ``logits_scaling`` factor."""
     scales: list[tuple[str, Callable[[PretrainedConfig], float] | None]] = [("lm_head(hidden)", None)]
     if isinstance(getattr(config, "logit_scale", None), (int, float)):
-        scales.append(("lm_head(hidden)·logit_scale", lambda c: c.logit_scale))
+        scales.append(("lm_head(hidden)·logit_scale", times_logit_scale))
     if isinstance(getattr(config, "logits_scaling", None), (int, float)):
-        scales.append(("lm_head(hidden)/logits_scaling", lambda c: 1.0 / c.logits_scaling))
-        scales.append(("lm_head(hidden)·logits_scaling", lambda c: c.logits_scaling))
+        scales.append(("lm_head(hidden)/logits_scaling", over_logits_scaling))
+        scales.append(("lm_head(hidden)·logits_scaling", times_logits_scaling))
     return scales
 
 

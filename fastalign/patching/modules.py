@@ -1,7 +1,8 @@
 """Replacement ``forward`` functions for the decoder's modules, bound per instance by ``patch_model``.
 
 Each is built by a factory that closes over what the module's class does not say (the family's norm
-convention, the activation, the backend), so a bound method needs no extra state on the module.
+convention, the activation, the backend), so a bound method needs no extra state on the module; the
+factories are ``rebuildable``, so that a pickled patched model is patched again as it loads.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from fastalign.ops import apply_rotary_pos_emb, geglu, glu_linear, rms_norm, swi
 from fastalign.ops.autocast_linear import autocast_linear
 from fastalign.ops.backend import Backend
 from fastalign.ops.tiled import tile_tokens, tiled_mlp
+from fastalign.patching.bound import rebuildable
 from fastalign.patching.lora import is_lora_linear
 
 
+@rebuildable
 def rms_norm_forward(gemma: bool, backend: Backend) -> Callable:
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         eps = getattr(self, "variance_epsilon", None)
@@ -37,6 +40,7 @@ def linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return autocast_linear(x, self.weight, self.bias)
 
 
+@rebuildable
 def gated_mlp_forward(
     layout: str, gelu: bool, dropout: bool, backend: Backend, tile_budget: int | None = None
 ) -> Callable:
@@ -87,6 +91,7 @@ def mlp_tile_tokens(module: nn.Module, x: torch.Tensor, budget: int) -> int:
     return tile_tokens(budget, per_token)
 
 
+@rebuildable
 def experts_forward(gelu: bool, backend: Backend) -> Callable:
     """The forward of a transformers 5 ``*Experts`` module (3-D ``gate_up_proj`` [E, 2I, D] and
     ``down_proj`` [E, D, I], ``[gate; up]`` concatenated, no biases) with the fused activation.
@@ -127,6 +132,7 @@ def experts_forward(gelu: bool, backend: Backend) -> Callable:
     return forward
 
 
+@rebuildable
 def fused_gate(gelu: bool, backend: Backend) -> Callable:
     """``_apply_gate`` of a ``*Experts`` module, which transformers' grouped and batched expert matmuls
     call on the ``[tokens, 2I]`` gate_up output: ``act(gate) · up`` fused (kept for backward: gate, up)."""
@@ -195,16 +201,17 @@ def _module_with_fused_rope(
     return sys.modules[name]
 
 
+@rebuildable
 def attention_forward_with_fused_rope(
-    module: nn.Module, backend: Backend, half_tables: bool = False
+    attention_class: type[nn.Module], backend: Backend, half_tables: bool = False
 ) -> Callable:
     """The attention class's own forward, with ``apply_rotary_pos_emb`` resolved to the fused op (given
     ``cat(cos, cos)``, ``cat(sin, sin)`` where the family's tables are ``half_tables``).
 
-    The same code over a copy of its module's namespace: this instance changes, the class and the
-    transformers module do not (so other models in the process are untouched).
+    The same code over a copy of its module's namespace: the instance it is bound to changes, the class
+    and the transformers module do not (so other models in the process are untouched).
     """
-    forward = type(module).forward
+    forward = attention_class.forward
     scope = _module_with_fused_rope(forward.__module__, forward.__globals__, backend, half_tables).__dict__
     patched = types.FunctionType(
         forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__

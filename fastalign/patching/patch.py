@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import types
 from collections.abc import Callable
 
 from torch import nn
@@ -19,6 +18,7 @@ from torch import nn
 from fastalign.models.structure import base_model
 from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.ops.tiled import DEFAULT_BUDGET_MIB
+from fastalign.patching.bound import MARK, PatchedMethod
 from fastalign.patching.causal_lm import fused_causal_lm_forward
 from fastalign.patching.families import FAMILIES, GATED_ACTIVATIONS, Family, family_of
 from fastalign.patching.generic import generic_plan
@@ -35,7 +35,6 @@ from fastalign.patching.modules import (
 
 logger = logging.getLogger(__name__)
 
-_MARK = "_fastalign_patch"
 #: The attribute of the causal LM recording the pieces ``patch_model`` left out, and why.
 _SKIPPED = "_fastalign_skipped"
 
@@ -95,17 +94,17 @@ def _slot(module: nn.Module, method: str) -> str:
 
 
 def _set_forward(module: nn.Module, function: Callable, piece: str, method: str = "forward") -> None:
-    bound = types.MethodType(function, module)
+    bound = PatchedMethod(function, module)
     slot = _slot(module, method)
     if slot == "_old_forward" and _SAVED_OLD_FORWARD not in module.__dict__:
         module.__dict__[_SAVED_OLD_FORWARD] = module.__dict__["_old_forward"]
     setattr(module, slot, bound)
-    setattr(function, _MARK, piece)
+    setattr(function, MARK, piece)
 
 
 def _patched_piece(module: nn.Module, method: str = "forward") -> str | None:
     forward = module.__dict__.get(_slot(module, method))
-    return getattr(getattr(forward, "__func__", None), _MARK, None)
+    return getattr(getattr(forward, "__func__", None), MARK, None)
 
 
 def _applies_rope(attention: nn.Module, family: Family) -> bool:
@@ -265,7 +264,7 @@ def patch_model(
             _set_forward(module, experts_forward(gelu, backend), "experts")
             _set_forward(module, fused_gate(gelu, backend), "experts", method="_apply_gate")
         elif rope and family.rope and name.endswith("Attention") and _applies_rope(module, family):
-            fused = attention_forward_with_fused_rope(module, backend, family.rope_half_tables)
+            fused = attention_forward_with_fused_rope(type(module), backend, family.rope_half_tables)
             _set_forward(module, fused, "rope")
         elif linear and type(module) is nn.Linear:
             _set_forward(module, linear_forward, "linear")
