@@ -280,7 +280,10 @@ def linear_cross_entropy(
         bias: optional [V] LM-head bias.
         reduction: 'mean' (over non-ignored tokens, or over ``num_items_in_batch``), 'sum' or 'none'.
         num_items_in_batch: divisor of the 'mean' instead of this call's token count: the loss-token
-            count of the whole accumulated batch, so gradient accumulation is exact (as in transformers).
+            count of the whole accumulated batch, so gradient accumulation is exact (as in transformers);
+            any finite number >= 0 (transformers' ``Trainer`` may pass a fraction under tensor or context
+            parallelism), 0 only with every target ignored (the loss is then 0, where transformers'
+            is NaN).
         return_stats: also return detached per-token ``LinearCrossEntropyStats`` (lse, entropy, accuracy).
         chunk_size: tokens per logits chunk (default: as many as fit ``workspace_bytes``); larger
             chunks are faster and cost memory.
@@ -299,9 +302,10 @@ def linear_cross_entropy(
     if num_items_in_batch is not None:
         if reduction != "mean":
             raise ValueError(f"num_items_in_batch only applies to reduction='mean', got {reduction!r}")
-        num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch)
-        if isinstance(num_items_in_batch, torch.Tensor):
-            checks.positive("num_items_in_batch", num_items_in_batch)
+        num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch, whole=False)
+        counted = (targets != ignore_index).sum()
+        divisor = torch.as_tensor(num_items_in_batch, device=targets.device)
+        checks.divisor("num_items_in_batch", divisor, counted)
     flat_hidden, flat_targets, spec = prepare(
         hidden,
         weight,
@@ -339,9 +343,10 @@ def _mean_scale(
     if num_items_in_batch is None:
         count = (targets != ignore_index).sum().clamp_min(1)
         return 1.0 / count.float()
-    # checked > 0 already (a tensor's value in the call's one sync)
-    divisor = torch.as_tensor(num_items_in_batch, device=targets.device).float()
-    return 1.0 / divisor.reshape(())
+    # checked >= 0 already, 0 only without a target (a tensor's value in the call's one sync): the loss is
+    # then a sum of nothing, 0 with zero gradients as a mean over zero tokens is, not 0/0
+    divisor = torch.as_tensor(num_items_in_batch, device=targets.device).float().reshape(())
+    return torch.where(divisor > 0, 1.0 / divisor, torch.zeros_like(divisor))
 
 
 @autocast_aware

@@ -62,12 +62,14 @@ def positive_finite(name: str, value) -> float:
     return number
 
 
-def item_count(name: str, value) -> int | torch.Tensor:
+def item_count(name: str, value, whole: bool = True) -> int | float | torch.Tensor:
     """A count of items (``num_items_in_batch``): a positive integer, or a one-element tensor holding one
     (integer dtype, or floating point with a whole value: ``transformers.Trainer`` passes a float tensor).
+    Not ``whole``: a divisor, any finite number >= 0 (transformers' ``Trainer`` divides the count by its
+    tensor-, context- and sequence-parallel sizes, and counts 0 for a window without a target token).
 
     A tensor's value is not read here (that would sync a GPU): callers check it where they already sync,
-    through ``DeferredChecks.positive``.
+    through ``DeferredChecks.positive`` or ``DeferredChecks.divisor``.
     """
     if isinstance(value, torch.Tensor):
         if value.dtype.is_complex or value.dtype == torch.bool:
@@ -75,7 +77,12 @@ def item_count(name: str, value) -> int | torch.Tensor:
         if value.numel() != 1:
             raise ValueError(f"{name} must be a single count, got a tensor of shape {tuple(value.shape)}")
         return value
-    return positive_int(name, value, "a positive integer count (or an integer tensor)")
+    if whole:
+        return positive_int(name, value, "a positive integer count (or an integer tensor)")
+    number = real(name, value)
+    if number < 0:
+        raise ValueError(f"{name} must be a count (>= 0), got {number}")
+    return number
 
 
 def binary_mask(name: str, mask: torch.Tensor) -> None:
@@ -141,6 +148,18 @@ class DeferredChecks:
         value = tensor.reshape(())
         bad = (value < 1) | (value != value.round()) if value.dtype.is_floating_point else value < 1
         self.add(bad, lambda: f"{name} must be a positive whole count, got {tensor.item()}")
+
+    def divisor(self, name: str, tensor: torch.Tensor, counted: torch.Tensor) -> None:
+        """A finite divisor >= 0 of the items this call ``counted``: 0 only where it counted none."""
+        value = tensor.reshape(()).float()
+        bad = ~torch.isfinite(value) | (value < 0) | ((value == 0) & (counted.to(value.device) > 0))
+        self.add(
+            bad,
+            lambda: (
+                f"{name} must be a finite count >= 0, and > 0 where this batch has items to count, got "
+                f"{tensor.item()}"
+            ),
+        )
 
     def raise_first(self) -> None:
         """One sync for all checks; the first failed one raises its ValueError."""

@@ -160,7 +160,8 @@ def fused_causal_lm_forward(
             gradients off, as transformers.Trainer's evaluation runs it (its ``compute_metrics`` needs
             them); ``return_logits=False`` leaves them out there too.
         return_dict: False returns ``output.to_tuple()`` (the argument, else the config's), as
-            transformers does.
+            transformers does, with the logits (``return_logits`` unset): a tuple leaves out what is
+            None, so without them its second element would be another output than transformers'.
         loss_reduction: "mean" (transformers' loss), or "none": the loss of each position [B, S] (its
             next label's; 0 where ignored), differentiable, for losses that weight tokens (SFT's DFT);
             the router's ``aux_loss`` is not in it (add ``router_aux_loss_coef · output.aux_loss``).
@@ -319,7 +320,7 @@ def fused_causal_lm_forward(
             # prediction_step) gets the logits the unpatched model returns with its loss, for
             # compute_metrics; training keeps the fused head's saving
             evaluating = loss is not None and not self.training and not torch.is_grad_enabled()
-            return_logits = return_logits_default or evaluating
+            return_logits = return_logits_default or evaluating or not return_dict
         logits = None
         if return_logits:
             logits = (

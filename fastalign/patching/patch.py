@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 
 from torch import nn
+from transformers.activations import ACT2FN
 
 from fastalign.models.structure import base_model
 from fastalign.ops.backend import BACKENDS, Backend
@@ -243,10 +244,7 @@ def patch_model(
     unpatch_model(model)
     causal_lm.__dict__[_SKIPPED] = skipped
 
-    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    if mlp and (family.mlp is not None or family.experts) and activation not in GATED_ACTIVATIONS:
-        logger.warning("fastalign: activation %r has no fused kernel; the MLPs stay as they are", activation)
-        mlp = False
+    unfused: set[str] = set()  # activations of MLPs left as they are (said once)
     if family.unpatched:
         logger.info("fastalign: %s keeps its own %s", config.model_type, family.unpatched)
 
@@ -256,24 +254,49 @@ def patch_model(
         if norm and getattr(module, "weight", None) is not None:
             _set_forward(module, rms_norm_forward(family.norm == "gemma", backend), "rms_norm")
         elif mlp and family.mlp and name.endswith("MLP"):
-            gelu = GATED_ACTIVATIONS[activation]
-            forward = gated_mlp_forward(family.mlp, gelu, family.mlp_dropout, backend, tile_budget)
-            _set_forward(module, forward, "mlp")
+            gelu = _fused_activation(module, config, unfused)
+            if gelu is not None:
+                forward = gated_mlp_forward(family.mlp, gelu, family.mlp_dropout, backend, tile_budget)
+                _set_forward(module, forward, "mlp")
         elif mlp and family.experts and name.endswith("Experts"):
-            gelu = GATED_ACTIVATIONS[activation]
-            _set_forward(module, experts_forward(gelu, backend), "experts")
-            _set_forward(module, fused_gate(gelu, backend), "experts", method="_apply_gate")
+            gelu = _fused_activation(module, config, unfused)
+            if gelu is not None:
+                _set_forward(module, experts_forward(gelu, backend), "experts")
+                _set_forward(module, fused_gate(gelu, backend), "experts", method="_apply_gate")
         elif rope and family.rope and name.endswith("Attention") and _applies_rope(module, family):
             fused = attention_forward_with_fused_rope(type(module), backend, family.rope_half_tables)
             _set_forward(module, fused, "rope")
         elif linear and type(module) is nn.Linear:
             _set_forward(module, linear_forward, "linear")
+    for activation in sorted(unfused):
+        logger.warning(
+            "fastalign: activation %s has no fused kernel; those MLPs stay as they are", activation
+        )
     if loss:
         head = fused_causal_lm_forward(backend, return_logits, family.logit_scale, family.router_aux_loss)
         _set_forward(causal_lm, head, "loss")
     if lora:
         patch_lora_layers(model)
     return model
+
+
+def _fused_activation(module: nn.Module, config, unfused: set[str]) -> bool | None:
+    """Whether the gated MLP (or experts) ``module`` computes tanh-GeLU (True) or SiLU (False), read from
+    the activation it runs, its ``act_fn`` (Gemma's MLP reads ``hidden_act``, Gemma 2's and 3's
+    ``hidden_activation``: a config may hold both, differing), else the config's; None, with its name added
+    to ``unfused``, for an activation no fused kernel computes."""
+    act_fn = getattr(module, "act_fn", None)
+    if isinstance(act_fn, nn.Module):
+        for name, gelu in GATED_ACTIVATIONS.items():
+            if name in ACT2FN and type(act_fn) is type(ACT2FN[name]):
+                return gelu
+        unfused.add(type(act_fn).__name__)
+        return None
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if activation in GATED_ACTIVATIONS:
+        return GATED_ACTIVATIONS[activation]
+    unfused.add(repr(activation))
+    return None
 
 
 def _refuse_foreign_forward(causal_lm: nn.Module) -> None:

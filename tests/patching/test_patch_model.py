@@ -85,6 +85,40 @@ def test_return_logits_on_request_with_softcap():
     torch.testing.assert_close(got.loss, expected.loss)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "keys"),
+    [
+        ("gemma", {"hidden_act": "silu", "hidden_activation": "gelu_pytorch_tanh"}),  # GemmaMLP: hidden_act
+        ("gemma2", {"hidden_act": "silu", "hidden_activation": "gelu_pytorch_tanh"}),  # hidden_activation
+        ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
+    ],
+)
+def test_the_fused_mlp_computes_the_activation_the_mlp_runs(model_type, keys):
+    """Gemma's MLP reads ``hidden_act``, Gemma 2's ``hidden_activation``: with both set and differing,
+    the patched MLP must compute the one the module runs (its ``act_fn``), not the other."""
+    original = tiny_model(model_type, **keys)
+    patched = fastalign.patch_model(copy.deepcopy(original))
+    assert patched_pieces(patched)["mlp"] == original.config.num_hidden_layers
+    batch = padded_batch()
+    expected, got = original(**batch), patched(**batch)
+    assert relative_error(got.loss, expected.loss) <= TOLERANCE[torch.float32]
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_gradients(original, patched, TOLERANCE[torch.float32])
+
+
+def test_an_mlp_activation_without_a_kernel_stays_the_models_own(caplog):
+    original = tiny_model("llama", hidden_act="relu")
+    with caplog.at_level("WARNING", logger="fastalign.patching.patch"):
+        patched = fastalign.patch_model(copy.deepcopy(original))
+    assert "mlp" not in patched_pieces(patched) and "rms_norm" in patched_pieces(patched)
+    assert [r.getMessage() for r in caplog.records if "no fused kernel" in r.getMessage()] == [
+        "fastalign: activation ReLU has no fused kernel; those MLPs stay as they are"
+    ]
+    batch = padded_batch()
+    assert relative_error(patched(**batch).loss, original(**batch).loss) <= TOLERANCE[torch.float32]
+
+
 def test_num_items_in_batch_and_shift_labels():
     original, patched = pair("llama")
     batch = padded_batch()
@@ -94,6 +128,23 @@ def test_num_items_in_batch_and_shift_labels():
     labels = batch.pop("labels")
     via_shift = patched(**batch, shift_labels=shift_labels(labels))
     torch.testing.assert_close(via_shift.loss, original(**batch, labels=labels).loss)
+
+
+def test_num_items_in_batch_as_transformers_trainer_may_pass_it():
+    """A fraction (transformers' Trainer divides the count by its tensor-, context- and sequence-parallel
+    sizes) divides the loss as transformers does; a window without a target token counts 0, and its loss
+    is 0 with zero gradients (transformers': 0/0, NaN)."""
+    original, patched = pair("llama")
+    batch = padded_batch()
+    for count in (25.5, torch.tensor(25.5)):
+        torch.testing.assert_close(
+            patched(**batch, num_items_in_batch=count).loss, original(**batch, num_items_in_batch=count).loss
+        )
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    loss = patched(**batch, num_items_in_batch=torch.tensor(0)).loss
+    loss.backward()
+    assert loss.item() == 0 and all(not p.grad.any() for p in patched.parameters() if p.grad is not None)
+    assert original(**batch, num_items_in_batch=torch.tensor(0)).loss.isnan()  # the difference docs/ names
 
 
 def test_packed_sequences_with_position_ids():
@@ -307,9 +358,14 @@ def test_return_dict_false_returns_the_tuple_with_the_loss_first():
     """``return_dict=False`` with labels: a tuple (loss, ...) as transformers returns, not a crash."""
     original, patched = pair("llama")
     batch = padded_batch()
-    expected, got = original(**batch, return_dict=False), patched(**batch, return_dict=False)
-    assert isinstance(got, tuple) and isinstance(expected, tuple)
-    assert relative_error(got[0], expected[0]) <= 1e-5
+    for use_cache in (True, False):  # the same places as transformers': (loss, logits[, cache])
+        expected = original(**batch, return_dict=False, use_cache=use_cache)
+        got = patched(**batch, return_dict=False, use_cache=use_cache)
+        assert isinstance(got, tuple) and isinstance(expected, tuple) and len(got) == len(expected)
+        assert relative_error(got[0], expected[0]) <= 1e-5
+        assert relative_error(got[1], expected[1]) <= 1e-5
+    got = patched(**batch, return_dict=False, use_cache=False, return_logits=False)  # asked: no logits
+    assert len(got) == 1
     got = patched(input_ids=batch["input_ids"], return_dict=False)  # no labels: the original forward
     assert isinstance(got, tuple) and got[0].shape == (*batch["input_ids"].shape, original.config.vocab_size)
 

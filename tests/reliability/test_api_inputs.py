@@ -451,10 +451,14 @@ def case(case_id: str, before: str, call, culprit: str):
 
 
 API_CASES = [
-    # num_items_in_batch: a positive integer, or an integer tensor
-    case("num-items-fraction", "silent", lambda: _lce(num_items_in_batch=2.5), "num_items_in_batch"),
+    # num_items_in_batch: the loss's divisor, a finite count >= 0 (a fraction under transformers' tensor or
+    # context parallelism), 0 only where no target counts; GRPO's: a positive integer or integer tensor
+    case("num-items-negative", "ok", lambda: _lce(num_items_in_batch=-2.5), "num_items_in_batch"),
     case(
-        "num-items-float-tensor", "silent", lambda: _lce(num_items_in_batch=torch.tensor(3.5)), "num_items_in"
+        "num-items-nan-tensor", "ok", lambda: _lce(num_items_in_batch=torch.tensor(math.nan)), "num_items_in"
+    ),
+    case(
+        "num-items-zero-with-targets", "ok", lambda: _lce(num_items_in_batch=torch.tensor(0)), "num_items_in"
     ),
     case("num-items-bool", "silent", lambda: _lce(num_items_in_batch=True), "num_items_in_batch"),
     case("num-items-zero-grpo", "silent", lambda: _grpo(num_items_in_batch=torch.tensor(0)), "num_items"),
