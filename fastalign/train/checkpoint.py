@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -47,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fastalign.train.distributed import DistributedContext, raise_on_every_rank
-from fastalign.train.safe_dcp import SafeLoadPlanner, UnsafeCheckpointError, check_metadata
+from fastalign.train.safe_dcp import METADATA, SafeLoadPlanner, UnsafeCheckpointError, check_metadata
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -84,6 +85,11 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint whose tensors do not fit the model (and optimizer) being trained."""
 
 
+class CheckpointDamagedError(ValueError):
+    """A checkpoint with a file missing, shorter than its metadata says, or unreadable: moved into place
+    whole (``save_checkpoint`` renames it atomically) and damaged since."""
+
+
 def is_disk_full(error: BaseException) -> bool:
     """Whether ``error`` is, wraps or was caused by an out-of-space ``OSError`` (ENOSPC, EDQUOT), also
     inside a ``CheckpointException`` (how ``torch.distributed.checkpoint`` reports a rank's failure)."""
@@ -108,12 +114,46 @@ def checkpoint_step(path: str | Path) -> int | None:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest first."""
+    """The ``checkpoint-<step>`` directories in ``output_dir``, oldest first: each moved into place whole
+    (a half-written one is a ``.tmp-checkpoint-*``); one damaged since is what ``check_complete`` finds."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
     return [path for _, path in sorted(found)]
+
+
+def check_complete(path: str | Path, world_size: int) -> None:
+    """Whether checkpoint ``path`` still holds all it was written with, read before any model loads: its
+    trainer state, the metadata of its tensors (and of the objective's state), every file that metadata
+    places tensors in, at least as long as it says, and the RNG state of each of ``world_size`` ranks. A
+    one-line ``CheckpointDamagedError`` names the first file missing or short."""
+    path = Path(path)
+    try:
+        read_trainer_state(path)
+    except ValueError as error:
+        raise CheckpointDamagedError(str(error)) from None
+    for directory in (path, path / OBJECTIVE_STATE):
+        if directory != path and not directory.is_dir():
+            continue
+        metadata = check_metadata(directory)
+        where = directory.relative_to(path)
+        if metadata is None:
+            raise CheckpointDamagedError(f"checkpoint {path} is damaged: {where / METADATA} is missing")
+        ends: dict[str, int] = {}
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            file = directory / name
+            if not file.is_file():
+                raise CheckpointDamagedError(f"checkpoint {path} is damaged: {where / name} is missing")
+            if file.stat().st_size < end:
+                raise CheckpointDamagedError(
+                    f"checkpoint {path} is damaged: {where / name} holds {file.stat().st_size:,} bytes, its "
+                    f"metadata places data up to byte {end:,}"
+                )
+    for rank in range(world_size):
+        _read_rng_state(path / f"rng-{rank}.pt")
 
 
 def read_trainer_state(path: str | Path) -> dict:
@@ -321,10 +361,28 @@ def load_checkpoint(
         optim_state_dict=state["optim"],
         options=_LOAD_OPTIONS,
     )
-    rng_file = path / f"rng-{ctx.rank}.pt"
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+    _set_rng_state(_read_rng_state(path / f"rng-{ctx.rank}.pt"))
     return json.loads((path / TRAINER_STATE).read_text())
+
+
+def _read_rng_state(file: Path) -> dict:
+    """A rank's saved RNG states (plain data and tensors only: ``weights_only``); a file missing, damaged
+    or holding anything else is a one-line ``CheckpointDamagedError``, and nothing of it runs."""
+    try:
+        rng = torch.load(file, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointDamagedError(f"checkpoint {file.parent} is damaged: {file.name} is missing") from None
+    except pickle.UnpicklingError:
+        raise CheckpointDamagedError(
+            f"checkpoint {file.parent}: {file.name} holds something other than RNG states: refused "
+            "(unpickling it could run code)"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointDamagedError(f"checkpoint {file.parent} is damaged: {file.name}: {reason}") from None
+    if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor):
+        raise CheckpointDamagedError(f"checkpoint {file.parent} is damaged: {file.name} holds no RNG state")
+    return rng
 
 
 def load_pending(path: str | Path, ctx: DistributedContext, load: Callable[[PendingState], None]) -> None:

@@ -5,7 +5,8 @@
   ``get_decay_parameter_names``), so ``weight_decay`` means what it means in ``Trainer`` and TRL;
 - ``warmup_steps`` below 1 is a ratio of the run's steps (as in transformers 5), else a step count; the
   older ``warmup_ratio`` is used when ``warmup_steps`` is 0;
-- ``constant`` keeps the warmup a config asks for (transformers' own ``constant`` would drop it).
+- ``constant`` has no warmup, as transformers' (a warmup set beside it is refused: transformers would drop
+  it silently); ``constant_with_warmup`` has one.
 
 transformers' optimization and trainer modules import peft, and peft imports bitsandbytes: they are
 imported in the functions that use them, so inside ``run_training``

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from fastalign.train.checkpoint import (
     CONFIG_KEY,
+    CheckpointDamagedError,
     CheckpointMismatchError,
+    check_complete,
     checkpoint_step,
     list_checkpoints,
     read_trainer_state,
@@ -131,7 +133,9 @@ def _check_writable(output_dir: Path) -> None:
 def _check_resume(
     config: TrainConfig, resume_path: Path, output_dir: Path, entries: list[str], shown: str
 ) -> None:
-    """A resume that continues one run, as that run trained."""
+    """A resume that continues one run, as that run trained, from a checkpoint that holds all it was
+    written with."""
+    _check_complete(resume_path)
     state = read_trainer_state(resume_path)
     step = state["step"]
     inside = resume_path.resolve().parent == output_dir.resolve()
@@ -163,6 +167,29 @@ def _check_resume(
         )
 
 
+def _check_complete(resume_path: Path) -> None:
+    """``check_complete`` for each rank of the run that saved it; where it is damaged, the error also
+    names the checkpoint before it, which ``latest`` resumes once the damaged one is removed."""
+    try:
+        saved = read_trainer_state(resume_path).get(CONFIG_KEY) or {}
+    except ValueError:
+        saved = {}
+    try:
+        check_complete(resume_path, int(saved.get("fastalign_world_size", 1)))
+    except CheckpointDamagedError as error:
+        step = checkpoint_step(resume_path)
+        earlier = [
+            path
+            for path in list_checkpoints(resume_path.parent)
+            if (checkpoint_step(path) or 0) < (step or 0)
+        ]
+        hint = ""
+        if earlier and step is not None:
+            before = earlier[-1].name
+            hint = f"; remove it to resume from {before}, the one before it (resume_from_checkpoint: latest)"
+        raise ConfigError(f"resume_from_checkpoint: {error}{hint}") from None
+
+
 #: Keys whose null default the objective fills (``with_objective_defaults``), as checkpoints saved before
 #: the key existed ran them: every objective read its data reshuffled each epoch.
 BEFORE_THE_KEY = {"train_sampling_strategy": "random"}
@@ -171,9 +198,9 @@ BEFORE_THE_KEY = {"train_sampling_strategy": "random"}
 def _changed_keys(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     """(key, saved, current) for each key that changes what a resumed run trains; model first."""
     defaults = asdict(TrainConfig())
-    # a warmup in steps (>= 1), or none at all, does not depend on the run's length
+    # a constant rate, after a warmup in steps (>= 1) or none at all, does not depend on the run's length
     warmup = current["warmup_steps"]
-    schedule_fixed = current["lr_scheduler_type"] == "constant" and (
+    schedule_fixed = current["lr_scheduler_type"] in ("constant", "constant_with_warmup") and (
         warmup >= 1 or (warmup == 0 and current["warmup_ratio"] == 0)
     )
     changed = []
@@ -220,8 +247,8 @@ def resume(engine: Engine, resume_path: Path, given: TrainConfig, identity: dict
         saved = read_trainer_state(resume_path).get(CONFIG_KEY) or {}
         by = f"a run of {saved['model_name_or_path']!r}" if "model_name_or_path" in saved else "another run"
         raise ValueError(
-            f"resume_from_checkpoint {str(resume_path)!r} was saved by {by} whose weights do not fit this "
-            f"run's model {given.model_name_or_path!r} (use_peft {given.use_peft}): {error}"
+            f"resume_from_checkpoint {str(resume_path)!r} (saved by {by}) does not load into this run's "
+            f"model {given.model_name_or_path!r} (use_peft {given.use_peft}): {error}"
         ) from None
 
 

@@ -50,20 +50,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def check_metadata(directory: str | Path) -> None:
+def check_metadata(directory: str | Path):
     """Read ``directory``'s DCP metadata with an unpickler that builds only checkpoint metadata: a
-    one-line ``UnsafeCheckpointError`` names anything else it would construct (nothing of it runs)."""
+    one-line ``UnsafeCheckpointError`` names anything else it would construct (nothing of it runs).
+    Returns it (a ``Metadata``), or None where there is none."""
     path = Path(directory) / METADATA
     try:
         with path.open("rb") as file:
-            _MetadataUnpickler(file).load()
+            return _MetadataUnpickler(file).load()
     except UnsafeCheckpointError as error:
         raise UnsafeCheckpointError(
             f"checkpoint {Path(directory)}: {METADATA} would construct {error}, which is not checkpoint "
             "metadata: refused (unpickling it could run code)"
         ) from None
     except FileNotFoundError:
-        return  # DCP's own error names the missing file
+        return None
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as error:
         raise UnsafeCheckpointError(
             f"checkpoint {Path(directory)}: {METADATA} cannot be read: {str(error).splitlines()[0]}"

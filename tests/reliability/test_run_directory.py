@@ -12,6 +12,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -270,6 +271,56 @@ def test_a_checkpoint_that_does_not_fit_the_model_names_both(bad_input, tmp_path
     assert snapshot(out) == before
 
 
+class _Evil:
+    """Unpickled, it would create the file ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _evil_pickle(file: Path) -> None:
+    file.write_bytes(pickle.dumps(_Evil(file.parent.parent / "evil-ran")))
+
+
+@pytest.mark.parametrize(
+    ("damage", "culprit"),
+    [
+        (lambda c: (c / "trainer_state.json").unlink(), "trainer_state.json"),
+        (lambda c: (c / ".metadata").unlink(), ".metadata is missing"),
+        (lambda c: (c / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+        (lambda c: os.truncate(c / "__0_0.distcp", 1000), "__0_0.distcp holds 1,000 bytes"),
+        (lambda c: os.truncate(c / "__0_0.distcp", 0), "__0_0.distcp holds 0 bytes"),
+        (lambda c: (c / "rng-0.pt").unlink(), "rng-0.pt is missing"),
+        (lambda c: os.truncate(c / "rng-0.pt", 100), "rng-0.pt"),
+        (lambda c: _evil_pickle(c / "rng-0.pt"), "refused"),
+    ],
+    ids=[
+        "no-state",
+        "no-metadata",
+        "no-shard",
+        "short-shard",
+        "empty-shard",
+        "no-rng",
+        "short-rng",
+        "evil-rng",
+    ],
+)
+def test_a_damaged_checkpoint_is_named_with_the_one_before_it(bad_input, earlier_run, damage, culprit):
+    """Before: a missing RNG file resumed silently with another random stream (losses parted from the
+    uninterrupted run's), a damaged one was a torch traceback suggesting weights_only=False, and a damaged
+    shard was "saved by a run of 'tiny-llama' whose weights do not fit this run's model 'tiny-llama'"."""
+    damage(earlier_run / "checkpoint-2")
+    before = snapshot(earlier_run)
+    outcome = bad_input(*train(earlier_run, "--resume_from_checkpoint", "latest"), culprit=culprit)
+    assert "checkpoint-2" in outcome.message and "resume from checkpoint-1" in outcome.message
+    assert "weights_only=False" not in outcome.message
+    assert snapshot(earlier_run) == before
+    assert not (earlier_run / "evil-ran").exists()
+
+
 def test_resuming_an_earlier_checkpoint_beside_later_ones_is_refused(bad_input, earlier_run):
     """Before: training on from checkpoint-1 crashed renaming onto the old checkpoint-2, after pruning."""
     before = snapshot(earlier_run)
@@ -327,11 +378,21 @@ def test_resume_after_a_crash_logs_every_step_once(tmp_path):
     assert steps_logged(tmp_path / "run") == [1, 2, 3, 4]
 
 
-def test_max_steps_may_grow_on_resume_under_a_constant_schedule(tmp_path):
-    """A constant schedule (no warmup ratio) does not depend on the run's length: extending is exact."""
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ("--lr_scheduler_type", "constant"),
+        ("--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "1"),
+    ],
+    ids=["constant", "constant-after-a-warmup-in-steps"],
+)
+def test_max_steps_may_grow_on_resume_under_a_constant_schedule(tmp_path, schedule):
+    """A constant schedule (after a warmup in steps, or none) does not depend on the run's length:
+    extending is exact. Before, only ``constant`` with a warmup in steps could grow, which the schedule
+    check refuses (transformers' ``constant`` has no warmup)."""
     out = tmp_path / "run"
-    assert main(list(train(out, "--lr_scheduler_type", "constant"))) == 0
-    flags = ("--lr_scheduler_type", "constant", "--resume_from_checkpoint", "latest", "--max_steps", "3")
+    assert main(list(train(out, *schedule))) == 0
+    flags = (*schedule, "--resume_from_checkpoint", "latest", "--max_steps", "3")
     assert main(list(train(out, *flags))) == 0
     assert steps_logged(out) == [1, 2, 3]
 
@@ -454,6 +515,7 @@ def test_resume_as_another_objective_or_on_other_processes_is_refused(tmp_path, 
         data = json.loads(state.read_text())
         data["config"]["fastalign_world_size"] = 2
         state.write_text(json.dumps(data))
+        shutil.copy(state.parent / "rng-0.pt", state.parent / "rng-1.pt")  # the second process's
         before = snapshot(out)
     resumed = api_config(out, max_steps=4, resume_from_checkpoint="latest", **constant)
     with pytest.raises(ValueError) as caught:
