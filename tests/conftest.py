@@ -98,6 +98,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _unpinned_cpu_gemms():
+    """A run pins its CPU GEMM decision for its process (``fastalign.ops.cpu_gemm``); each test measures
+    afresh, whatever a test before it pinned."""
+    from fastalign.ops import cpu_gemm
+
+    yield
+    cpu_gemm._PINNED.clear()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct model directory (``tests.real.model``), built into .cache/ on

@@ -140,11 +140,28 @@ def _best_seconds(fn, repeats: int = 3) -> float:
     return best
 
 
-@functools.cache
+#: Decisions of ``low_precision_gemm_is_slow`` made elsewhere (``pin_low_precision_gemm``), by dtype.
+_PINNED: dict[torch.dtype, bool] = {}
+
+
+def pin_low_precision_gemm(dtype: torch.dtype, slow: bool) -> None:
+    """Take ``slow`` as ``low_precision_gemm_is_slow(dtype)`` in this process from now on: the decision a
+    resumed run's checkpoint recorded, or the one every process of a run agreed on. The native and the
+    fp32 GEMMs round differently (by a bf16 unit at most), so a timing that came out otherwise in another
+    process would part a resumed run, or the ranks, from the run as it began."""
+    _PINNED[dtype] = slow
+
+
 def low_precision_gemm_is_slow(dtype: torch.dtype) -> bool:
     """Whether this CPU's native ``dtype`` GEMMs take over ``SLOW_FACTOR`` times as long as fp32 GEMMs
     of the same operands (the three layouts of a linear layer's training step: forward, input
-    gradient, weight gradient). Measured once per process, in about 0.1 s where they are slow."""
+    gradient, weight gradient): pinned (``pin_low_precision_gemm``), else measured once per process, in
+    about 0.1 s where they are slow."""
+    return _PINNED[dtype] if dtype in _PINNED else _measured_slow(dtype)
+
+
+@functools.cache
+def _measured_slow(dtype: torch.dtype) -> bool:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(128, 512, generator=generator).to(dtype)
     w = torch.randn(384, 512, generator=generator).to(dtype)

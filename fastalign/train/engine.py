@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fastalign.ops import cpu_gemm
 from fastalign.ops.cpu_gemm import LOW_PRECISION, cpu_gemms
 from fastalign.train import checkpoint, host_memory
 from fastalign.train.batches import FILLER_KEY, BatchPosition, batch_tokens
@@ -79,6 +80,9 @@ class TrainerState:
     # the steps since the last log line (their summed loss, tokens, seconds and objective metrics): a run
     # resumed between two log lines logs the same means as one that was never stopped
     log_window: dict = field(default_factory=dict)
+    # on a CPU under bf16/fp16: whether the run's GEMMs are fp32 ones (``fastalign.ops.cpu_gemm``), decided
+    # by timing when it began and kept from then on (the two round differently)
+    fp32_gemms: bool | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -195,7 +199,7 @@ class Engine:
         # fp16's narrow range underflows small gradients unless the loss is scaled up (bf16 needs none)
         self.scaler = torch.amp.GradScaler(self.ctx.device.type) if autocast_dtype == torch.float16 else None
         self.run_config = run_config  # saved in each checkpoint: what a resume is checked against
-        self.state = TrainerState()
+        self.state = TrainerState(fp32_gemms=self._fp32_gemms())
         self.should_stop = False
         self._warned_collapse = False
         self._reset_window()
@@ -206,7 +210,12 @@ class Engine:
         data = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.ctx, objective_state)
         self.objective.load_state_dict(objective_state)
         checkpoint.load_pending(path, self.ctx, self.objective.load_pending_state)
+        measured = self.state.fp32_gemms
         self.state = TrainerState.from_dict(data)
+        if self.state.fp32_gemms is None:  # a checkpoint saved before the decision was kept
+            self.state.fp32_gemms = measured
+        elif self.gemm_dtype in LOW_PRECISION:
+            cpu_gemm.pin_low_precision_gemm(self.gemm_dtype, self.state.fp32_gemms)
         self.scheduler.load_state_dict(self.state.scheduler)
         if self.state.log_window:  # a checkpoint saved before log_window was kept has none
             self._window = copy.deepcopy(self.state.log_window)
@@ -458,6 +467,17 @@ class Engine:
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _fp32_gemms(self) -> bool | None:
+        """Whether this run's low-precision GEMMs on a CPU are fp32 ones (None: not a CPU run in bf16/fp16),
+        decided once for all ranks (any rank's slow native GEMMs make them fp32 on every rank) and pinned."""
+        if self.ctx.device.type != "cpu" or self.gemm_dtype not in LOW_PRECISION:
+            return None
+        slow = cpu_gemm.low_precision_gemm_is_slow(self.gemm_dtype)
+        if self.ctx.world_size > 1:
+            slow = bool(all_reduce_sum(torch.tensor(float(slow), dtype=torch.float64), self.ctx) > 0)
+        cpu_gemm.pin_low_precision_gemm(self.gemm_dtype, slow)
+        return slow
 
     def _autocast(self) -> contextlib.ExitStack:
         """Autocast, and fp32 GEMMs where this CPU's low-precision ones are slow (the backward pass

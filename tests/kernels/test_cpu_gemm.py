@@ -138,9 +138,12 @@ def test_cpu_gemms_only_where_the_native_ones_are_slow(monkeypatch):
         assert not isinstance(cpu_gemms(torch.device("cuda"), torch.bfloat16), Fp32CpuGemms)
 
 
-def test_the_probe_measures_once():
-    cpu_gemm.low_precision_gemm_is_slow.cache_clear()
+def test_the_probe_measures_once_and_a_pin_overrides_it():
+    cpu_gemm._measured_slow.cache_clear()
     first = cpu_gemm.low_precision_gemm_is_slow(torch.bfloat16)
     assert isinstance(first, bool)
     assert cpu_gemm.low_precision_gemm_is_slow(torch.bfloat16) is first
-    assert cpu_gemm.low_precision_gemm_is_slow.cache_info().hits == 1
+    assert cpu_gemm._measured_slow.cache_info().hits == 1
+    cpu_gemm.pin_low_precision_gemm(torch.bfloat16, not first)  # cleared after the test (conftest)
+    assert cpu_gemm.low_precision_gemm_is_slow(torch.bfloat16) is (not first)
+    assert isinstance(cpu_gemms(torch.device("cpu"), torch.bfloat16), Fp32CpuGemms) is (not first)

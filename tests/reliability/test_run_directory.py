@@ -527,3 +527,43 @@ def test_resume_as_another_objective_or_on_other_processes_is_refused(tmp_path, 
     )
     assert_one_line_error(caught.value, culprit)
     assert snapshot(out) == before
+
+
+class _GemmDecision(Callback):
+    """Records, at each step, whether the process runs bf16 GEMMs as fp32 ones."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, engine, metrics):
+        from fastalign.ops import cpu_gemm
+
+        self.seen.append(cpu_gemm.low_precision_gemm_is_slow(torch.bfloat16))
+
+
+def test_a_resumed_bf16_run_keeps_the_cpu_gemms_it_began_with(tmp_path):
+    """Whether bf16 GEMMs on a CPU run natively or as fp32 ones is timed when a run begins; the two round
+    differently, so a resumed run (another process, another timing) takes the checkpoint's decision."""
+    from fastalign.ops import cpu_gemm
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_training(api_config(out, bf16=True), "sft", callbacks=[Crash(at=3)])
+    state = out / "checkpoint-2" / "trainer_state.json"
+    data = json.loads(state.read_text())
+    measured = data["fp32_gemms"]
+    assert measured is cpu_gemm._measured_slow(torch.bfloat16)
+    data["fp32_gemms"] = not measured  # as if the run had begun where the timing came out otherwise
+    state.write_text(json.dumps(data))
+    cpu_gemm._PINNED.clear()  # a new process
+    decision = _GemmDecision()
+    run_training(api_config(out, bf16=True, resume_from_checkpoint="latest"), "sft", callbacks=[decision])
+    assert decision.seen == [not measured, not measured]
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["fp32_gemms"] is (
+        not measured
+    )
+    run_training(api_config(tmp_path / "fp32", max_steps=2), "sft")  # fp32: nothing to decide
+    assert (
+        json.loads((tmp_path / "fp32" / "checkpoint-2" / "trainer_state.json").read_text())["fp32_gemms"]
+        is None
+    )
