@@ -15,6 +15,18 @@ def base_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def decoder_body(model: nn.Module) -> nn.Module | None:
+    """The decoder body of a transformers ``*ForCausalLM`` (or ``*ForSequenceClassification``), which
+    returns the last hidden states: ``.model`` in most families, else the attribute its
+    ``base_model_prefix`` names (GPT-2's ``transformer``); None where it has none."""
+    body = getattr(model, "model", None)
+    if isinstance(body, nn.Module):
+        return body
+    prefix = getattr(model, "base_model_prefix", None)
+    body = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    return body if isinstance(body, nn.Module) and body is not model else None
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a causal LM: the first ``nn.ModuleList`` named ``layers`` (peft-aware)."""
     return list(_layers(model)[1])

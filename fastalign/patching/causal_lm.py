@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from fastalign.models.structure import IGNORE_INDEX
+from fastalign.models.structure import IGNORE_INDEX, decoder_body
 from fastalign.ops import linear_cross_entropy, token_logprobs
 from fastalign.ops.backend import Backend
 from fastalign.ops.linear_cross_entropy import LinearCrossEntropyStats, Reduction
@@ -220,7 +220,7 @@ def fused_causal_lm_forward(
         if router_aux_loss:  # as the family's forward: the argument, else the config's
             if kwargs.get("output_router_logits") is None:
                 kwargs["output_router_logits"] = self.config.output_router_logits
-        outputs = self.model(**inputs, **kwargs)
+        outputs = decoder_body(self)(**inputs, **kwargs)
         hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
         scale = None if logit_scale is None else logit_scale(self.config)
         softcap = getattr(self.config, "final_logit_softcapping", None)

@@ -41,7 +41,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from fastalign.errors import one_line
-from fastalign.models.structure import base_model
+from fastalign.models.structure import base_model, decoder_body
 from fastalign.ops.backend import Backend
 from fastalign.patching.causal_lm import fused_causal_lm_forward
 from fastalign.patching.families import over_logits_scaling, times_logit_scale, times_logits_scaling
@@ -126,7 +126,7 @@ def generic_plan(
     backend: Backend,
     tile_budget: int | None = None,
 ) -> GenericPlan:
-    """Probe ``causal_lm`` (a transformers model with a decoder body ``.model``, and ``.lm_head`` when
+    """Probe ``causal_lm`` (a transformers model with a decoder body, ``decoder_body``, and ``.lm_head`` when
     ``loss``) and plan the forwards that reproduce it; see the module docstring."""
     model_type = causal_lm.config.model_type
     if any(param.is_meta for param in causal_lm.parameters()):
@@ -247,7 +247,7 @@ def _plan(
     config = causal_lm.config
     candidates = [
         (piece, module)
-        for module in causal_lm.model.modules()
+        for module in decoder_body(causal_lm).modules()
         for piece in pieces
         if _PROBES[piece][0](module)
     ]
@@ -334,7 +334,7 @@ def _record_inputs(causal_lm: nn.Module, modules: set[nn.Module], ids: torch.Ten
     handles = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
     try:
         with torch.no_grad(), _eval(causal_lm):
-            causal_lm.model(input_ids=ids, use_cache=False)
+            decoder_body(causal_lm)(input_ids=ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -350,7 +350,7 @@ def _outputs(causal_lm: nn.Module, ids: torch.Tensor, loss: bool, fused_head: bo
         out = causal_lm(inputs_embeds=embeds, labels=ids, use_cache=False, **extra)
         values, scalar = [out.logits, out.loss], out.loss
     else:
-        hidden = causal_lm.model(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        hidden = decoder_body(causal_lm)(inputs_embeds=embeds, use_cache=False).last_hidden_state
         values, scalar = [hidden], hidden.float().square().mean()
     wrt = [embeds]
     head = getattr(getattr(causal_lm, "lm_head", None), "weight", None)

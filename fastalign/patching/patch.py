@@ -16,7 +16,7 @@ from collections.abc import Callable
 from torch import nn
 from transformers.activations import ACT2FN
 
-from fastalign.models.structure import base_model
+from fastalign.models.structure import base_model, decoder_body
 from fastalign.ops.backend import BACKENDS, Backend
 from fastalign.ops.tiled import DEFAULT_BUDGET_MIB
 from fastalign.patching.bound import MARK, PatchedMethod
@@ -66,10 +66,10 @@ def _base_causal_lm(model: nn.Module, *, head: bool, generic: bool = False) -> n
         family_of(inner.config.model_type)  # an unsupported family: say so, listing the supported ones
     if (
         not hasattr(inner, "config")
-        or not hasattr(inner, "model")
+        or decoder_body(inner) is None
         or (head and not hasattr(inner, "lm_head"))
     ):
-        wanted = "a *ForCausalLM with .model and .lm_head" if head else "a model with a decoder body .model"
+        wanted = "a *ForCausalLM with a decoder body and .lm_head" if head else "a model with a decoder body"
         raise ValueError(
             f"patch_model expects a transformers causal LM ({wanted}), got {type(inner).__name__}"
         )
@@ -248,7 +248,7 @@ def patch_model(
     if family.unpatched:
         logger.info("fastalign: %s keeps its own %s", config.model_type, family.unpatched)
 
-    for module in causal_lm.model.modules():
+    for module in decoder_body(causal_lm).modules():
         name = type(module).__name__
         norm = rms_norm and family.norm and name.endswith("RMSNorm")
         if norm and getattr(module, "weight", None) is not None:

@@ -55,7 +55,7 @@ def prepare_policy(
     offloading's host pool and its automatic keep-on-device plan."""
     set_tf32(config.tf32)
     set_model_options(model, config.model_name_or_path, config, ctx.device)
-    _patch(model, config, needs_fused_head, lm_head=task == "causal_lm")
+    _patch(model, config, ctx.device, needs_fused_head, lm_head=task == "causal_lm")
     if config.use_peft:
         if config.use_dora or config.lora_modules_to_save:
             _fill(model, config.model_name_or_path, config, ctx.device)
@@ -281,13 +281,32 @@ def load_frozen_model(name_or_path: str, config: TrainConfig, ctx: DistributedCo
     path = str(resolve_model(name_or_path, revision, key=key))
     model, _ = load_model_and_tokenizer(path, quant_options(config), ctx.device, materialize=False)
     set_model_options(model, path, config, ctx.device)
-    _patch(model, config, needs_fused_head=True, lm_head=True)
+    _patch(model, config, ctx.device, needs_fused_head=True, lm_head=True, name_or_path=path)
     model.requires_grad_(False).eval()
     return _place(model, path, config, ctx)
 
 
-def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool, *, lm_head: bool) -> None:
-    """``lm_head``: whether the model has an LM head (a reward model's body is patched all the same)."""
+def _patch(
+    model: torch.nn.Module,
+    config: TrainConfig,
+    device: torch.device,
+    needs_fused_head: bool,
+    *,
+    lm_head: bool,
+    name_or_path: str | None = None,
+) -> None:
+    """``lm_head``: whether the model has an LM head (a reward model's body is patched all the same).
+    A model type outside fastalign's table trains with ``use_liger_kernel: false`` only: its own layers, and
+    the fused head where the objective needs it, found by the head's structure and proven equal on the
+    model's weights (``generic``), which are filled first for it (``name_or_path``: the model's, default
+    the policy's)."""
+    supported = model.config.model_type in fastalign.patching.SUPPORTED_MODEL_TYPES
+    if config.use_liger_kernel and not supported:
+        raise ConfigError(
+            f"config key 'use_liger_kernel': model_type {model.config.model_type!r} is not one fastalign's "
+            "kernels are patched into (docs/patching.md lists them); set use_liger_kernel: false to train it "
+            "with its own layers and fastalign's fused loss head"
+        )
     if config.use_liger_kernel:
         tiles = dict(tiled_mlp=config.tiled_mlp, tiled_mlp_budget_mib=config.tiled_mlp_budget_mib)
         fastalign.patch_model(model, loss=lm_head, **tiles)
@@ -296,8 +315,19 @@ def _patch(model: torch.nn.Module, config: TrainConfig, needs_fused_head: bool, 
                 f"config key 'tiled_mlp': {model.config.model_type}'s MLP is not one fastalign patches "
                 "(a gated MLP), so there is nothing to tile"
             )
-    elif needs_fused_head:
-        fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False, linear=False)
+    elif needs_fused_head:  # the model's own layers; the objective's loss is computed in the fused head
+        if not supported:
+            _fill(model, name_or_path or config.model_name_or_path, config, device)
+        fastalign.patch_model(
+            model, rms_norm=False, rope=False, mlp=False, linear=False, generic=not supported
+        )
+        if lm_head and "loss" not in fastalign.patching.patched_pieces(model):
+            pieces = dict(rms_norm=False, rope=False, mlp=False)
+            why = fastalign.patching.generic.generic_report(model, **pieces).summary()
+            raise ConfigError(
+                f"config key 'model_name_or_path': {model.config.model_type!r}'s LM head is not one that "
+                f"fastalign's fused loss head reproduces ({why}), and the objective computes its loss there"
+            )
 
 
 @contextlib.contextmanager

@@ -66,6 +66,39 @@ def test_a_null_flag_puts_a_number_or_switch_the_file_set_back_to_its_default(tm
     )  # fmt: skip
     optional = load_config(write(tmp_path, "max_prompt_length: 8\n"), ["--max_prompt_length", "null"])
     assert optional.max_prompt_length is None  # an optional key: null itself
+    # a string or list key too: before, --output_dir null wrote to ./null, --lora_target_modules null
+    # asked peft for a module named "null", --report_to null was refused
+    listed = load_config(
+        write(tmp_path, "output_dir: elsewhere\nlora_target_modules: [q_proj]\nreport_to: none\n"),
+        ["--output_dir", "null", "--lora_target_modules", "null", "--report_to", "null"],
+    )
+    assert (listed.output_dir, listed.lora_target_modules, listed.report_to) == (
+        defaults.output_dir, defaults.lora_target_modules, defaults.report_to
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "key", "value"),
+    [
+        (["--loss_type", "[sigmoid, sft]"], "loss_type", ["sigmoid", "sft"]),  # YAML's flow list, quoted
+        (["--loss_type", "[sigmoid,", "sft]"], "loss_type", ["sigmoid", "sft"]),  # and as the shell splits it
+        (["--report_to", "[]"], "report_to", []),
+        (
+            ["--use_peft", "--lora_target_modules", "[q_proj, v_proj]"],
+            "lora_target_modules",
+            ["q_proj", "v_proj"],
+        ),
+        (["--scale_rewards", "false"], "scale_rewards", "none"),  # TRL's bool spellings
+        (["--scale_rewards", "True"], "scale_rewards", "group"),
+    ],
+)
+def test_the_spellings_every_help_and_trl_promise(flags, key, value):
+    """``--help`` says lists are "a, b or [a, b]"; before, the brackets stayed in the values."""
+    assert getattr(load_config(None, flags), key) == value
+
+
+def test_scale_rewards_false_in_a_yaml_file_is_trls_none(tmp_path):
+    assert load_config(write(tmp_path, "scale_rewards: false\n")).scale_rewards == "none"
 
 
 @pytest.mark.parametrize(
@@ -305,6 +338,7 @@ def test_tiled_mlp_needs_the_patched_model():
 
 def test_tiled_mlp_on_a_family_whose_mlp_is_not_patched_is_refused():
     """StarCoder2's MLP (c_fc/c_proj, not gated) is the model's own: tiling it is refused, not ignored."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fastalign.train.policy import _patch
@@ -314,7 +348,7 @@ def test_tiled_mlp_on_a_family_whose_mlp_is_not_patched_is_refused():
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("starcoder2", **small))
     config = load_config(None, ["--tiled_mlp", "true"])
     with pytest.raises(ConfigError, match="config key 'tiled_mlp': starcoder2's MLP is not one fastalign"):
-        _patch(model, config, needs_fused_head=True, lm_head=True)
+        _patch(model, config, torch.device("cpu"), needs_fused_head=True, lm_head=True)
 
 
 def test_boundary_values_are_accepted():

@@ -70,7 +70,8 @@ class TrainConfig:
     shuffle_dataset: bool = True  # grpo, rloo, distill: false reads the prompts in the data's order (TRL's
     # GRPOConfig, RLOOConfig and DistillationConfig name for train_sampling_strategy sequential)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
-    learning_rate: float | None = None  # None: the objective's TRL default (sft 2e-5, the others 1e-6)
+    learning_rate: float | None = None  # None: the objective's TRL default (sft 2e-5, reward 1e-4, ppo
+    # 5e-5, online_dpo 5e-7, the others 1e-6)
     weight_decay: float = 0.0  # decoupled weight decay (not of biases and norm weights)
     adam_beta1: float = 0.9  # Adam's β1
     adam_beta2: float = 0.999  # Adam's β2
@@ -96,7 +97,8 @@ class TrainConfig:
     tiled_mlp: bool = False  # run each gated MLP (LoRA included) in token tiles in forward and backward
     # (needs use_liger_kernel): at long context a layer's MLP working set is a tile's, not the sequence's
     tiled_mlp_budget_mib: float = 256  # one tile's working set in MiB, which sizes the tiles
-    use_liger_kernel: bool = True  # patch_model the model (named as in transformers' TrainingArguments)
+    use_liger_kernel: bool = True  # patch_model the model (named as in transformers' TrainingArguments);
+    # false: its own layers, the fused loss head only (any causal LM, also one outside fastalign's table)
     tf32: bool | None = None  # TF32 matmuls on Ampere+ CUDA GPUs (true needs one); None: torch's default
 
     # LoRA
@@ -117,14 +119,14 @@ class TrainConfig:
     bnb_4bit_use_double_quant: bool = True  # quantize the per-block scales too
 
     # preference training: dpo, orpo, simpo, cpo (TRL's DPOConfig / CPOConfig / ORPOConfig) and kto
-    beta: float | None = None  # None: the objective's TRL default (0.1; grpo 0.0, rloo 0.05)
+    beta: float | None = None  # None: the objective's TRL default (0.1; grpo 0.0, rloo 0.05, distill 1.0)
     loss_type: list[str] | None = None  # None: sigmoid (dpo, cpo), kto (kto), dapo (grpo); dpo takes several
     loss_weights: list[float] | None = None  # one per dpo loss_type (a weighted sum)
     label_smoothing: float = 0.0  # dpo: the share of preference labels assumed flipped (robust DPO)
     max_prompt_length: int | None = None  # a prompt limit of its own (TRL 1.16 has none); longer prompts
     # fail unless truncation
     disable_dropout: bool | None = None  # None: the objective's TRL default (true for the preference
-    # objectives and kto, false for grpo and rloo); sft does not read it
+    # objectives and kto, false for grpo, rloo and distill); sft does not read it
     ref_model_name_or_path: str | None = None  # None: the policy's initial weights (or LoRA disabled)
     precompute_ref_log_probs: bool = False  # reference log-probs once before training, then no reference
     sync_ref_model: bool = False  # TR-DPO: the reference follows the policy every ref_model_sync_steps
@@ -169,7 +171,7 @@ class TrainConfig:
     epsilon: float = 0.2  # the policy ratio's lower clip (1 − ε)
     epsilon_high: float | None = None  # the ratio's upper clip (1 + ε_high); None: epsilon
     delta: float | None = None  # cap of the ratio above the clipping range (two-sided GRPO); None: none
-    scale_rewards: str = "group"  # group, batch, none
+    scale_rewards: str = "group"  # group, batch, none (TRL's true and false: group and none)
     advantage_estimator: str = "grpo"  # grpo, rloo
     num_iterations: int = 1  # optimizer steps on each generation batch
     steps_per_generation: int | None = None  # micro-batches per generation; None: gradient_accumulation_steps

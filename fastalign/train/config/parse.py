@@ -56,10 +56,13 @@ def load_config(
             close = difflib.get_close_matches(key, list(kinds), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"unknown config key {key!r} ({where[key]}){hint}")
-        if source is None and kinds[key] in (int, float, bool) and str(raw).lower() in _NULL:
-            continue  # --save_steps null: a number or switch the config file set goes back to its default
+        if source is None and type(None) not in typing.get_args(kinds[key]) and str(raw).lower() in _NULL:
+            continue  # --save_steps null: a key the config file set goes back to its default (a key that
+            # takes null, as in YAML, is set to it)
         if key == "resume_from_checkpoint" and str(raw).lower() in ("true", "false"):
             raw = "latest" if str(raw).lower() == "true" else None  # transformers' bool form
+        if key == "scale_rewards" and str(raw).lower() in ("true", "false"):
+            raw = "group" if str(raw).lower() == "true" else "none"  # TRL's bool form (GRPOConfig)
         try:
             kwargs[key] = _coerce(raw, kinds[key], from_flag=source is None)
         except _Mismatch:
@@ -163,8 +166,8 @@ def _parse_flags(flags: Sequence[str]) -> list[tuple[str, str]]:
             else:
                 value = items.pop(0)
                 if list in (typing.get_origin(kind), *map(typing.get_origin, typing.get_args(kind))):
-                    while items and not items[0].startswith("--"):
-                        value += f",{items.pop(0)}"
+                    while items and not items[0].startswith("--"):  # "[a," "b]" as "[a,b]"
+                        value += ("" if value.endswith(",") else ",") + items.pop(0)
         pairs.append((key, value))
     return pairs
 
@@ -196,6 +199,11 @@ def _coerce(raw: object, kind: Any, *, from_flag: bool) -> object:
         raise _Mismatch
     if origin is list:
         (item_kind,) = args or (str,)
+        if from_flag and isinstance(raw, str) and raw.strip().startswith("["):  # "[a, b]": YAML's flow list
+            try:
+                raw = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise _Mismatch from None
         if isinstance(raw, str):  # "q_proj, v_proj" (a flag, or YAML written the same way)
             return [
                 _coerce(item.strip(), item_kind, from_flag=True) for item in raw.split(",") if item.strip()
