@@ -26,7 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     from fastalign.train.objectives import OBJECTIVES
 
     parser.add_argument("-h", "--help", action="store_true", help="this help, or with OBJECTIVE its keys")
-    parser.add_argument("objective", nargs="?", choices=OBJECTIVES)
+    parser.add_argument("objective", nargs="?", metavar=f"{{{','.join(OBJECTIVES)}}}")
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: the built-in tiny run)")
     parser.set_defaults(run=run, allow_extra=True, parser=parser)  # extra --key value pairs: overrides
 
@@ -37,8 +37,14 @@ def run(args: argparse.Namespace) -> int:
 
         print(objective_help(args.objective) if args.objective else args.parser.format_help(), end="")
         return 0
-    if args.objective is None:
-        args.parser.error("the following arguments are required: objective")
+    from fastalign.train.objectives import OBJECTIVES
+
+    if args.objective not in OBJECTIVES:  # also what a flag's value becomes when no objective comes first
+        got = "none" if args.objective is None else repr(args.objective)
+        args.parser.error(
+            f"the objective comes first: fastalign train OBJECTIVE [--config FILE] [--key value ...], one of "
+            f"{', '.join(OBJECTIVES)} (got {got})"
+        )
     from fastalign.train.config import load_config
 
     try:

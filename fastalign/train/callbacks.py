@@ -14,8 +14,21 @@ from fastalign.train.checkpoint import DiskFullError, is_disk_full
 from fastalign.train.engine import Callback, Engine
 
 
+def _finite_or_null(value):
+    """``value`` with each float that is NaN or infinite as None, through dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(item) for item in value]
+    return value
+
+
 class JsonlMetrics(Callback):
-    """One JSON object per logging step (and per evaluation) in ``<output_dir>/metrics.jsonl``.
+    """One JSON object per logging step (and per evaluation) in ``<output_dir>/metrics.jsonl``; a value
+    that is not a finite number (a reward no function gave, a loss that diverged) is null, as JSON has no
+    NaN (Python's ``json`` writes one that other readers refuse).
 
     A run resumed from step N continues the file: the rows a crashed run wrote after step N (and a line
     cut short by a kill) are dropped first, so each step is logged once."""
@@ -32,7 +45,7 @@ class JsonlMetrics(Callback):
         if engine.ctx.is_main:
             try:
                 with open(self.path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                    f.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
             except OSError as error:
                 if not is_disk_full(error):
                     raise

@@ -31,6 +31,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import logging
 import math
 import numbers
 import os
@@ -51,6 +52,8 @@ from fastalign.train.reward_model import (
     load_reward_model,
     reward_model_from_object,
 )
+
+logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -393,6 +396,15 @@ def compute_rewards(
     rewards = torch.empty(count, len(funcs), dtype=torch.float32)
     for index, func in enumerate(funcs):
         rewards[:, index] = torch.tensor(_call(func, arguments, count), dtype=torch.float32)
+    unscored = torch.isnan(rewards).all(dim=1)
+    if unscored.any():
+        first = int(unscored.nonzero()[0, 0])
+        logger.warning(
+            "fastalign: every reward function returned None for %d of %d completions (e.g. prompt=%s, "
+            "completion=%s): they get no reward and advantage 0, so they train nothing; make a function "
+            "score each completion",
+            int(unscored.sum()), count, _short(prompts[first]), _short(completions[first]),
+        )  # fmt: skip
     return rewards
 
 

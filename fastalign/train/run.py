@@ -160,9 +160,15 @@ def busy_cpus_note(device: torch.device) -> str | None:
         return None
     if load <= cores:
         return None
+    threads = os.environ.get("OMP_NUM_THREADS")
+    advice = (
+        f"stop other work (OMP_NUM_THREADS is {threads})"
+        if threads  # set already: the user chose the threads
+        else "stop other work or set OMP_NUM_THREADS to the free cores"
+    )
     return (
         f"note: the CPUs are busy (load {load:.1f} on {cores} core{'s' if cores > 1 else ''}): training will "
-        "be slower; stop other work or set OMP_NUM_THREADS to the free cores"
+        f"be slower; {advice}"
     )
 
 

@@ -53,6 +53,7 @@ from fastalign.data.teacher_logprobs import (
 )
 from fastalign.data.tokenizer_options import override_tokenizer
 from fastalign.ops.sparse_divergence import linear_topk_logprobs
+from fastalign.quant.bitsandbytes_import import bitsandbytes_hidden
 from fastalign.train.config import ConfigError, TrainConfig, refuse_unread
 from fastalign.train.distributed import DistributedContext, init_distributed, shutdown_distributed
 from fastalign.train.engine import autocast
@@ -168,7 +169,8 @@ def score_teacher(config: TrainConfig, scoring: ScoringOptions = ScoringOptions(
         raise ConfigError("config key 'top_k' must be positive: how many of the teacher's log-probs to store")
     ctx = init_distributed()
     try:
-        return _score(config, scoring, ctx)
+        with bitsandbytes_hidden(config.quantization is None):  # as training: imported by 4-bit runs only
+            return _score(config, scoring, ctx)
     finally:
         shutdown_distributed()
 

@@ -31,7 +31,8 @@ def usage_error(capsys, *argv: str) -> str:
     [
         ((), "fastalign: the following arguments are required: command"),
         (("nope",), "fastalign: argument command: invalid choice: 'nope'"),
-        (("train",), "fastalign train: the following arguments are required: objective"),
+        (("train",), "fastalign train: the objective comes first"),
+        (("train", "--config", "c.yaml", "--max_steps", "1"), "fastalign train: the objective comes first"),
         (("merge",), "fastalign merge: the following arguments are required: run_dir"),
         (("demo", "--tokens", "0"), "fastalign demo: argument --tokens: must be a positive integer"),
         (("bench", "nope"), "fastalign bench: argument suite: invalid choice: 'nope'"),

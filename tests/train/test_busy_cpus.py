@@ -10,6 +10,7 @@ from fastalign.train.run import busy_cpus_note
 
 
 def test_a_load_above_the_cores_is_one_actionable_line_on_cpu_runs_only(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (3.14, 2.0, 1.0))
     note = busy_cpus_note(torch.device("cpu"))
@@ -18,6 +19,11 @@ def test_a_load_above_the_cores_is_one_actionable_line_on_cpu_runs_only(monkeypa
         "OMP_NUM_THREADS to the free cores"
     )
     assert busy_cpus_note(torch.device("cuda")) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # set already: not advised again
+    assert busy_cpus_note(torch.device("cpu")) == (
+        "note: the CPUs are busy (load 3.1 on 2 cores): training will be slower; stop other work "
+        "(OMP_NUM_THREADS is 1)"
+    )
     monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 5.0, 5.0))  # the 1-minute average decides
     assert busy_cpus_note(torch.device("cpu")) is None
 

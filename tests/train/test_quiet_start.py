@@ -50,6 +50,34 @@ def test_import_and_a_tiny_lora_train_and_merge_import_no_bitsandbytes_and_warn_
     assert said == [], said
 
 
+_SCORE = """
+import json, sys, warnings
+from fastalign.train.config import load_config
+from fastalign.train.teacher_logprobs import SCORING_KEYS, score_teacher
+out = sys.argv[1]
+with open(out + "-rows.jsonl", "w") as rows:
+    rows.write(json.dumps({"prompt": "a", "completion": "b"}) + "\\n")
+scoring = ["--dataset_name", out + "-rows.jsonl", "--output_dir", out, "--top_k", "4"]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    score_teacher(load_config(None, scoring, reads=SCORING_KEYS))
+print(json.dumps({"after": "bitsandbytes" in sys.modules, "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes installed")
+def test_teacher_scoring_imports_no_bitsandbytes_and_warns_nothing(tmp_path):
+    """Before: ``fastalign teacher-logprobs`` imported bitsandbytes, which on a CPU logs that a package
+    of 4-bit kernels (``kernels``) is missing: nothing a user of a 16-bit teacher can act on."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SCORE, str(tmp_path / "teacher")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"after": False, "warnings": []}
+    said = [line for line in done.stderr.splitlines() if "warn" in line.lower() or "kernels" in line.lower()]
+    assert said == [], said
+
+
 def test_bitsandbytes_hidden_is_as_if_not_installed_and_restored(monkeypatch):
     monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
     with bitsandbytes_hidden():

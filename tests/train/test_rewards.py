@@ -213,6 +213,32 @@ def test_none_becomes_nan_and_combine_rewards_weights_the_rest():
     assert torch.isnan(all_none).all()
 
 
+def test_completions_no_function_scores_are_said_in_one_warning(caplog):
+    """As TRL's "All reward functions returned None": before, a run whose functions all returned None
+    trained nothing (advantage 0 everywhere, loss 0) and said nothing."""
+
+    def never(prompts, completions, completion_ids, **kwargs):
+        return [None] * len(completions)
+
+    def odd(prompts, completions, completion_ids, **kwargs):
+        return [1.0 if i % 2 else None for i in range(len(completions))]
+
+    with caplog.at_level("WARNING", logger="fastalign.train.rewards"):
+        compute_rewards(resolve_reward_funcs([never, odd]), ["p"] * 4, ["a", "b", "c", "d"], [[1]] * 4, {})
+    (record,) = caplog.records
+    assert "returned None for 2 of 4 completions" in record.getMessage() and "'a'" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastalign.train.rewards"):
+        compute_rewards(
+            resolve_reward_funcs([odd, "exact_match"]),
+            ["p"] * 2,
+            ["1", "2"],
+            [[1]] * 2,
+            {"answer": ["1", "1"]},
+        )
+    assert not caplog.records  # every completion has a score
+
+
 def test_metrics_are_nan_aware_per_function():
     funcs = resolve_reward_funcs(["regex:a", "exact_match", "length_penalty"])
     table = torch.tensor([[1.0, math.nan, 0.0], [0.0, 2.0, math.nan], [1.0, math.nan, math.nan]])
@@ -380,3 +406,19 @@ def test_trl_dotted_form_and_modules_of_the_current_directory(tmp_path, monkeypa
 )
 def test_bad_dotted_specs_are_one_line(spec, message):
     assert value_error(resolve_reward_funcs, [spec]) == message
+
+
+def test_metrics_jsonl_writes_a_missing_number_as_null(tmp_path):
+    """A NaN mean reward (no function scored) went into metrics.jsonl as a bare NaN, which is not JSON."""
+    import json
+    from types import SimpleNamespace
+
+    from fastalign.train.callbacks import JsonlMetrics
+
+    writer = JsonlMetrics(tmp_path / "metrics.jsonl")
+    engine = SimpleNamespace(ctx=SimpleNamespace(is_main=True))
+    writer.on_log(engine, {"step": 1, "reward": math.nan, "loss": 0.5, "grad": [math.inf, 1.0]})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}")) == {
+        "step": 1, "reward": None, "loss": 0.5, "grad": [None, 1.0]
+    }  # fmt: skip

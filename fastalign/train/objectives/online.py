@@ -29,7 +29,6 @@ reward metrics are logged with an ``eval_`` prefix.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import time
@@ -166,12 +165,10 @@ def check_generation_keys(
 ) -> None:
     """The checks every objective that samples and scores makes of those keys: a one-line
     ``ConfigError`` naming the key."""
-    if use_vllm:  # so no sampling option is ever left out of a vLLM generation either
-        found = importlib.util.find_spec("vllm") is not None
+    if use_vllm:  # installed or not: no sampling option is ever left out of a vLLM generation either
         raise ConfigError(
-            "config key 'use_vllm': "
-            + ("vLLM generation is not wired in yet" if found else "the vllm package is not installed")
-            + "; set it to false to generate with fastalign's rollout engine (generation_engine)"
+            "config key 'use_vllm': fastalign does not generate with vLLM (installing it changes nothing); "
+            "remove it: completions come from fastalign's rollout engine (generation_engine)"
         )
     if reward_weights is not None and len(reward_weights) != len(reward_funcs):
         raise ConfigError(
