@@ -221,21 +221,14 @@ def _split_preference_row(
             )
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     else:
-        # Split at the shared token ids, not characters: prompt + completion is then exactly the whole
-        # text's tokens (and, as with TRL's extract_prompt, a space attached to the first differing
-        # word, as in byte-level BPE, goes to the completions).
-        chosen_ids, rejected_ids = text_ids(tokenizer, chosen), text_ids(tokenizer, rejected)
-        shared = common_prefix_length(chosen_ids, rejected_ids)
-        completions = {"chosen": chosen_ids[shared:], "rejected": rejected_ids[shared:]}
-        for name, ids in completions.items():
-            if not ids:
-                raise ValueError(f"{where}: {name!r} is empty after the prompt it shares")
-        return Split(
-            with_prefix(prefix, chosen_ids[:shared]),
-            {name: with_eos(tokenizer, ids) for name, ids in completions.items()},
-            [],
-            dict.fromkeys(completions, 0),
-        )
+        # TRL's extract_prompt: the shared characters, less a space right before the first that differs (it
+        # goes to the completions); then split as an explicit prompt, as TRL's DPO trainer tokenizes one
+        shared = common_prefix_length(chosen, rejected)
+        if 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
+            shared -= 1
+        elif shared == min(len(chosen), len(rejected)):  # one is the other's beginning: TRL stops a character
+            shared = max(shared - 1, 0)  # short (its loop ends on the last index it compared)
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     template = _template(row, where, conversational, chat_template_kwargs)
     return split_prompt(
         tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, where, template=template, prefix=prefix
