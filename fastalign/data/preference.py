@@ -2,7 +2,8 @@
 
 - preference (DPO, ORPO, SimPO, CPO): ``prompt``, ``chosen`` and ``rejected``; or only ``chosen`` and
   ``rejected`` (implicit prompt: their shared beginning, as TRL's ``extract_prompt`` finds it);
-- unpaired (KTO): ``prompt``, ``completion`` and a bool ``label`` (True: desirable);
+- unpaired (KTO): ``prompt``, ``completion`` and a bool ``label`` (True: desirable), or preference pairs,
+  which KTO unpairs as TRL's KTOTrainer does;
 - prompt-only (GRPO): ``prompt``, and any other columns the reward functions read (e.g. ``answer``).
 
 A row's text fields are all strings (standard) or all lists of messages (conversational). Prompts and
@@ -194,6 +195,53 @@ def _keep_end(prompt_ids: list[int], completions: dict[str, list[int]], max_leng
     )
 
 
+def implicit_prompt_length(chosen: str | list, rejected: str | list) -> int:
+    """How much of ``chosen`` (characters, or messages) is the prompt it shares with ``rejected``, as TRL's
+    ``extract_prompt`` finds it: up to the first that differs, less a space right before it (the space
+    goes to the completions); where one is the other's beginning, one short of the shorter (TRL's loop ends
+    on the last index it compared)."""
+    shared = common_prefix_length(chosen, rejected)
+    if 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
+        return shared - 1
+    if shared == min(len(chosen), len(rejected)):
+        return max(shared - 1, 0)
+    return shared
+
+
+#: Pairs per batch of TRL's unpairing (``unpair_preference_dataset``: ``datasets.map``'s default batch
+#: size): the unpaired rows of each are its pairs' chosen completions, then their rejected ones.
+UNPAIR_BATCH = 1000
+
+
+def _unpaired(named: list[tuple[dict, str]]) -> list[tuple[dict, str]]:
+    """Preference pairs as KTO's unpaired rows, as TRL's KTOTrainer makes them (``extract_prompt`` where
+    the prompt is implicit, then ``unpair_preference_dataset``): each pair's chosen completion desirable, its
+    rejected one undesirable, in TRL's order; a pair's other columns go with both."""
+    unpaired = []
+    for start in range(0, len(named), UNPAIR_BATCH):
+        chosen_rows, rejected_rows = [], []
+        for row, where in named[start : start + UNPAIR_BATCH]:
+            missing = [key for key in ("chosen", "rejected") if row.get(key) is None]
+            if missing:
+                raise ValueError(
+                    f"{where}: missing {missing[0]!r} (the first row is a preference pair, which KTO "
+                    "unpairs: every row must be one, or every row prompt, completion and label)"
+                )
+            prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+            if prompt is None:
+                shared = implicit_prompt_length(chosen, rejected)
+                prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+            rest = {key: value for key, value in row.items() if key not in ("prompt", "chosen", "rejected")}
+            chosen_rows.append(
+                ({**rest, "prompt": prompt, "completion": chosen, "label": True}, f"{where} (chosen)")
+            )
+            rejected_rows.append(
+                ({**rest, "prompt": prompt, "completion": rejected, "label": False}, f"{where} (rejected)")
+            )
+        unpaired += chosen_rows + rejected_rows
+    return unpaired
+
+
 def _split_preference_row(
     row: dict,
     where: str,
@@ -221,13 +269,8 @@ def _split_preference_row(
             )
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     else:
-        # TRL's extract_prompt: the shared characters, less a space right before the first that differs (it
-        # goes to the completions); then split as an explicit prompt, as TRL's DPO trainer tokenizes one
-        shared = common_prefix_length(chosen, rejected)
-        if 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
-            shared -= 1
-        elif shared == min(len(chosen), len(rejected)):  # one is the other's beginning: TRL stops a character
-            shared = max(shared - 1, 0)  # short (its loop ends on the last index it compared)
+        # TRL's extract_prompt, then split as an explicit prompt, as TRL's DPO trainer tokenizes one
+        shared = implicit_prompt_length(chosen, rejected)
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     template = _template(row, where, conversational, chat_template_kwargs)
     return split_prompt(
@@ -288,12 +331,15 @@ def tokenize_kto_dataset(
     chat_template_kwargs: dict | None = None,
     **limits,
 ) -> list[KTOExample]:
-    """Every row of an unpaired preference dataset; ``chat_template_kwargs`` and ``limits`` as
-    ``tokenize_preference_dataset``'s."""
+    """Every row of an unpaired preference dataset, or of a paired one unpaired as TRL's KTOTrainer does
+    (``_unpaired``); ``chat_template_kwargs`` and ``limits`` as ``tokenize_preference_dataset``'s."""
     lengths = LengthLimits(**limits)
     prefix, notes = special_prefix(tokenizer), BoundaryNotes()
     examples = []
-    for row, where in _nonempty(rows, ("prompt", "completion"), chat_template_kwargs):
+    named = _nonempty(rows, ("prompt", "completion", "chosen", "rejected"), chat_template_kwargs)
+    if "chosen" in named[0][0] and "rejected" in named[0][0] and "completion" not in named[0][0]:
+        named = _unpaired(named)
+    for row, where in named:
         conversational = _is_conversational(row, where, ("prompt", "completion"))
         label = row.get("label")
         if label is None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from fastalign.data.preference import tokenize_preference_dataset
+from fastalign.data.preference import tokenize_kto_dataset, tokenize_preference_dataset
 from tests.helpers import require
 
 pytestmark = pytest.mark.real
@@ -29,18 +29,22 @@ ROWS = [
 ]
 
 
+def tiny_llama(tokenizer) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 def test_implicit_prompts_are_split_as_trls_dpo_trainer_splits_them(smollm2, tmp_path):
     require("trl")
     import datasets
     from trl import DPOConfig, DPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(tokenizer)
     args = DPOConfig(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", max_length=128, bf16=False
     )
@@ -55,3 +59,35 @@ def test_implicit_prompts_are_split_as_trls_dpo_trainer_splits_them(smollm2, tmp
         for example in tokenize_preference_dataset(ROWS, tokenizer, max_length=128)
     ]
     assert ours == theirs
+
+
+def test_kto_unpairs_preference_pairs_as_trls_kto_trainer(smollm2, tmp_path):
+    """TRL's KTOTrainer takes preference pairs (explicit or implicit prompt) and unpairs them: each pair's
+    chosen completion desirable, its rejected one undesirable, all the chosen first. Before, fastalign
+    refused them: "row 0: missing 'completion'"."""
+    require("trl")
+    import datasets
+    from trl import KTOConfig, KTOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = tiny_llama(tokenizer)
+    args = KTOConfig(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", max_length=128, bf16=False,
+        per_device_train_batch_size=2,
+    )  # fmt: skip
+    explicit = [
+        {"prompt": "What is 2+2?", "chosen": " 4", "rejected": " 5"},
+        {"prompt": "Color?", "chosen": " Blue", "rejected": " Red"},
+    ]
+    for rows in (explicit, ROWS[:3]):
+        trainer = KTOTrainer(
+            model=model, ref_model=copy.deepcopy(model), args=args, processing_class=copy.deepcopy(tokenizer),
+            train_dataset=datasets.Dataset.from_list(rows),
+        )  # fmt: skip
+        theirs = [(row["prompt_ids"], row["completion_ids"], row["label"]) for row in trainer.train_dataset]
+        logging.getLogger("fastalign.data.prompt_split").setLevel(logging.ERROR)
+        ours = [
+            (example.prompt_ids, example.completion_ids, example.label)
+            for example in tokenize_kto_dataset(rows, tokenizer, max_length=128)
+        ]
+        assert ours == theirs and len(ours) == 2 * len(rows)
