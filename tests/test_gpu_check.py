@@ -122,3 +122,14 @@ def test_every_phase_runs_on_tiny_shapes(phase, tmp_path):
         assert outcome["files"], outcome
         for name in outcome["files"]:
             assert json.loads((tmp_path / name).read_text())["rows"], name
+
+
+def test_fastalign_bench_gpu_passes_its_options_to_the_check(monkeypatch, tmp_path):
+    """docs/benchmarks.md's ``fastalign bench gpu --phases trl_1b --cap 300``: before, --cap was the check
+    script's own option only, and the documented command failed on it."""
+    from fastalign.cli.main import main
+
+    seen = []
+    monkeypatch.setattr(check, "main", lambda argv: seen.append(argv) or 0)
+    assert main(["bench", "gpu", "--phases", "trl_1b", "--cap", "300", "--out", str(tmp_path)]) == 0
+    assert seen == [["--out", str(tmp_path), "--phases", "trl_1b", "--cap", "300.0"]]

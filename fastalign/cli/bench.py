@@ -38,6 +38,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--smoke", action="store_true", help="gpu: every phase on tiny shapes, on any device (a temp dir)"
     )
     parser.add_argument("--phases", nargs="+", metavar="PHASE", help="gpu: these phases only")
+    parser.add_argument(
+        "--cap", type=float, metavar="SECONDS", help="gpu: seconds each phase may take (default: its own cap)"
+    )
     parser.add_argument("--only", action="append", metavar="NAME[,NAME]", help="these benchmarks only")
     parser.add_argument(
         "--quick", action="store_true", help="tiny shapes, seconds each (results to a temp dir)"
@@ -121,6 +124,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
         return 2
     argv = (["--smoke"] if args.smoke else []) + (["--out", str(args.out)] if args.out else [])
     argv += ["--phases", *args.phases] if args.phases else []
+    argv += ["--cap", str(args.cap)] if args.cap is not None else []
     status = check.main(argv)
     out = args.out or (None if args.smoke else runs.RESULTS_DIR)
     if status == 0 and out is not None and not args.no_report and out.resolve() == runs.RESULTS_DIR:

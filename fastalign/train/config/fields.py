@@ -120,7 +120,8 @@ class TrainConfig:
 
     # preference training: dpo, orpo, simpo, cpo (TRL's DPOConfig / CPOConfig / ORPOConfig) and kto
     beta: float | None = None  # None: the objective's TRL default (0.1; grpo 0.0, rloo 0.05, distill 1.0)
-    loss_type: list[str] | None = None  # None: sigmoid (dpo, cpo), kto (kto), dapo (grpo); dpo takes several
+    loss_type: list[str] | None = None  # None: nll (sft; or dft), sigmoid (dpo, cpo), kto (kto), dapo (grpo);
+    # dpo takes several
     loss_weights: list[float] | None = None  # one per dpo loss_type (a weighted sum)
     label_smoothing: float = 0.0  # dpo: the share of preference labels assumed flipped (robust DPO)
     max_prompt_length: int | None = None  # a prompt limit of its own (TRL 1.16 has none); longer prompts
