@@ -4,6 +4,9 @@
   (conversational);
 - prompt-completion: ``prompt`` and ``completion``, both strings (standard) or both lists of
   messages (conversational).
+
+ShareGPT-style rows (``conversations``, messages with ``from`` and ``value``) are read as TRL's SFTTrainer
+reads them (``as_chatml``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,31 @@ class DatasetFormat:
         if self.kind == "prompt_completion":
             return ("prompt", "completion")
         return ("messages",) if self.conversational else (self.text_field,)
+
+
+#: The columns whose messages ``as_chatml`` renames (TRL's ``maybe_convert_to_chatml``).
+_MESSAGE_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "conversations")
+
+
+def as_chatml(row: dict) -> dict:
+    """``row`` as TRL's ``maybe_convert_to_chatml`` makes it: in each column of messages, a message's
+    ``from`` is its ``role`` and its ``value`` its ``content``, and ``conversations`` is ``messages``
+    (the roles are kept as written, as TRL keeps them). A row without them is returned as it is."""
+    if not any(isinstance(row.get(key), list) for key in _MESSAGE_COLUMNS):
+        return row
+    converted = dict(row)
+    for key in _MESSAGE_COLUMNS:
+        if isinstance(row.get(key), list):
+            converted[key] = [_chatml_message(message) for message in row[key]]
+    if "conversations" in converted:
+        converted["messages"] = converted.pop("conversations")
+    return converted
+
+
+def _chatml_message(message):
+    if not isinstance(message, dict) or ("from" not in message and "value" not in message):
+        return message
+    return {{"from": "role", "value": "content"}.get(key, key): value for key, value in message.items()}
 
 
 def detect_format(
@@ -60,7 +88,13 @@ def check_messages(messages, where: str, field: str) -> None:
                 f"{where}: {field}[{position}] must be a message with a string 'content' (or 'tool_calls')"
             )
         if message.get("role") not in ROLES:
-            raise ValueError(f"{where}: {field}[{position}] has role {message.get('role')!r}; known: {ROLES}")
+            role = message.get("role")
+            hint = (
+                " (ShareGPT's human and gpt: write them user and assistant)"
+                if role in ("human", "gpt")
+                else ""
+            )
+            raise ValueError(f"{where}: {field}[{position}] has role {role!r}; known: {ROLES}{hint}")
 
 
 def check_row(row: dict, where: str, fmt: DatasetFormat) -> None:

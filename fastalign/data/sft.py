@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from fastalign.data.chat import check_template_kwargs_apply, render_chat, template_arguments
-from fastalign.data.formats import DatasetFormat, check_row, detect_format
+from fastalign.data.formats import DatasetFormat, as_chatml, check_row, detect_format
 from fastalign.data.prompt_split import (
     BoundaryNotes,
     special_prefix,
@@ -134,7 +134,8 @@ def _check_loss_masks_apply(options: dict, fmt) -> None:
             "config key 'assistant_only_loss' trains on the assistant turns of conversational 'messages' "
             "rows, and the data set's rows are not those"
             + (
-                " (prompt-completion rows train on the completion already)"
+                " (prompt-completion rows train on their whole completion; for only its assistant turns, "
+                "write the rows as messages)"
                 if fmt.kind != "language_modeling"
                 else ""
             )
@@ -162,6 +163,7 @@ def tokenize_sft_dataset(
     for row, where in zip(rows, origins, strict=True):
         if not isinstance(row, dict):
             raise ValueError(f"{where}: a row must be a dict of columns, got {type(row).__name__}")
+    rows = [as_chatml(row) for row in rows]  # ShareGPT's conversations, as TRL's SFTTrainer reads them
     # The first row's format: its columns with a value (a table's other columns are None there).
     columns = [key for key, value in rows[0].items() if value is not None]
     fmt = detect_format(columns, rows[0], origins[0], dataset_text_field)

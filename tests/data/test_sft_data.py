@@ -142,3 +142,19 @@ def test_packing_has_no_cross_contamination(tokenizer):
             torch.testing.assert_close(packed[start : start + len(example)], alone, rtol=1e-5, atol=1e-5)
             assert batch["labels"][0, start] == -100  # never predicted from the previous example
             start += len(example)
+
+
+def test_sharegpt_conversations_are_read_as_trls_sft_trainer_reads_them(tokenizer):
+    """``conversations`` of ``from``/``value`` messages are ``messages`` of ``role``/``content`` (TRL's
+    ``maybe_convert_to_chatml``); before: "SFT needs 'text', 'messages', or 'prompt' and 'completion'".
+    ShareGPT's own role names are not guessed at: one line says how to write them."""
+    chatml = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}]
+    sharegpt = [
+        {"conversations": [{"from": "user", "value": "Hi"}, {"from": "assistant", "value": "Hello!"}]}
+    ]
+    assert tokenize_sft_dataset(sharegpt, tokenizer) == tokenize_sft_dataset(chatml, tokenizer)
+    human = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}]
+    with pytest.raises(
+        ValueError, match=r"row 0: messages\[0\] has role 'human'.*write them user and assistant"
+    ):
+        tokenize_sft_dataset(human, tokenizer)
