@@ -7,6 +7,7 @@ file the defaults are the built-in tiny run, so ``fastalign train sft`` works of
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from fastalign.errors import one_line
@@ -32,18 +33,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fastalign.train.objectives import OBJECTIVES
+
+    if args.objective is not None and args.objective not in OBJECTIVES:  # a typo, or a flag's value where
+        # no objective came first
+        close = difflib.get_close_matches(args.objective, list(OBJECTIVES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        args.parser.error(
+            f"{args.objective!r} is not an objective{hint} (fastalign train OBJECTIVE [--config FILE] "
+            f"[--key value ...], OBJECTIVE one of {', '.join(OBJECTIVES)})"
+        )
     if args.help:
         from fastalign.cli.usage import objective_help
 
         print(objective_help(args.objective) if args.objective else args.parser.format_help(), end="")
         return 0
-    from fastalign.train.objectives import OBJECTIVES
-
-    if args.objective not in OBJECTIVES:  # also what a flag's value becomes when no objective comes first
-        got = "none" if args.objective is None else repr(args.objective)
+    if args.objective is None:
         args.parser.error(
             f"the objective comes first: fastalign train OBJECTIVE [--config FILE] [--key value ...], one of "
-            f"{', '.join(OBJECTIVES)} (got {got})"
+            f"{', '.join(OBJECTIVES)}"
         )
     from fastalign.train.config import load_config
 

@@ -336,6 +336,22 @@ def linear_cross_entropy(
     return loss
 
 
+def token_mean_scale(
+    targets: torch.Tensor, ignore_index: int, num_items_in_batch: int | float | torch.Tensor | None
+) -> torch.Tensor:
+    """1 / the divisor of a token mean of a loss over ``targets`` (fp32 scalar), with
+    ``linear_cross_entropy``'s rules: ``num_items_in_batch`` any finite count >= 0, 0 only without a
+    target (then the scale, and the mean of nothing, is 0); else this call's target count. For a head
+    that builds its logits (``fastalign.patching``'s fallback), so that it divides as the fused one."""
+    checks = validation.DeferredChecks()
+    if num_items_in_batch is not None:
+        num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch, whole=False)
+        divisor = torch.as_tensor(num_items_in_batch, device=targets.device)
+        checks.divisor("num_items_in_batch", divisor, (targets != ignore_index).sum())
+    checks.raise_first()
+    return _mean_scale(targets, ignore_index, num_items_in_batch)
+
+
 def _mean_scale(
     targets: torch.Tensor, ignore_index: int, num_items_in_batch: int | torch.Tensor | None
 ) -> torch.Tensor:

@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from fastalign.models.structure import IGNORE_INDEX, decoder_body
 from fastalign.ops import linear_cross_entropy, token_logprobs
 from fastalign.ops.backend import Backend
-from fastalign.ops.linear_cross_entropy import LinearCrossEntropyStats, Reduction
+from fastalign.ops.linear_cross_entropy import LinearCrossEntropyStats, Reduction, token_mean_scale
 from fastalign.patching.bound import rebuildable
 from fastalign.patching.modules import plain_linear
 
@@ -265,9 +265,9 @@ def fused_causal_lm_forward(
             ).view(targets.shape)
             if loss_reduction == "none":
                 loss = per_token
-            else:  # transformers' fixed_cross_entropy
-                count = (targets != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
-                loss = per_token.sum() / count
+            else:  # transformers' fixed_cross_entropy, with the fused head's divisor (a batch without a
+                # target: 0, not 0/0)
+                loss = per_token.sum() * token_mean_scale(targets, IGNORE_INDEX, num_items_in_batch)
         elif labels is not None or shifted is not None:
             loss = linear_cross_entropy(
                 head_hidden,
@@ -341,9 +341,31 @@ def fused_causal_lm_forward(
             aux_loss=aux_loss,
             router_logits=getattr(outputs, "router_logits", None),
         )
-        return output if return_dict else output.to_tuple()
+        return output if return_dict else _as_tuple(output, router_aux_loss)
 
     return forward
+
+
+#: The places of transformers' outputs in a tuple (``return_dict=False``): ``CausalLMOutputWithPast``'s,
+#: and ``MoeCausalLMOutputWithPast``'s (the router's loss second) for a family that adds it.
+_TUPLE_ORDER = ("loss", "logits", "past_key_values", "hidden_states", "attentions")
+_MOE_TUPLE_ORDER = (
+    "loss",
+    "aux_loss",
+    "logits",
+    "past_key_values",
+    "hidden_states",
+    "attentions",
+    "router_logits",
+)
+
+
+def _as_tuple(output: FusedCausalLMOutput, moe: bool) -> tuple:
+    """``output`` as the tuple transformers' forward returns (what is None left out, as ``to_tuple``),
+    then what only the fused head computes."""
+    order = _MOE_TUPLE_ORDER if moe else _TUPLE_ORDER
+    names = order + tuple(name for name in output.keys() if name not in order)
+    return tuple(getattr(output, name) for name in names if getattr(output, name) is not None)
 
 
 def _takes_softcap(head_fn: Callable) -> bool:

@@ -372,14 +372,16 @@ def _read_rng_state(file: Path) -> dict:
         rng = torch.load(file, weights_only=True)
     except FileNotFoundError:
         raise CheckpointDamagedError(f"checkpoint {file.parent} is damaged: {file.name} is missing") from None
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError:  # damage, or a pickle of something else than data (it could run code)
         raise CheckpointDamagedError(
-            f"checkpoint {file.parent}: {file.name} holds something other than RNG states: refused "
-            "(unpickling it could run code)"
+            f"checkpoint {file.parent}: {file.name} is damaged or holds something other than RNG states: "
+            "refused (nothing of it was run)"
         ) from None
-    except (RuntimeError, EOFError, OSError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointDamagedError(f"checkpoint {file.parent} is damaged: {file.name}: {reason}") from None
+    except Exception as error:  # a torch file cut short, or bytes that are none (torch's own words are its
+        # advice to load it unsafely: not repeated)
+        raise CheckpointDamagedError(
+            f"checkpoint {file.parent} is damaged: {file.name} cannot be read ({type(error).__name__})"
+        ) from None
     if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor):
         raise CheckpointDamagedError(f"checkpoint {file.parent} is damaged: {file.name} holds no RNG state")
     return rng

@@ -401,8 +401,8 @@ def compute_rewards(
         first = int(unscored.nonzero()[0, 0])
         logger.warning(
             "fastalign: every reward function returned None for %d of %d completions (e.g. prompt=%s, "
-            "completion=%s): they get no reward and advantage 0, so they train nothing; make a function "
-            "score each completion",
+            "completion=%s): they have no reward (GRPO and RLOO give them advantage 0, online DPO and PPO "
+            "score them 0); make a function score each completion",
             int(unscored.sum()), count, _short(prompts[first]), _short(completions[first]),
         )  # fmt: skip
     return rewards

@@ -26,6 +26,7 @@ from fastalign.train.checkpoint import (
 )
 from fastalign.train.config import SHARED_DEFAULTS, ConfigError, TrainConfig, save_config
 from fastalign.train.engine import Engine
+from fastalign.train.safe_dcp import UnsafeCheckpointError
 
 #: Keys a resumed run may change: they decide what is logged, evaluated and saved, and where, and how
 #: memory is saved (same losses) — not what is trained. Every other key is compared with the config saved
@@ -135,7 +136,7 @@ def _check_resume(
 ) -> None:
     """A resume that continues one run, as that run trained, from a checkpoint that holds all it was
     written with."""
-    _check_complete(resume_path)
+    _check_complete(resume_path, output_dir)
     state = read_trainer_state(resume_path)
     step = state["step"]
     inside = resume_path.resolve().parent == output_dir.resolve()
@@ -167,16 +168,17 @@ def _check_resume(
         )
 
 
-def _check_complete(resume_path: Path) -> None:
+def _check_complete(resume_path: Path, output_dir: Path) -> None:
     """``check_complete`` for each rank of the run that saved it; where it is damaged, the error also
-    names the checkpoint before it, which ``latest`` resumes once the damaged one is removed."""
+    names the checkpoint before it (which ``latest`` resumes once the damaged one is removed, where it is
+    ``output_dir``'s)."""
     try:
         saved = read_trainer_state(resume_path).get(CONFIG_KEY) or {}
     except ValueError:
         saved = {}
     try:
         check_complete(resume_path, int(saved.get("fastalign_world_size", 1)))
-    except CheckpointDamagedError as error:
+    except (CheckpointDamagedError, UnsafeCheckpointError) as error:
         step = checkpoint_step(resume_path)
         earlier = [
             path
@@ -184,9 +186,11 @@ def _check_complete(resume_path: Path) -> None:
             if (checkpoint_step(path) or 0) < (step or 0)
         ]
         hint = ""
-        if earlier and step is not None:
+        if earlier and step is not None and resume_path.resolve().parent == output_dir.resolve():
             before = earlier[-1].name
             hint = f"; remove it to resume from {before}, the one before it (resume_from_checkpoint: latest)"
+        elif earlier and step is not None:
+            hint = f"; the one before it: resume_from_checkpoint: {earlier[-1]}"
         raise ConfigError(f"resume_from_checkpoint: {error}{hint}") from None
 
 

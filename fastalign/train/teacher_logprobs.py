@@ -239,8 +239,11 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
 
     if config.use_liger_kernel:
         fastalign.patch_model(model)
-    else:  # the fused head alone
-        fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False, linear=False)
+    else:  # the fused head alone; a model type outside the table: found by the generic probe, as training's
+        supported = model.config.model_type in fastalign.patching.SUPPORTED_MODEL_TYPES
+        fastalign.patch_model(
+            model, rms_norm=False, rope=False, mlp=False, linear=False, generic=not supported
+        )
     model.requires_grad_(False).eval().to(ctx.device)
     collate = CompletionCollator(tokenizer.pad_token_id)
     written = skipped = tokens = 0

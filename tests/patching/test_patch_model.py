@@ -479,3 +479,52 @@ def test_accelerate_device_map_with_offloaded_modules(tmp_path):
     norm = model.model.norm
     assert norm._old_forward.__func__ is type(norm).forward
     assert relative_error(model(**batch).loss, expected) <= 1e-5
+
+
+class _WrappedHead(torch.nn.Module):
+    """A head that is not a plain linear (as a DoRA or quantized one): the patched forward builds its
+    logits and divides their cross-entropy itself."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, hidden):
+        return self.linear(hidden)
+
+
+def test_a_head_that_builds_logits_divides_as_the_fused_one():
+    """Before: num_items_in_batch 0 gave NaN and a negative count a negative loss there."""
+    original, patched = pair("llama")
+    patched.lm_head = _WrappedHead(patched.lm_head)
+    batch = padded_batch()
+    torch.testing.assert_close(
+        patched(**batch, num_items_in_batch=25.5).loss, original(**batch, num_items_in_batch=25.5).loss
+    )
+    with pytest.raises(ValueError, match="num_items_in_batch must be a finite count >= 0"):
+        patched(**batch, num_items_in_batch=torch.tensor(0))  # targets to count, none counted
+    with pytest.raises(ValueError, match="num_items_in_batch must be a count"):
+        patched(**batch, num_items_in_batch=-3)
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    assert patched(**batch, num_items_in_batch=torch.tensor(0)).loss.item() == 0
+    assert patched(**batch).loss.item() == 0
+
+
+def test_return_dict_false_places_a_mixture_of_experts_outputs_as_transformers():
+    """MoeCausalLMOutputWithPast's tuple has the router's loss second: (loss, aux_loss, logits, ...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "mixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+        output_router_logits=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(config)
+    patched = fastalign.patch_model(copy.deepcopy(original))
+    ids = torch.randint(0, 64, (2, 8))
+    expected = original(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
+    got = patched(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
+    assert len(got) == len(expected) == 4
+    for ours, theirs in zip(got[:3], expected[:3], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

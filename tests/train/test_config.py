@@ -90,6 +90,9 @@ def test_a_null_flag_puts_a_number_or_switch_the_file_set_back_to_its_default(tm
         ),
         (["--scale_rewards", "false"], "scale_rewards", "none"),  # TRL's bool spellings
         (["--scale_rewards", "True"], "scale_rewards", "group"),
+        (["--scale_rewards", "none"], "scale_rewards", "none"),  # a value, not null: its default is group
+        (["--report_to", "[", "]"], "report_to", []),  # the shell splits "[ ]"
+        (["--use_peft", "--lora_target_modules", "[", "q_proj", "]"], "lora_target_modules", ["q_proj"]),
     ],
 )
 def test_the_spellings_every_help_and_trl_promise(flags, key, value):

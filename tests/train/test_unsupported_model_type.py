@@ -84,3 +84,16 @@ def test_the_kernels_on_it_are_refused_in_one_line(bad_input, gpt2, tmp_path):  
     flags = ("--model_name_or_path", str(gpt2), "--output_dir", str(tmp_path / "run"), *STEPS)
     outcome = bad_input("train", "sft", *flags, culprit="use_liger_kernel: false")
     assert "gpt2" in outcome.message
+
+
+def test_its_teacher_log_probs_are_scored_with_its_own_layers(gpt2, tmp_path):
+    """``fastalign teacher-logprobs --use_liger_kernel false`` on it: before, the head-only patch refused
+    the model type there, naming a Python-only option."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "a b", "completion": " c d"}) + "\n")
+    flags = ("--model_name_or_path", str(gpt2), "--use_liger_kernel", "false", "--top_k", "4")
+    assert (
+        main(["teacher-logprobs", *flags, "--dataset_name", str(rows), "--output_dir", str(tmp_path / "t")])
+        == 0
+    )
+    assert any((tmp_path / "t").iterdir())

@@ -56,7 +56,8 @@ def load_config(
             close = difflib.get_close_matches(key, list(kinds), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"unknown config key {key!r} ({where[key]}){hint}")
-        if source is None and type(None) not in typing.get_args(kinds[key]) and str(raw).lower() in _NULL:
+        nulls = _NULL if kinds[key] in (int, float, bool) else ("null",)  # "none" is a value of some texts
+        if source is None and type(None) not in typing.get_args(kinds[key]) and str(raw).lower() in nulls:
             continue  # --save_steps null: a key the config file set goes back to its default (a key that
             # takes null, as in YAML, is set to it)
         if key == "resume_from_checkpoint" and str(raw).lower() in ("true", "false"):
@@ -166,8 +167,8 @@ def _parse_flags(flags: Sequence[str]) -> list[tuple[str, str]]:
             else:
                 value = items.pop(0)
                 if list in (typing.get_origin(kind), *map(typing.get_origin, typing.get_args(kind))):
-                    while items and not items[0].startswith("--"):  # "[a," "b]" as "[a,b]"
-                        value += ("" if value.endswith(",") else ",") + items.pop(0)
+                    while items and not items[0].startswith("--"):  # the shell's "[a," "b]": "[a, b]"
+                        value += (" " if value.lstrip().startswith("[") else ",") + items.pop(0)
         pairs.append((key, value))
     return pairs
 

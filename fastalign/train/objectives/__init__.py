@@ -62,7 +62,8 @@ def make_objective(name: str, config: TrainConfig, ctx: DistributedContext) -> O
 
 def with_objective_defaults(name: str, config: TrainConfig) -> TrainConfig:
     """``config`` with the keys it leaves null that the runner reads set to objective ``name``'s TRL
-    default (``learning_rate``: SFTConfig's 2e-5, the preference and RL trainers' 1e-6;
+    default (``learning_rate``: SFTConfig's 2e-5, RewardConfig's 1e-4, PPO's 5e-5, OnlineDPOConfig's
+    5e-7, the other trainers' 1e-6;
     ``train_sampling_strategy``: KTOConfig's sequential, the others' random, none where TRL's sampler
     reads ``shuffle_dataset`` instead; ``max_length`` and ``temperature``, where the objective reads them:
     ``SHARED_DEFAULTS``, OnlineDPOConfig's 512 and 0.9)."""
