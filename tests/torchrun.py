@@ -36,10 +36,25 @@ def finish_worker() -> None:
     os._exit(0)
 
 
-def run_two_processes(worker: str | Path, *args: object, timeout: int = 600) -> None:
+def run_two_processes(worker: str | Path, *args: object, timeout: int = 600) -> str:
     """``worker args...`` in 2 processes (on the CPU unless there are 2 GPUs) with the repository
     importable and one thread each (2 processes on CI's 2 cores); fails the test with the end of their
-    output unless both exit 0."""
+    output unless both exit 0. Returns what each rank wrote."""
+    completed, ranks = _launch(worker, args, timeout)
+    # the ranks' output last: a log cut in the middle keeps its end
+    assert completed.returncode == 0, completed.stderr[-800:] + "\n" + ranks
+    return ranks
+
+
+def run_two_processes_failing(worker: str | Path, *args: object, timeout: int = 600) -> str:
+    """``run_two_processes`` of a worker that must fail: the job must end (within ``timeout``, not hang)
+    with a non-zero exit; returns what each rank wrote."""
+    completed, ranks = _launch(worker, args, timeout)
+    assert completed.returncode != 0, ranks
+    return ranks
+
+
+def _launch(worker: str | Path, args: tuple, timeout: int) -> tuple[subprocess.CompletedProcess, str]:
     env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
@@ -57,5 +72,4 @@ def run_two_processes(worker: str | Path, *args: object, timeout: int = 600) -> 
             f"--- rank {log.parent.name}, {log.stem}:\n{log.read_text(errors='replace')[-2500:]}\n"
             for log in sorted(Path(logs).glob("**/attempt_*/*/std*.log"))
         )
-    # the ranks' output last: a log cut in the middle keeps its end
-    assert completed.returncode == 0, completed.stderr[-800:] + "\n" + ranks
+    return completed, ranks

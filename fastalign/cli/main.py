@@ -37,7 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status. Every way it can end is one line at most: a usage or input
     error (each command's own), Ctrl-C, or a reader that stopped reading (``fastalign plan --json |
-    head``), which ends quietly as a process that SIGPIPE stops would."""
+    head``), which ends quietly as a process that SIGPIPE stops would.
+
+    A process of a torchrun job running the command line (``argv`` None) exits here, its output flushed,
+    without the interpreter's teardown: there gloo's and FSDP2's threads sometimes abort a rank whose run
+    had finished ("terminate called without an active exception", SIGABRT; 1 run in 45 of 2 processes on
+    a 2-core CPU), and torchrun then reports a finished run as failed."""
+    status = _main(argv)
+    if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         try:
             with warnings.catch_warnings():  # the caller's warning display restored on return

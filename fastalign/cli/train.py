@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 
 from fastalign.errors import one_line
@@ -53,16 +54,20 @@ def run(args: argparse.Namespace) -> int:
             f"the objective comes first: fastalign train OBJECTIVE [--config FILE] [--key value ...], one of "
             f"{', '.join(OBJECTIVES)}"
         )
-    from fastalign.train.config import load_config
+    from fastalign.train.config import ConfigError, load_config
 
+    first = int(os.environ.get("RANK", "0")) == 0  # under torchrun: what every rank says, said once
     try:
         config = load_config(args.config, getattr(args, "extra", ()))
         from fastalign.train.run import run_training  # imported only when used: it pulls in the models
 
         output = run_training(config, args.objective)
     except (ValueError, OSError, MemoryError) as error:
-        # ConfigError, bad data, an unwritable output_dir, offloading's HostMemoryError: one line
-        print(f"error: {one_line(error)}", file=sys.stderr)
+        # ConfigError, bad data, an unwritable output_dir, offloading's HostMemoryError: one line (a config
+        # error, every rank's alike, from the first; another may be one rank's own)
+        if first or not isinstance(error, ConfigError):
+            print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
-    print(f"saved to {output}")
+    if first:
+        print(f"saved to {output}")
     return 0

@@ -94,7 +94,8 @@ def _logged_step(line: str) -> int | None:
 
 class ProgressBar(Callback):
     """A tqdm bar over the steps with the latest loss, the objective's headline metrics (DPO's reward
-    accuracy, GRPO's mean reward, ...), tokens/s and memory."""
+    accuracy, GRPO's mean reward, ...), tokens/s and memory: the first process's (``tqdm.write`` prints
+    with the bar disabled too, so the other ranks' lines are left out here)."""
 
     def on_train_begin(self, engine: Engine) -> None:
         from tqdm.auto import tqdm
@@ -119,10 +120,12 @@ class ProgressBar(Callback):
             shown["mfu"] = f"{logs['mfu']:.1%}"
         shown["mem"] = f"{logs['peak_memory_gib']:.2f}GiB"
         self.bar.set_postfix(shown, refresh=False)
-        self.bar.write(f"step {logs['step']}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
+        if engine.ctx.is_main:
+            self.bar.write(f"step {logs['step']}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
 
     def on_evaluate(self, engine: Engine, metrics: dict) -> None:
-        self.bar.write(f"step {metrics['step']}: eval_loss {metrics['eval_loss']:.4f}")
+        if engine.ctx.is_main:
+            self.bar.write(f"step {metrics['step']}: eval_loss {metrics['eval_loss']:.4f}")
 
     def on_train_end(self, engine: Engine) -> None:
         self.bar.close()

@@ -93,11 +93,15 @@ def init_distributed() -> DistributedContext:
     )
 
 
-def shutdown_distributed() -> None:
-    """Destroy the process group ``init_distributed`` created, once every rank has got here."""
+def shutdown_distributed(failed: bool = False) -> None:
+    """Destroy the process group ``init_distributed`` created, once every rank has got here; a rank that
+    ``failed`` (an error on it alone, say) leaves at once instead: the others wait in a collective it will
+    never join, and only its exit lets torchrun stop them (a barrier here hung both until gloo's 30-minute
+    timeout, the error unsaid)."""
     global _created_group
     if _created_group and dist.is_initialized():
-        dist.barrier()
+        if not failed:
+            dist.barrier()
         dist.destroy_process_group()
     _created_group = False
 

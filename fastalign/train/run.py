@@ -66,6 +66,7 @@ def run_training(config: TrainConfig, name: str, callbacks: list[Callback] | Non
 
 def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | None) -> Path:
     ctx = init_distributed()
+    failed = True
     try:
         check_config(config)  # a TrainConfig built in code skips load_config's checks
         config = with_objective_defaults(name, config)  # saved with the run: the values it trained with
@@ -142,9 +143,10 @@ def _run_training(config: TrainConfig, name: str, callbacks: list[Callback] | No
                 print(note, flush=True)
         engine.train()  # evaluates at the last step as eval_strategy says; ends with the best model's weights
         export_model(model, tokenizer, output_dir, ctx)
+        failed = False
         return output_dir
     finally:
-        shutdown_distributed()
+        shutdown_distributed(failed)
 
 
 def busy_cpus_note(device: torch.device) -> str | None:

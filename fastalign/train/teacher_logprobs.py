@@ -168,11 +168,14 @@ def score_teacher(config: TrainConfig, scoring: ScoringOptions = ScoringOptions(
     if config.top_k < 1:
         raise ConfigError("config key 'top_k' must be positive: how many of the teacher's log-probs to store")
     ctx = init_distributed()
+    failed = True
     try:
         with bitsandbytes_hidden(config.quantization is None):  # as training: imported by 4-bit runs only
-            return _score(config, scoring, ctx)
+            report = _score(config, scoring, ctx)
+        failed = False
+        return report
     finally:
-        shutdown_distributed()
+        shutdown_distributed(failed)
 
 
 def teacher_weights(config: TrainConfig, path: Path | str) -> str:

@@ -106,3 +106,31 @@ def test_two_process_fsdp_matches_single_process(two_process_results, tie_word_e
             atol=1e-7,
             msg=lambda text, name=name: f"{name}: {text}",
         )
+
+
+def test_an_error_on_one_rank_ends_the_job_with_it(tmp_path):
+    """Before: the failing rank waited in the final barrier while the other waited in the step's
+    collective, both until gloo's 30-minute timeout, and the error was never printed."""
+    from tests.torchrun import run_two_processes_failing
+
+    ranks = run_two_processes_failing(
+        Path(__file__).with_name("one_rank_fails_worker.py"), tmp_path / "run", timeout=240
+    )
+    assert "rank 1 alone failed at step 1" in ranks
+
+
+def test_the_command_line_under_torchrun_says_each_thing_once(tmp_path):
+    """Before: every rank printed each step's line, the final "saved to" and a config error, and a finished
+    rank sometimes aborted in the interpreter's teardown, failing the job (1 run in 45)."""
+    from tests.torchrun import run_two_processes, run_two_processes_failing
+
+    worker = Path(__file__).with_name("cli_worker.py")
+    flags = ["train", "sft", "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_length", "32"]
+    flags += ["--logging_steps", "1", "--loss_curve_png", "false", "--save_strategy", "no"]
+    ranks = run_two_processes_failing(
+        worker, *flags, "--output_dir", tmp_path / "fp16", "--fp16", "true", timeout=240
+    )
+    assert ranks.count("error: config key 'fp16'") == 1, ranks
+    ranks = run_two_processes(worker, *flags, "--output_dir", tmp_path / "run", timeout=240)
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+    assert ranks.count("saved to") == 1 and ranks.count("step 2: loss") == 1, ranks
