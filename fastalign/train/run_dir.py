@@ -191,7 +191,9 @@ def _check_complete(resume_path: Path, output_dir: Path) -> None:
             hint = f"; remove it to resume from {before}, the one before it (resume_from_checkpoint: latest)"
         elif earlier and step is not None:
             hint = f"; the one before it: resume_from_checkpoint: {earlier[-1]}"
-        raise ConfigError(f"resume_from_checkpoint: {error}{hint}") from None
+        raise type(error)(
+            f"resume_from_checkpoint: {error}{hint}"
+        ) from None  # its kind kept: damaged, unsafe
 
 
 #: Keys whose null default the objective fills (``with_objective_defaults``), as checkpoints saved before
