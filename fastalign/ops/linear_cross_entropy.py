@@ -302,10 +302,7 @@ def linear_cross_entropy(
     if num_items_in_batch is not None:
         if reduction != "mean":
             raise ValueError(f"num_items_in_batch only applies to reduction='mean', got {reduction!r}")
-        num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch, whole=False)
-        counted = (targets != ignore_index).sum()
-        divisor = torch.as_tensor(num_items_in_batch, device=targets.device)
-        checks.divisor("num_items_in_batch", divisor, counted)
+        num_items_in_batch = _checked_divisor(num_items_in_batch, targets, ignore_index, checks)
     flat_hidden, flat_targets, spec = prepare(
         hidden,
         weight,
@@ -345,11 +342,20 @@ def token_mean_scale(
     that builds its logits (``fastalign.patching``'s fallback), so that it divides as the fused one."""
     checks = validation.DeferredChecks()
     if num_items_in_batch is not None:
-        num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch, whole=False)
-        divisor = torch.as_tensor(num_items_in_batch, device=targets.device)
-        checks.divisor("num_items_in_batch", divisor, (targets != ignore_index).sum())
+        num_items_in_batch = _checked_divisor(num_items_in_batch, targets, ignore_index, checks)
     checks.raise_first()
     return _mean_scale(targets, ignore_index, num_items_in_batch)
+
+
+def _checked_divisor(
+    num_items_in_batch, targets: torch.Tensor, ignore_index: int, checks: validation.DeferredChecks
+) -> int | float | torch.Tensor:
+    """``num_items_in_batch`` as a divisor: its type checked now, its value (>= 0, 0 only where ``targets``
+    has none to count) in ``checks``' one sync."""
+    num_items_in_batch = validation.item_count("num_items_in_batch", num_items_in_batch, whole=False)
+    divisor = torch.as_tensor(num_items_in_batch, device=targets.device)
+    checks.divisor("num_items_in_batch", divisor, (targets != ignore_index).sum())
+    return num_items_in_batch
 
 
 def _mean_scale(

@@ -123,14 +123,15 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def check_complete(path: str | Path, world_size: int) -> None:
+def check_complete(path: str | Path) -> dict:
     """Whether checkpoint ``path`` still holds all it was written with, read before any model loads: its
     trainer state, the metadata of its tensors (and of the objective's state), every file that metadata
-    places tensors in, at least as long as it says, and the RNG state of each of ``world_size`` ranks. A
-    one-line ``CheckpointDamagedError`` names the first file missing or short."""
+    places tensors in, at least as long as it says, and the RNG state of each rank of the run that saved
+    it. A one-line ``CheckpointDamagedError`` names the first file missing or short. Returns the trainer
+    state."""
     path = Path(path)
     try:
-        read_trainer_state(path)
+        state = read_trainer_state(path)
     except ValueError as error:
         raise CheckpointDamagedError(str(error)) from None
     for directory in (path, path / OBJECTIVE_STATE):
@@ -152,8 +153,9 @@ def check_complete(path: str | Path, world_size: int) -> None:
                     f"checkpoint {path} is damaged: {where / name} holds {file.stat().st_size:,} bytes, its "
                     f"metadata places data up to byte {end:,}"
                 )
-    for rank in range(world_size):
+    for rank in range(int((state.get(CONFIG_KEY) or {}).get("fastalign_world_size", 1))):
         _read_rng_state(path / f"rng-{rank}.pt")
+    return state
 
 
 def read_trainer_state(path: str | Path) -> dict:

@@ -300,7 +300,7 @@ def _patch(
     the fused head where the objective needs it, found by the head's structure and proven equal on the
     model's weights (``generic``), which are filled first for it (``name_or_path``: the model's, default
     the policy's)."""
-    supported = model.config.model_type in fastalign.patching.SUPPORTED_MODEL_TYPES
+    supported = _in_table(model)
     if config.use_liger_kernel and not supported:
         raise ConfigError(
             f"config key 'use_liger_kernel': model_type {model.config.model_type!r} is not one fastalign's "
@@ -318,9 +318,7 @@ def _patch(
     elif needs_fused_head:  # the model's own layers; the objective's loss is computed in the fused head
         if not supported:
             _fill(model, name_or_path or config.model_name_or_path, config, device)
-        fastalign.patch_model(
-            model, rms_norm=False, rope=False, mlp=False, linear=False, generic=not supported
-        )
+        patch_fused_head(model)
         if lm_head and "loss" not in fastalign.patching.patched_pieces(model):
             pieces = dict(rms_norm=False, rope=False, mlp=False)
             why = fastalign.patching.generic.generic_report(model, **pieces).summary()
@@ -328,6 +326,17 @@ def _patch(
                 f"config key 'model_name_or_path': {model.config.model_type!r}'s LM head is not one that "
                 f"fastalign's fused loss head reproduces ({why}), and the objective computes its loss there"
             )
+
+
+def _in_table(model: torch.nn.Module) -> bool:
+    return model.config.model_type in fastalign.patching.SUPPORTED_MODEL_TYPES
+
+
+def patch_fused_head(model: torch.nn.Module) -> None:
+    """The fused loss head alone (``use_liger_kernel: false``), the model's layers its own; for a model
+    type outside the table, found by its structure and proven equal (``generic``: its weights loaded)."""
+    generic = not _in_table(model)
+    fastalign.patch_model(model, rms_norm=False, rope=False, mlp=False, linear=False, generic=generic)
 
 
 @contextlib.contextmanager

@@ -136,8 +136,7 @@ def _check_resume(
 ) -> None:
     """A resume that continues one run, as that run trained, from a checkpoint that holds all it was
     written with."""
-    _check_complete(resume_path, output_dir)
-    state = read_trainer_state(resume_path)
+    state = _check_complete(resume_path, output_dir)
     step = state["step"]
     inside = resume_path.resolve().parent == output_dir.resolve()
     if not inside and entries:
@@ -168,16 +167,12 @@ def _check_resume(
         )
 
 
-def _check_complete(resume_path: Path, output_dir: Path) -> None:
-    """``check_complete`` for each rank of the run that saved it; where it is damaged, the error also
+def _check_complete(resume_path: Path, output_dir: Path) -> dict:
+    """``check_complete``, returning the checkpoint's trainer state; where it is damaged, the error also
     names the checkpoint before it (which ``latest`` resumes once the damaged one is removed, where it is
     ``output_dir``'s)."""
     try:
-        saved = read_trainer_state(resume_path).get(CONFIG_KEY) or {}
-    except ValueError:
-        saved = {}
-    try:
-        check_complete(resume_path, int(saved.get("fastalign_world_size", 1)))
+        return check_complete(resume_path)
     except (CheckpointDamagedError, UnsafeCheckpointError) as error:
         step = checkpoint_step(resume_path)
         earlier = [

@@ -66,7 +66,7 @@ from fastalign.train.loading import (
 )
 from fastalign.train.objectives import with_objective_defaults
 from fastalign.train.objectives.distill import CompletionCollator, DistillExample, DistillObjective
-from fastalign.train.policy import model_dtype, quant_options, set_model_options
+from fastalign.train.policy import model_dtype, patch_fused_head, quant_options, set_model_options
 
 #: The ``TrainConfig`` keys scoring reads; any other one set away from its default (a training key: an
 #: optimizer's, a loss's, LoRA's, sampling's) is refused rather than ignored (``refuse_unread``).
@@ -242,11 +242,8 @@ def _score(config: TrainConfig, scoring: ScoringOptions, ctx: DistributedContext
 
     if config.use_liger_kernel:
         fastalign.patch_model(model)
-    else:  # the fused head alone; a model type outside the table: found by the generic probe, as training's
-        supported = model.config.model_type in fastalign.patching.SUPPORTED_MODEL_TYPES
-        fastalign.patch_model(
-            model, rms_norm=False, rope=False, mlp=False, linear=False, generic=not supported
-        )
+    else:  # the fused head alone, as training's
+        patch_fused_head(model)
     model.requires_grad_(False).eval().to(ctx.device)
     collate = CompletionCollator(tokenizer.pad_token_id)
     written = skipped = tokens = 0
